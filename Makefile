@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:
+#   make demo   # set up .venv and run the demo (tiny model, built-in corpus, embedded defaults)
+#   make test   # set up .venv and run the test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: the CPU wheel, not several GB of CUDA packages
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/bcdflow demo
+
+test: $(STAMP)
+	PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
+	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600 \
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/visit_vs_full.py
+
+clean:
+	rm -rf $(VENV) bcdflow-store

@@ -1,0 +1,205 @@
+"""``bcdflow`` command line: demo, train, baseline, status, export.
+
+    bcdflow demo                         # tiny model, built-in corpus, embedded defaults
+    bcdflow train -c run.yaml --set bcd.blocks=4 --run-id my-run
+    bcdflow status my-run --json
+    bcdflow export my-run ./out
+
+Bad input (unknown key or value, missing data file, empty corpus, ...) prints one line naming the
+key or file and exits with status 2, before anything is written to the store.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+
+EXIT_BAD_INPUT = 2
+
+DEMO = [
+    "model.name=tiny", "data.seq_len=128", "data.vocab_size=2048", "bcd.blocks=3", "bcd.cycles=2",
+    "bcd.max_steps=60", "bcd.window=10", "bcd.shard_rows=256", "optim.lr=0.003", "optim.warmup_steps=10",
+    "train.batch_size=16", "train.steps=240", "train.eval_rows=128",
+]
+
+
+def _env_defaults() -> None:
+    # the embedded default: Prefect's temporary server, nothing phoned home, patience for a first migration
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class BadInput(Exception):
+    pass
+
+
+def _preflight(cfg) -> None:
+    """Checks that need the file system, done before any flow starts (nothing written on failure)."""
+    from tasks.data import data_files
+
+    if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
+        raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
+    files = data_files(cfg) if cfg.data.files else None
+    if files is not None and sum(os.path.getsize(f) for f in files) == 0:
+        raise BadInput(f"data.files: corpus is empty (0 bytes in {len(files)} files)")
+
+
+def _config(args, base: list[str] | None = None):
+    from tasks.config import load_config
+
+    sets = list(base or []) + list(args.set or [])
+    if getattr(args, "store", None):
+        sets.append(f"store={args.store}")
+    cfg = load_config(args.config, sets)
+    _preflight(cfg)
+    return cfg
+
+
+def _run(args, mode: str, base: list[str] | None = None) -> dict:
+    cfg = _config(args, base)
+    run_id = args.run_id or f"{mode}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    from flows.bcd import bcd_train, full_train
+
+    fn = full_train if mode == "full" else bcd_train
+    summary = fn(config=cfg.model_dump(), run_id=run_id)
+    print(json.dumps(summary, indent=2))
+    return {"cfg": cfg, "run_id": run_id, "summary": summary}
+
+
+def cmd_train(args) -> int:
+    _run(args, "bcd")
+    return 0
+
+
+def cmd_baseline(args) -> int:
+    _run(args, "full")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    out = _run(args, "bcd", DEMO)
+    cfg, run_id = out["cfg"], out["run_id"]
+    print(_status_table(cfg.store, run_id))
+    uri = cfg.resolved_tracking_uri()
+    print(f"\nresults: store {cfg.store} run {run_id}")
+    print(f"  bcdflow status {run_id} --store {cfg.store}")
+    print(f"  MLflow UI:  mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)")
+    print("  Prefect UI: prefect server start   (then open http://127.0.0.1:4200; the demo's flow runs are in "
+          f"{os.environ.get('PREFECT_HOME', '~/.prefect')}/prefect.db)")
+    return 0
+
+
+def status_dict(store_url: str, run_id: str) -> dict:
+    from storage import runs
+    from storage.store import Store
+
+    store = Store(store_url)
+    state = runs.read_state(store, run_id)
+    if state is None:
+        raise BadInput(f"run {run_id!r} not found in store {store_url}")
+    cfg = runs.read_config(store, run_id)
+    keep = ("cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
+            "preinfer_seconds", "train_seconds", "tokens_per_s", "stopped_by")
+    return {"run_id": run_id, "version": state["version"], "status": state.get("status"),
+            "mode": state.get("mode"), "blocks": cfg["plan"]["blocks"],
+            "visits": [{k: v.get(k) for k in keep} for v in state["visits"]]}
+
+
+def _status_table(store_url: str, run_id: str) -> str:
+    st = status_dict(store_url, run_id)
+    lines = [f"run {run_id}: version {st['version']} ({st['status']}, {st['mode']})",
+             f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'train':>8} {'val':>8} {'secs':>7}"]
+    for v in st["visits"]:
+        lines.append(f"{v['cycle']:>5} {v['block']:>5} {v['version']:>4} {v['steps']:>6} "
+                     f"{v['train_loss']:>8.4f} {v['val_loss']:>8.4f} {v['seconds']:>7.1f}")
+    return "\n".join(lines)
+
+
+def cmd_status(args) -> int:
+    if args.json:
+        print(json.dumps(status_dict(args.store, args.run_id), indent=2))
+    else:
+        print(_status_table(args.store, args.run_id))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from safetensors.torch import save_file
+
+    from storage import checkpoints, runs
+    from storage.store import Store
+
+    store = Store(args.store)
+    state = runs.read_state(store, args.run_id)
+    if state is None:
+        raise BadInput(f"run {args.run_id!r} not found in store {args.store}")
+    version = state["version"] if args.version is None else args.version
+    if not 0 <= version <= state["version"]:
+        raise BadInput(f"--version: run {args.run_id!r} has versions 0..{state['version']}, got {version}")
+    tensors = checkpoints.load_blocks(store, args.run_id, version)
+    cfg = runs.read_config(store, args.run_id)
+    os.makedirs(args.out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(args.out_dir, "model.safetensors"),
+              metadata={"run_id": args.run_id, "version": str(version)})
+    with open(os.path.join(args.out_dir, "config.json"), "w") as f:
+        json.dump({"run_id": args.run_id, "version": version, "model": cfg["model_resolved"],
+                   "plan": cfg["plan"], "dataset": cfg["dataset"]}, f, indent=2)
+    tok = f"datasets/{cfg['dataset']}/tokenizer.json"
+    if store.exists(tok):
+        with open(os.path.join(args.out_dir, "tokenizer.json"), "wb") as f:
+            f.write(store.read_bytes(tok))
+    print(f"exported run {args.run_id} version {version} ({len(tensors)} tensors) to {args.out_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bcdflow", description="Block coordinate descent training on Prefect.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def run_opts(sp):
+        sp.add_argument("-c", "--config", help="YAML config file")
+        sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+        sp.add_argument("--run-id", help="run id (an existing id resumes that run)")
+        sp.add_argument("--store", help="store URL (same as --set store=URL)")
+
+    for name, fn, helptext in (("demo", cmd_demo, "tiny model on the built-in corpus, embedded defaults"),
+                               ("train", cmd_train, "train with block coordinate descent"),
+                               ("baseline", cmd_baseline, "full-parameter baseline")):
+        sp = sub.add_parser(name, help=helptext)
+        run_opts(sp)
+        sp.set_defaults(fn=fn)
+    sp = sub.add_parser("status", help="a run's blocks and visits")
+    sp.add_argument("run_id")
+    sp.add_argument("--store", default="./bcdflow-store")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_status)
+    sp = sub.add_parser("export", help="write model.safetensors + config.json of a version")
+    sp.add_argument("run_id")
+    sp.add_argument("out_dir")
+    sp.add_argument("--version", type=int)
+    sp.add_argument("--store", default="./bcdflow-store")
+    sp.set_defaults(fn=cmd_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    _env_defaults()
+    args = build_parser().parse_args(argv)
+    from models.errors import ConfigError
+    from storage.errors import DataError
+
+    try:
+        return args.fn(args)
+    except (BadInput, ConfigError, DataError) as e:
+        print(f"bcdflow: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

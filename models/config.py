@@ -1,0 +1,133 @@
+"""Model configs: one dataclass for both families and a registry of named sizes.
+
+Sizes follow the paper's Table 8 (G-* are GPT-2, L-* are LLaMA; L = layers, H = hidden,
+A = heads; FFN 5050 for L-1.5B, 9200 for the other LLaMAs). ``tiny`` runs a visit on a CPU in seconds.
+Any field can be overridden: ``get_config("gpt2-124m", n_layer=6)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from models.errors import ConfigError
+
+FAMILIES = ("gpt", "llama")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str = "gpt"
+    """``gpt`` (learned positions, LayerNorm, GELU MLP, tied head) or ``llama`` (RMSNorm, RoPE, SwiGLU)."""
+    n_layer: int = 12
+    d_model: int = 768
+    n_head: int = 12
+    n_kv_head: int | None = None
+    """Key/value heads for grouped-query attention (llama); None = n_head (multi-head)."""
+    d_ff: int | None = None
+    """MLP hidden size; None = 4 * d_model (gpt) or the SwiGLU rule 8/3 * d_model rounded to 64 (llama)."""
+    n_ctx: int = 1024
+    """Longest sequence the model accepts (learned positions for gpt, RoPE table for llama)."""
+    vocab_size: int = 50304
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool | None = None
+    """None = family default: tied for gpt, untied for llama."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorm (gpt only; llama has none)."""
+
+    def __post_init__(self):
+        def bad(key: str, msg: str):
+            raise ConfigError(f"model.{key}: {msg}")
+
+        if self.family not in FAMILIES:
+            bad("family", f"unknown family {self.family!r} (choose from {', '.join(FAMILIES)})")
+        for key in ("n_layer", "d_model", "n_head", "n_ctx", "vocab_size"):
+            if int(getattr(self, key)) < 1:
+                bad(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.d_model % self.n_head:
+            bad("n_head", f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.head_dim % 2 and self.family == "llama":
+            bad("n_head", f"RoPE needs an even head dim, got {self.head_dim}")
+        if self.kv_heads < 1 or self.n_head % self.kv_heads:
+            bad("n_kv_head", f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff:
+            return self.d_ff
+        if self.family == "gpt":
+            return 4 * self.d_model
+        return 64 * ((int(8 * self.d_model / 3) + 63) // 64)
+
+    @property
+    def tied(self) -> bool:
+        return self.family == "gpt" if self.tie_embeddings is None else self.tie_embeddings
+
+    def replace(self, **overrides) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(self)}
+        for key in overrides:
+            if key not in names:
+                raise ConfigError(f"model.{key}: unknown model field (choose from {', '.join(sorted(names))})")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _gpt(n_layer, d_model, n_head, **kw) -> ModelConfig:
+    return ModelConfig("gpt", n_layer, d_model, n_head, **kw)
+
+
+def _llama(n_layer, d_model, n_head, d_ff, **kw) -> ModelConfig:
+    kw.setdefault("vocab_size", 32000)
+    return ModelConfig("llama", n_layer, d_model, n_head, d_ff=d_ff, bias=False, **kw)
+
+
+REGISTRY: dict[str, ModelConfig] = {
+    # CPU-sized: a visit in seconds on 2 cores
+    "tiny": _gpt(6, 128, 4, n_ctx=256, vocab_size=2048),
+    "tiny-llama": _llama(6, 128, 4, 352, n_kv_head=2, n_ctx=256, vocab_size=2048),
+    "gpt2-124m": _gpt(12, 768, 12, n_ctx=1024, vocab_size=50304),
+    # paper Table 8
+    "G-1.6B": _gpt(30, 2048, 16),
+    "G-5.4B": _gpt(28, 3968, 32),
+    "G-10B": _gpt(56, 3968, 32),
+    "G-20B": _gpt(110, 3968, 32),
+    "L-1.5B": _llama(30, 2048, 16, 5050, n_ctx=2048),
+    "L-6B": _llama(32, 4096, 32, 9200, n_ctx=2048),
+    "L-11B": _llama(64, 4096, 32, 9200, n_ctx=2048),
+    "L-23B": _llama(128, 4096, 32, 9200, n_ctx=2048),
+}
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    """A named config with any field overridden (None values are ignored)."""
+    if name not in REGISTRY:
+        raise ConfigError(f"model.name: unknown model {name!r} (choose from {', '.join(REGISTRY)})")
+    return REGISTRY[name].replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameter count without building the model (tied head counted once)."""
+    d, f, L = cfg.d_model, cfg.ffn_dim, cfg.n_layer
+    kv = cfg.kv_heads * cfg.head_dim
+    if cfg.family == "gpt":
+        b = 1 if cfg.bias else 0
+        layer = (d * 3 * d + b * 3 * d) + (d * d + b * d) + (d * f + b * f) + (f * d + b * d) + 2 * (d + b * d)
+        emb = cfg.vocab_size * d + cfg.n_ctx * d
+        head = 2 * d if cfg.bias else d
+    else:
+        layer = d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d
+        emb = cfg.vocab_size * d
+        head = d
+    if not cfg.tied:
+        head += cfg.vocab_size * d
+    return L * layer + emb + head

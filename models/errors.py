@@ -1,0 +1,5 @@
+"""Bad-input errors raised below the CLI; the CLI turns them into a one-line message and exit 2."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the key and the allowed values."""

@@ -1,0 +1,97 @@
+"""LLaMA family: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, untied head."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.base import Decoder
+from models.config import ModelConfig
+
+
+def rope_tables(head_dim: int, n_ctx: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (n_ctx, head_dim/2) for rotary embeddings."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    ang = torch.outer(torch.arange(n_ctx, device=device, dtype=torch.float32), inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., ::2], x[..., 1::2]) of (B, nh, T, hd) by the position angle."""
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv, self.hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.hd, bias=False)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
+        self.wo = nn.Linear(cfg.n_head * self.hd, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.wk(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)    # (B, nkv, T, hd)
+        v = self.wv(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
+        return self.wo(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.feed_forward = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class LLaMA(Decoder):
+    def _make_embed(self, positions: bool) -> None:
+        self.wte = nn.Embedding(self.cfg.vocab_size, self.cfg.d_model)
+
+    def _make_layer(self) -> nn.Module:
+        return Layer(self.cfg)
+
+    def _make_head(self) -> None:
+        self.ln_f = nn.RMSNorm(self.cfg.d_model, eps=self.cfg.norm_eps)
+        if not self.cfg.tied:
+            self.lm_head = nn.Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False)
+
+    def _init_buffers(self) -> None:
+        # RoPE tables are derived, never stored in checkpoints
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.n_ctx, self.cfg.rope_theta)
+        device = next((p.device for p in self.parameters()), torch.device("cpu"))
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def __init__(self, cfg: ModelConfig, *args, **kwargs):
+        super().__init__(cfg, *args, **kwargs)
+        self._init_buffers()
+
+    def _embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx)  # (B, T, C)
+
+    def _layer_extra(self, T: int, device):
+        return self.rope_cos[:T].to(device), self.rope_sin[:T].to(device)

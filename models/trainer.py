@@ -1,0 +1,134 @@
+"""The step loop shared by a BCD visit and the full-parameter baseline (so invariant I3 holds exactly).
+
+Algorithm 1 (paper §3.1), line 7-8: build a fresh optimizer over the active block only and train
+until local convergence: a per-visit step cap or a loss plateau (``patience`` windows of ``window``
+steps whose mean loss improved by less than ``min_delta``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from models.errors import ConfigError
+
+# paper §4.2.1 defaults
+PAPER_LR = {"adamw": 1e-4, "sgd": 0.1}
+
+
+@dataclass
+class OptimSpec:
+    name: str = "adamw"
+    lr: float | None = None  # None = the paper's default for the optimizer
+    weight_decay: float = 1e-5
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = off
+    warmup_steps: int = 0
+
+    @property
+    def base_lr(self) -> float:
+        return self.lr if self.lr is not None else PAPER_LR[self.name]
+
+
+def make_optimizer(params: list[torch.nn.Parameter], spec: OptimSpec) -> torch.optim.Optimizer:
+    if spec.name == "adamw":
+        return torch.optim.AdamW(params, lr=spec.base_lr, betas=spec.betas, eps=spec.eps,
+                                 weight_decay=spec.weight_decay, foreach=True)
+    if spec.name == "sgd":
+        return torch.optim.SGD(params, lr=spec.base_lr, momentum=spec.momentum,
+                               weight_decay=spec.weight_decay, foreach=True)
+    raise ConfigError(f"optim.name: unknown optimizer {spec.name!r} (choose from adamw, sgd)")
+
+
+@dataclass
+class StopRule:
+    max_steps: int
+    patience: int = 0  # windows without improvement before stopping; 0 = plateau rule off
+    min_delta: float = 1e-3
+    window: int = 20
+
+
+@dataclass
+class LoopResult:
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    stopped_by: str = "max_steps"
+    seconds: float = 0.0
+    tokens: int = 0
+
+    @property
+    def final_loss(self) -> float:
+        tail = self.losses[-10:]
+        return sum(tail) / len(tail) if tail else float("nan")
+
+
+class Plateau:
+    """Loss-plateau rule over window means."""
+
+    def __init__(self, rule: StopRule):
+        self.rule, self.best, self.bad = rule, float("inf"), 0
+
+    def update(self, window_mean: float) -> bool:
+        if self.best - window_mean >= self.rule.min_delta:
+            self.best, self.bad = window_mean, 0
+        else:
+            self.bad += 1
+        return self.rule.patience > 0 and self.bad >= self.rule.patience
+
+
+def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.Parameter],
+              batches: Iterable, optimizer: torch.optim.Optimizer, spec: OptimSpec, stop: StopRule,
+              on_window: Callable[[int, list[float]], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> LoopResult:
+    """Train ``params`` with ``optimizer`` on ``batches`` until the stop rule fires.
+
+    ``loss_fn(batch)`` runs the forward pass and returns a scalar loss. Losses are synced to the host
+    once per window (not every step) so a GPU never waits on ``.item()``. ``on_window(step, losses)``
+    receives each window's per-step losses (for tracking); ``should_stop()`` lets a caller end the
+    loop after the current step (e.g. on SIGTERM).
+    """
+    res = LoopResult(steps=0)
+    plateau = Plateau(stop)
+    pending: list[torch.Tensor] = []
+    it: Iterator = iter(batches)
+    t0 = time.perf_counter()
+    while res.steps < stop.max_steps:
+        batch = next(it)
+        if spec.warmup_steps:
+            scale = min(1.0, (res.steps + 1) / spec.warmup_steps)
+            for g in optimizer.param_groups:
+                g["lr"] = spec.base_lr * scale
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(batch)
+        loss.backward()
+        if spec.grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, spec.grad_clip, foreach=True)
+        optimizer.step()
+        res.steps += 1
+        res.tokens += _tokens(batch)
+        pending.append(loss.detach())
+        if len(pending) == stop.window or res.steps == stop.max_steps:
+            window = torch.stack(pending).float().cpu().tolist()
+            pending.clear()
+            res.losses.extend(window)
+            if on_window:
+                on_window(res.steps, window)
+            if len(window) == stop.window and plateau.update(sum(window) / len(window)):
+                res.stopped_by = "plateau"
+                break
+        if should_stop and should_stop():
+            res.stopped_by = "interrupted"
+            break
+    if pending:
+        res.losses.extend(torch.stack(pending).float().cpu().tolist())
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _tokens(batch) -> int:
+    targets = batch[1] if isinstance(batch, (tuple, list)) else batch
+    return int(targets.numel())

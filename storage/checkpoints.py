@@ -1,0 +1,165 @@
+"""Versioned, copy-on-write model checkpoints (DESIGN §2 step 5, §5).
+
+Layout below a run::
+
+    runs/{run_id}/blocks/{sha256[:32]}.safetensors   one block's tensors, content-addressed, immutable
+    runs/{run_id}/versions/{v}.json                  manifest: {"version": v, "blocks": {"0": entry, ...}}
+
+An entry is ``{"file": "blocks/<name>.safetensors", "sha256": <hex>, "bytes": n}``. A visit writes the one
+block it trained (``save_block``) and then a manifest that references every other block's file of the base
+version (``commit_version``): the model is never rewritten, and since block files are written before the
+small manifest object, a crash leaves either the old version or the complete new one (object stores have no
+rename). Every load verifies the sha256 of each file it reads (DESIGN §3 I5). Tensors go through safetensors
+only; nothing is ever unpickled.
+
+Usage::
+
+    entry = save_block(store, run_id, {"h.0.attn.c_attn.weight": w, ...})
+    commit_version(store, run_id, base_version=3, new_version=4, changed={1: entry})
+    state = load_blocks(store, run_id, 4, blocks=[1, 2, 3])   # only the suffix, DESIGN §2 step 3
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .store import Store, sha256_bytes
+
+
+class CheckpointError(RuntimeError):
+    """A manifest or block file is missing, malformed or fails its checksum."""
+
+
+def _run_key(run_id: str, *parts: str) -> str:
+    return "/".join(["runs", run_id, *parts])
+
+
+def _to_cpu_contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors; tensors that share storage are cloned, because safetensors refuses
+    shared storage (a tied weight belongs to one block only, but a caller may pass views)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name in sorted(tensors):
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"tensor {name!r} is a {type(t).__name__}, expected torch.Tensor")
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in seen:
+            t = t.clone()
+        elif t.numel():
+            seen.add(ptr)
+        out[name] = t
+    return out
+
+
+def save_block(store: Store, run_id: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Write one block's tensors as a content-addressed safetensors object and return its manifest entry.
+
+    Identical tensors give identical bytes, hence the same object: an existing object of the right size is
+    not rewritten (resume after a crash, or an unchanged block)."""
+    if not tensors:
+        raise CheckpointError("save_block got no tensors")
+    data = st_save(_to_cpu_contiguous(tensors))
+    sha = sha256_bytes(data)
+    rel = f"blocks/{sha[:32]}.safetensors"
+    path = store.path(_run_key(run_id, rel))
+    if not (store.fs.exists(path) and store.fs.size(path) == len(data)):
+        store.write_bytes(data, _run_key(run_id, rel))
+    return {"file": rel, "sha256": sha, "bytes": len(data)}
+
+
+def _check_entry(block: Any, entry: Any) -> dict[str, Any]:
+    if not isinstance(entry, dict) or not {"file", "sha256", "bytes"} <= set(entry):
+        raise CheckpointError(f"manifest entry of block {block} must have file, sha256 and bytes; got {entry!r}")
+    return entry
+
+
+def write_manifest(store: Store, run_id: str, version: int, blocks: dict[int, dict[str, Any]]) -> None:
+    """Write ``runs/{run_id}/versions/{version}.json``; the pointer object, written after the block files."""
+    if not isinstance(version, int) or version < 0:
+        raise CheckpointError(f"version must be an int >= 0, got {version!r}")
+    if not blocks:
+        raise CheckpointError(f"manifest of version {version} has no blocks")
+    store.write_json(_manifest(version, blocks), _run_key(run_id, "versions", f"{version}.json"))
+
+
+def _manifest(version: int, blocks: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    items = sorted(blocks.items(), key=lambda kv: int(kv[0]))
+    return {"version": version, "blocks": {str(int(b)): dict(_check_entry(b, e)) for b, e in items}}
+
+
+def read_manifest(store: Store, run_id: str, version: int) -> dict[str, Any]:
+    key = _run_key(run_id, "versions", f"{version}.json")
+    if not store.exists(key):
+        raise CheckpointError(f"manifest {key} not found in {store.url}")
+    try:
+        manifest = store.read_json(key)
+    except ValueError as e:
+        raise CheckpointError(f"manifest {key} is not valid JSON: {e}") from e
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("blocks"), dict):
+        raise CheckpointError(f"manifest {key} has no 'blocks' mapping")
+    for b, e in manifest["blocks"].items():
+        _check_entry(b, e)
+    return manifest
+
+
+def load_blocks(store: Store, run_id: str, version: int, blocks: list[int] | None = None,
+                device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Load the tensors of some blocks (all when ``blocks`` is None) of a version, verifying each file's
+    sha256 against the manifest before deserializing it."""
+    return load_from_manifest(store, run_id, read_manifest(store, run_id, version), blocks, device=device)
+
+
+def load_from_manifest(store: Store, run_id: str, manifest: dict[str, Any], blocks: list[int] | None = None,
+                       names: list[str] | None = None, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Load blocks named by a manifest (possibly one not yet committed, for evaluation before the commit).
+    ``names`` keeps only those tensors (a tied head needs one tensor of block 0, not the whole block)."""
+    entries, version = manifest["blocks"], manifest.get("version")
+    wanted = sorted(int(b) for b in entries) if blocks is None else [int(b) for b in blocks]
+    keep = set(names) if names is not None else None
+    out: dict[str, torch.Tensor] = {}
+    for b in wanted:
+        if str(b) not in entries:
+            raise CheckpointError(f"block {b} is not in manifest runs/{run_id}/versions/{version}.json "
+                                  f"(blocks: {sorted(int(k) for k in entries)})")
+        entry = entries[str(b)]
+        key = _run_key(run_id, entry["file"])
+        try:
+            data = store.read_bytes(key)
+        except FileNotFoundError as e:
+            raise CheckpointError(f"block file {key} referenced by version {version} is missing") from e
+        sha = sha256_bytes(data)
+        if sha != entry["sha256"]:
+            raise CheckpointError(f"block file {key} is corrupt: sha256 {sha} != manifest {entry['sha256']}")
+        for name, t in st_load(data).items():
+            if keep is not None and name not in keep:
+                continue
+            if name in out:
+                raise CheckpointError(f"tensor {name!r} appears in more than one block of version {version}")
+            out[name] = t.to(device)
+    return out
+
+
+def commit_version(store: Store, run_id: str, base_version: int, new_version: int,
+                   changed: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Manifest of ``new_version`` = manifest of ``base_version`` with the ``changed`` blocks replaced.
+
+    Copy-on-write (DESIGN §2 step 5): unchanged blocks keep pointing at the base version's files. The changed
+    blocks' files must already be written (``save_block``); this writes only the small manifest object."""
+    if new_version <= base_version:
+        raise CheckpointError(f"new_version ({new_version}) must be greater than base_version ({base_version})")
+    base = read_manifest(store, run_id, base_version)
+    blocks = {int(b): e for b, e in base["blocks"].items()}
+    for b, entry in changed.items():
+        if int(b) not in blocks:
+            raise CheckpointError(f"changed block {b} is not in base version {base_version} "
+                                  f"(blocks: {sorted(blocks)})")
+        if not store.exists(_run_key(run_id, _check_entry(b, entry)["file"])):
+            raise CheckpointError(f"block file runs/{run_id}/{entry['file']} of changed block {b} was not written")
+        blocks[int(b)] = entry
+    write_manifest(store, run_id, new_version, blocks)
+    return _manifest(new_version, blocks)

@@ -1,0 +1,221 @@
+"""The run configuration: typed sections, each check next to its field (CONVENTIONS 3).
+
+Keys are addressed as ``section.field`` on the command line (``--set bcd.blocks=4``) and in YAML.
+Every error names the key: ``bcd.sample_rate: must be in (0, 1], got 1.5``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from models.config import REGISTRY, ModelConfig, get_config
+from models.errors import ConfigError
+from models.trainer import OptimSpec, StopRule
+
+ORDERS = ("cyclic", "reverse", "random", "greedy")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    name: str = "tiny"
+    """A registry name: tiny, tiny-llama, gpt2-124m, G-1.6B ... L-23B."""
+    n_layer: int | None = None
+    d_model: int | None = None
+    n_head: int | None = None
+    n_kv_head: int | None = None
+    d_ff: int | None = None
+    n_ctx: int | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in REGISTRY:
+            raise ValueError(f"unknown model {v!r} (choose from {', '.join(REGISTRY)})")
+        return v
+
+
+class DataSection(_Section):
+    files: str | list[str] | None = None
+    """Local text/json/parquet files: one glob string or a list. None and no ``path`` = built-in corpus."""
+    path: str | None = None
+    """A Hugging Face datasets path (hub name or local dataset dir), used when ``files`` is unset."""
+    name: str | None = None
+    """The datasets config name that goes with ``path``."""
+    split: str = "train"
+    text_field: str = "text"
+    seq_len: int = Field(128, ge=2)
+    vocab_size: int = Field(2048, ge=260)
+    tokenizer: str | None = None
+    """A local tokenizer.json to use instead of training a byte-level BPE on the corpus."""
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+    max_chars: int | None = None
+    builtin_bytes: int = 1_500_000
+    """How much of the built-in (Python standard library) corpus to read."""
+
+
+class BcdSection(_Section):
+    blocks: int = Field(3, ge=1)
+    boundaries: list[int] | None = None
+    """Explicit layer cut points (e.g. [4, 8] for 12 layers); overrides ``blocks``."""
+    cycles: int = Field(2, ge=1)
+    order: str = "cyclic"
+    sample_rate: float = 0.9
+    """Per-visit data sampling rate (paper §3.2.3)."""
+    preinfer: bool = True
+    """Pre-compute the frozen prefix's activations to Zarr (paper §3.2.2)."""
+    max_steps: int = Field(200, ge=1)
+    patience: int = Field(3, ge=0)
+    min_delta: float = Field(1e-3, ge=0)
+    window: int = Field(20, ge=1)
+    shard_rows: int = Field(256, ge=1)
+    act_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+    @field_validator("order")
+    @classmethod
+    def _order(cls, v: str) -> str:
+        if v not in ORDERS:
+            raise ValueError(f"unknown order {v!r} (choose from {', '.join(ORDERS)})")
+        return v
+
+    @field_validator("sample_rate")
+    @classmethod
+    def _rate(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"must be in (0, 1], got {v}")
+        return v
+
+
+class OptimSection(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float | None = Field(None, gt=0)
+    """None = the paper's §4.2.1 default (AdamW 1e-4, SGD 0.1)."""
+    weight_decay: float = Field(1e-5, ge=0)
+    momentum: float = Field(0.9, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class TrainSection(_Section):
+    batch_size: int = Field(16, ge=1)
+    steps: int = Field(300, ge=1)
+    """Step count of the full-parameter baseline."""
+    eval_every: int = Field(100, ge=1)
+    """Baseline: validation every N steps (BCD validates after each visit)."""
+    eval_rows: int = Field(256, ge=1)
+    device: str = "auto"
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+
+class RunConfig(_Section):
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    bcd: BcdSection = BcdSection()
+    optim: OptimSection = OptimSection()
+    train: TrainSection = TrainSection()
+    seed: int = 0
+    store: str = "./bcdflow-store"
+    """Any fsspec URL: a local path, memory://, s3://bucket/prefix."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None = a SQLite file next to a local store; "none" = tracking off."""
+    experiment: str = "bcdflow"
+
+    @model_validator(mode="after")
+    def _cross(self) -> "RunConfig":
+        mc = self.model_cfg()
+        if self.bcd.boundaries is None and not 1 <= self.bcd.blocks <= mc.n_layer:
+            raise ValueError(f"bcd.blocks: must be between 1 and n_layer={mc.n_layer}, got {self.bcd.blocks}")
+        if self.data.seq_len > mc.n_ctx:
+            raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's context n_ctx={mc.n_ctx}")
+        return self
+
+    def model_cfg(self, vocab_size: int | None = None) -> ModelConfig:
+        """The resolved model config (vocab from the tokenizer when known)."""
+        over = self.model.model_dump(exclude={"name"})
+        over["vocab_size"] = vocab_size or self.data.vocab_size
+        return get_config(self.model.name, **over)
+
+    def optim_spec(self) -> OptimSpec:
+        o = self.optim
+        return OptimSpec(o.name, o.lr, o.weight_decay, o.momentum, grad_clip=o.grad_clip,
+                         warmup_steps=o.warmup_steps)
+
+    def stop_rule(self, max_steps: int | None = None) -> StopRule:
+        b = self.bcd
+        return StopRule(max_steps or b.max_steps, b.patience, b.min_delta, b.window)
+
+    def resolved_tracking_uri(self) -> str:
+        if self.tracking_uri:
+            return self.tracking_uri
+        if "://" not in self.store or self.store.startswith("file://"):
+            root = os.path.abspath(os.path.expanduser(self.store.removeprefix("file://")))
+            return f"sqlite:///{root}/mlflow.db"
+        return f"sqlite:///{os.path.abspath('bcdflow-mlflow.db')}"
+
+
+def _one_line(err: ValidationError) -> str:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        return f"{key}: unknown config key"
+    msg = e["msg"].removeprefix("Value error, ")
+    return msg if not key or msg.startswith(f"{key}:") else f"{key}: {msg}"
+
+
+def parse_config(raw: dict) -> RunConfig:
+    """Validate a nested dict; any problem becomes a ConfigError naming the key."""
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None
+    except ConfigError:
+        raise
+
+
+def _set_key(tree: dict, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(file: str | None = None, sets: list[str] | None = None, base: dict | None = None) -> RunConfig:
+    """YAML file (optional), then ``KEY=VALUE`` overrides (values parsed as YAML scalars/lists)."""
+    raw: dict = dict(base or {})
+    if file:
+        if not os.path.isfile(file):
+            raise ConfigError(f"config file {file!r} does not exist")
+        with open(file) as f:
+            try:
+                loaded = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config file {file!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {file!r} must hold a mapping of sections")
+        for k, v in _flatten(loaded).items():
+            _set_key(raw, k, v)
+    for item in sets or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+        key, value = item.split("=", 1)
+        _set_key(raw, key.strip(), yaml.safe_load(value) if value != "" else None)
+    return parse_config(raw)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k in RunConfig.model_fields and prefix == "":
+            out.update(_flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out

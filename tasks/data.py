@@ -1,0 +1,74 @@
+"""Data tasks: prepare the token dataset, sample a visit's rows, iterate batches.
+
+Per-visit sampling (paper §3.2.3): each visit trains on a fresh random subset of the training rows
+at rate ``bcd.sample_rate`` (default 0.9), seeded by (run seed, cycle, block) so a resumed or
+repeated run samples the same rows.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Iterator
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from storage.corpus import builtin_corpus_files, resolve_files
+from storage.store import Store
+from storage.tokens import prepare_token_dataset
+from tasks.config import RunConfig
+
+
+def data_files(cfg: RunConfig) -> list[str] | None:
+    """The local files a run reads: ``data.files``, or the built-in corpus when no source is set."""
+    if cfg.data.files:
+        return resolve_files(cfg.data.files)
+    if cfg.data.path:
+        return None
+    return builtin_corpus_files(cfg.data.builtin_bytes)
+
+
+def prepare_data(cfg: RunConfig, store: Store) -> str:
+    """Tokenize and pack the corpus once; later runs with the same inputs reuse it. Returns its id."""
+    d = cfg.data
+    cache = os.environ.get("BCDFLOW_HF_CACHE") or os.path.join(tempfile.gettempdir(), "bcdflow-hf-cache")
+    return prepare_token_dataset(
+        store, files=data_files(cfg), path=d.path if not d.files else None, name=d.name, split=d.split,
+        text_field=d.text_field, seq_len=d.seq_len, vocab_size=d.vocab_size, tokenizer_file=d.tokenizer,
+        val_fraction=d.val_fraction, max_chars=d.max_chars, cache_dir=cache)
+
+
+prepare_data_task = task(prepare_data, name="prepare-data", retries=2, retry_delay_seconds=[2, 10],
+                         cache_policy=NO_CACHE)
+
+
+def _rng(seed: int, *keys: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed, *keys]))
+
+
+def sample_rows(n_train: int, rate: float, seed: int, cycle: int, block: int) -> np.ndarray:
+    """Indices of the visit's training rows, in training order: (n,) int64."""
+    n = max(1, int(round(rate * n_train)))
+    return _rng(seed, cycle, block).permutation(n_train)[:n]
+
+
+def visit_rows(cfg: RunConfig, n_train: int, cycle: int, block: int, max_steps: int | None = None) -> np.ndarray:
+    """The rows a visit can actually reach: its sample, cut to ``max_steps * batch_size`` rows.
+
+    The first epoch reads the sample in order, so rows past the step cap are never trained on;
+    pre-inferring them would be pure waste (the paper pre-infers the whole subset)."""
+    rows = sample_rows(n_train, cfg.bcd.sample_rate, cfg.seed, cycle, block)
+    return rows[: (max_steps or cfg.bcd.max_steps) * cfg.train.batch_size]
+
+
+def batch_ranges(n_rows: int, batch_size: int, seed: int, cycle: int, block: int) -> Iterator[tuple[int, int]]:
+    """Endless contiguous row ranges [lo, hi) over the visit's rows; each epoch visits the batches in
+    a new order. Contiguous ranges keep activation reads whole-chunk (no random row gathers)."""
+    starts = list(range(0, n_rows, batch_size))
+    epoch = 0
+    while True:
+        order = starts if epoch == 0 else [starts[i] for i in _rng(seed, cycle, block, epoch).permutation(len(starts))]
+        for lo in order:
+            yield lo, min(n_rows, lo + batch_size)
+        epoch += 1

@@ -1,0 +1,95 @@
+"""The one seam to MLflow (CONVENTIONS 6). ``Tracker("none")`` is a no-op.
+
+One MLflow run per training run, a nested run per visit (tag ``mlflow.parentRunId``). Metrics are
+batched (``log_batch``) so a SQLite backend never sits on the training hot path per step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{key}."))
+        else:
+            out[key] = str(v)[:6000]
+    return out
+
+
+class Tracker:
+    def __init__(self, uri: str, experiment: str = "bcdflow", artifact_root: str | None = None):
+        self.enabled = bool(uri) and uri.lower() != "none"
+        self.uri = uri
+        if not self.enabled:
+            return
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        if uri.startswith("sqlite:///"):
+            os.makedirs(os.path.dirname(uri.removeprefix("sqlite:///")) or ".", exist_ok=True)
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            if artifact_root is None and uri.startswith("sqlite:///"):
+                artifact_root = os.path.join(os.path.dirname(uri.removeprefix("sqlite:///")), "mlartifacts")
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_root)
+        else:
+            self.experiment_id = exp.experiment_id
+
+    def start(self, name: str, params: dict | None = None, tags: dict | None = None,
+              parent: str | None = None, resume_id: str | None = None) -> str | None:
+        """Start (or continue, with ``resume_id``) a run; returns its id."""
+        if not self.enabled:
+            return None
+        if resume_id:
+            self.client.update_run(resume_id, status="RUNNING")
+            return resume_id
+        all_tags = dict(tags or {})
+        if parent:
+            all_tags["mlflow.parentRunId"] = parent
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        if params:
+            from mlflow.entities import Param
+
+            items = [Param(k, v) for k, v in _flat(params).items()]
+            for i in range(0, len(items), 100):
+                self.client.log_batch(run.info.run_id, params=items[i:i + 100])
+        return run.info.run_id
+
+    def metrics(self, run_id: str | None, values: dict[str, float], step: int) -> None:
+        self.metric_series(run_id, {k: [(step, v)] for k, v in values.items()})
+
+    def metric_series(self, run_id: str | None, series: dict[str, list[tuple[int, float]]]) -> None:
+        """Log many (step, value) points per metric in batches of 1000."""
+        if not self.enabled or run_id is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, int(s)) for k, pts in series.items() for s, v in pts]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(run_id, metrics=items[i:i + 1000])
+
+    def tags(self, run_id: str | None, tags: dict[str, Any]) -> None:
+        if self.enabled and run_id:
+            for k, v in tags.items():
+                self.client.set_tag(run_id, k, str(v))
+
+    def artifact(self, run_id: str | None, path: str, artifact_path: str | None = None) -> None:
+        if self.enabled and run_id:
+            if os.path.isdir(path):
+                self.client.log_artifacts(run_id, path, artifact_path)
+            else:
+                self.client.log_artifact(run_id, path, artifact_path)
+
+    def end(self, run_id: str | None, status: str = "FINISHED") -> None:
+        if self.enabled and run_id:
+            self.client.set_terminated(run_id, status=status)

@@ -1,0 +1,199 @@
+"""Storage layer: checkpoints (copy-on-write, checksums), activation groups (shards, markers, dtypes), run state.
+
+Run: python -m pytest -q tests/test_storage.py   (CPU, a few seconds)
+"""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from storage.activations import (ActivationError, ActivationReader, complete_shards, create_group,
+                                 shard_complete, write_shard)
+from storage.checkpoints import (CheckpointError, commit_version, load_blocks, read_manifest, save_block,
+                                 write_manifest)
+from storage.runs import (append_visit, list_runs, read_config, read_state, run_exists, write_config,
+                          write_state)
+from storage.store import Store
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request, tmp_path):
+    if request.param == "local":
+        yield Store(str(tmp_path / "root"))
+        return
+    s = Store(f"memory://bcdflow-test-{uuid.uuid4().hex}")
+    yield s
+    s.rm()
+
+
+def _block(seed: int, n: int = 2) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"b{seed}.w{i}": torch.randn(8, 4, generator=g) for i in range(n)}
+    out[f"b{seed}.half"] = torch.randn(5, generator=g).to(torch.bfloat16)
+    return out
+
+
+def _block_files(store: Store, run: str) -> set[str]:
+    return set(store.listdir(f"runs/{run}/blocks"))
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+def test_checkpoint_round_trip_bitwise(store):
+    blocks = {b: _block(b) for b in range(3)}
+    write_manifest(store, "r", 0, {b: save_block(store, "r", t) for b, t in blocks.items()})
+    loaded = load_blocks(store, "r", 0)
+    expected = {k: v for t in blocks.values() for k, v in t.items()}
+    assert loaded.keys() == expected.keys()
+    for k, v in expected.items():
+        assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v)
+    only = load_blocks(store, "r", 0, blocks=[2])  # suffix only: other blocks' files are not read
+    assert set(only) == set(blocks[2])
+    assert read_manifest(store, "r", 0)["blocks"].keys() == {"0", "1", "2"}
+
+
+def test_save_block_is_content_addressed(store):
+    a, b = save_block(store, "r", _block(0)), save_block(store, "r", _block(0))
+    assert a == b and a["file"] == f"blocks/{a['sha256'][:32]}.safetensors"
+    assert len(_block_files(store, "r")) == 1
+
+
+def test_commit_version_is_copy_on_write(store):
+    v0 = {b: save_block(store, "r", _block(b)) for b in range(3)}
+    write_manifest(store, "r", 0, v0)
+    before = _block_files(store, "r")
+    trained = {k: v + 1 for k, v in _block(1).items()}
+    m1 = commit_version(store, "r", 0, 1, {1: save_block(store, "r", trained)})
+    assert len(_block_files(store, "r") - before) == 1  # one block written, not the model
+    assert m1["blocks"]["0"] == v0[0] and m1["blocks"]["2"] == v0[2]
+    assert m1["blocks"]["1"] != v0[1] and read_manifest(store, "r", 1) == m1
+    loaded = load_blocks(store, "r", 1)
+    assert all(torch.equal(loaded[k], v) for k, v in trained.items())
+    assert all(torch.equal(loaded[k], v) for k, v in _block(0).items())
+    with pytest.raises(CheckpointError, match="block 7 is not in base version"):
+        commit_version(store, "r", 1, 2, {7: m1["blocks"]["0"]})
+
+
+def test_flipped_byte_names_the_file(store):
+    entry = save_block(store, "r", _block(0))
+    write_manifest(store, "r", 0, {0: entry})
+    key = f"runs/r/{entry['file']}"
+    data = bytearray(store.read_bytes(key))
+    data[-3] ^= 0x01
+    store.write_bytes(bytes(data), key)
+    with pytest.raises(CheckpointError, match=f"block file {key} is corrupt: sha256 .* != manifest"):
+        load_blocks(store, "r", 0)
+
+
+def test_missing_manifest_names_the_path(store):
+    with pytest.raises(CheckpointError, match="runs/r/versions/3.json"):
+        read_manifest(store, "r", 3)
+
+
+# -- activations ---------------------------------------------------------------------------------
+
+KEY = "runs/r/visits/c0-b1/activations.zarr"
+
+
+def _acts(n: int, T: int = 4, d: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, T, d, generator=g), torch.randint(0, 50_000, (n, T), generator=g)
+
+
+def _fill(store: Store, n: int, shard_rows: int, dtype: str, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden, targets = _acts(n)  # (n, T, d), (n, T)
+    create_group(store, KEY, n_rows=n, seq_len=4, d_model=8, shard_rows=shard_rows, dtype=dtype, **kw)
+    for s in range(-(-n // shard_rows)):
+        lo, hi = s * shard_rows, min((s + 1) * shard_rows, n)
+        write_shard(store, KEY, s, hidden[lo:hi], targets[lo:hi])
+    return hidden, targets
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_activation_round_trip(store, dtype):
+    hidden, targets = _fill(store, 10, 4, dtype, chunk_rows=2)  # partial last shard: rows [8, 10)
+    expected = hidden.to(getattr(torch, dtype)).float()
+    reader = ActivationReader(store, KEY, verify=True)
+    assert (reader.n_rows, reader.n_shards, len(reader)) == (10, 3, 10)
+    h, y = reader.read(0, 10)
+    assert h.dtype == torch.float32 and y.dtype == torch.long
+    assert torch.equal(h, expected) and torch.equal(y, targets)
+    h, y = reader.read(3, 9)  # crosses shard boundaries
+    assert torch.equal(h, expected[3:9]) and torch.equal(y, targets[3:9])
+
+
+def test_partial_last_shard_and_markers(store):
+    _fill(store, 10, 4, "float32")
+    assert complete_shards(store, KEY) == {0, 1, 2}
+    marker = store.read_json(KEY, "done", "2.json")
+    assert (marker["lo"], marker["hi"]) == (8, 10)
+    with pytest.raises(ActivationError, match=r"rows \[8, 10\)"):
+        write_shard(store, KEY, 2, *_acts(4))  # a full-size shard does not fit the last one
+
+
+def test_create_group_resume_and_recreate(store):
+    _fill(store, 10, 4, "float32")
+    create_group(store, KEY, n_rows=10, seq_len=4, d_model=8, shard_rows=4)  # identical: kept
+    assert complete_shards(store, KEY) == {0, 1, 2} and shard_complete(store, KEY, 0)
+    create_group(store, KEY, n_rows=10, seq_len=4, d_model=8, shard_rows=5)  # different: recreated
+    assert complete_shards(store, KEY) == set()
+    with pytest.raises(ActivationError, match="chunk_rows"):
+        create_group(store, KEY, n_rows=10, seq_len=4, d_model=8, shard_rows=4, chunk_rows=3)
+
+
+def _shard_object(store: Store, shard: int) -> str:
+    return f"{KEY}/hidden/c/{shard}/0/0"  # one object per Zarr shard
+
+
+def test_truncated_or_altered_shard_detected(store):
+    _fill(store, 12, 4, "float32", chunk_rows=2)
+    assert all(shard_complete(store, KEY, s) for s in range(3))
+    data = store.read_bytes(_shard_object(store, 0))
+    store.write_bytes(data[: len(data) // 2], _shard_object(store, 0))  # truncated
+    altered = bytearray(store.read_bytes(_shard_object(store, 1)))
+    altered[10] ^= 0xFF  # a data byte, the shard index stays valid
+    store.write_bytes(bytes(altered), _shard_object(store, 1))
+    store.rm(_shard_object(store, 2))  # lost: reads back as fill value
+    assert complete_shards(store, KEY) == {0, 1, 2}  # markers alone cannot tell
+    assert [shard_complete(store, KEY, s) for s in range(3)] == [False, False, False]
+    with pytest.raises(ActivationError, match="shard 0"):
+        ActivationReader(store, KEY, verify=True)
+
+
+def test_missing_shard_raises(store):
+    hidden, targets = _acts(12)
+    create_group(store, KEY, n_rows=12, seq_len=4, d_model=8, shard_rows=4, dtype="bfloat16")
+    write_shard(store, KEY, 0, hidden[0:4], targets[0:4])
+    write_shard(store, KEY, 2, hidden[8:12], targets[8:12])
+    assert not shard_complete(store, KEY, 1)
+    with pytest.raises(ActivationError, match=r"shard 1 \(rows \[4, 8\)\) has no completion marker"):
+        ActivationReader(store, KEY)
+    with pytest.raises(ActivationError, match="does not exist"):
+        ActivationReader(store, "runs/r/visits/c9-b9/activations.zarr")
+
+
+# -- run state -----------------------------------------------------------------------------------
+
+
+def test_run_state(store):
+    assert read_state(store, "r") is None and not run_exists(store, "r") and list_runs(store) == []
+    write_config(store, "r", {"model": "tiny", "n_blocks": 2})
+    assert read_config(store, "r") == {"model": "tiny", "n_blocks": 2} and run_exists(store, "r")
+    visit = {"cycle": 0, "block": 0, "version": 1, "steps": 10, "train_loss": 3.2, "val_loss": 3.4,
+             "seconds": 1.5, "spend_usd": 0.01}
+    state = append_visit(store, "r", visit)
+    assert state["version"] == 1 and state["status"] == "running" and state["visits"] == [visit]
+    append_visit(store, "r", {**visit, "block": 1, "version": 2})
+    with pytest.raises(ValueError, match="not newer"):
+        append_visit(store, "r", {**visit, "version": 2})
+    state = read_state(store, "r")
+    assert state["version"] == 2 and [v["block"] for v in state["visits"]] == [0, 1]
+    write_state(store, "r", {**state, "status": "done"})
+    assert read_state(store, "r")["status"] == "done"
+    write_config(store, "s", {})
+    assert list_runs(store) == ["r", "s"]
+    with pytest.raises(FileNotFoundError, match="runs/t/config.json"):
+        read_config(store, "t")
