@@ -1,0 +1,55 @@
+"""Shared test harness: telemetry off, every home/URI in a temp dir, and one session-wide Prefect
+temporary server (its first database migration is slow on a fresh machine)."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+_HOME = tempfile.mkdtemp(prefix="bcdflow-tests-")
+os.environ.update({
+    "PREFECT_HOME": os.path.join(_HOME, "prefect"),
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HOME": os.path.join(_HOME, "hf"),
+    "BCDFLOW_HF_CACHE": os.path.join(_HOME, "hf-datasets"),
+    "MLFLOW_TRACKING_URI": "sqlite:///" + os.path.join(_HOME, "mlflow-default.db"),
+    "TOKENIZERS_PARALLELISM": "false",
+})
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tasks.config import RunConfig, load_config  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# a tiny, fast run: ~400 KB of built-in corpus, 6 layers x 64 wide, a few steps per visit
+TINY = [
+    "model.name=tiny", "model.d_model=64", "model.n_head=4", "data.seq_len=32", "data.vocab_size=512",
+    "data.builtin_bytes=300000", "bcd.blocks=3", "bcd.cycles=1", "bcd.max_steps=6", "bcd.window=3",
+    "bcd.patience=0", "bcd.shard_rows=16", "optim.lr=0.003", "train.batch_size=8", "train.steps=6",
+    "train.eval_rows=32", "train.eval_every=3",
+]
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One Prefect test server for the whole session; flow tests depend on this fixture."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=None):
+        yield
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    """Factory: the tiny config with a store (and MLflow, off unless asked) under tmp_path."""
+    def make(*sets: str, tracking: bool = False) -> RunConfig:
+        extra = [f"store={tmp_path / 'store'}"]
+        extra.append(f"tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}" if tracking else "tracking_uri=none")
+        return load_config(sets=TINY + extra + list(sets))
+    return make
