@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from storage import runs
-from storage.store import Store
+from tasks import preempt
 from tasks.config import RunConfig, parse_config
 from tasks.data import prepare_data_task
 from tasks.preinfer import plan_shards, preinfer_shard, visit_key
@@ -31,9 +31,15 @@ def visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dat
     """One (cycle, block) visit: block ``block`` of version ``version`` trained to local convergence."""
     log = get_run_logger()
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
+    store = cfg.open_store()
+    vkey = visit_key(run_id, cycle, block)
+    # an interrupted visit continues its MLflow run instead of opening a second one
+    known = store.read_json(vkey, "mlflow.json")["run_id"] if store.exists(vkey, "mlflow.json") else None
     mlrun = tracker.start(f"c{cycle}-b{block}", params={"cycle": cycle, "block": block, "base_version": version},
                           tags={"prefect.flow_run_id": flow_run.get_id(), "bcdflow.run_id": run_id},
-                          parent=parent_mlflow_run)
+                          parent=parent_mlflow_run, resume_id=known)
+    if mlrun and not known:
+        store.write_json({"run_id": mlrun}, vkey, "mlflow.json")
     t0 = time.perf_counter()
     preinfer_s = 0.0
     if cfg.bcd.preinfer and block > 0:  # paper §3.2.2
@@ -54,8 +60,8 @@ def visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dat
         "seconds": time.perf_counter() - t0, "peak_mem_bytes": tr["peak_mem_bytes"],
         "val_points": tr["val_points"], "step_end": step_offset + tr["steps"],
     }
-    record["version"] = commit_visit(cfg.store, run_id, version, block, tr["block_file"], record)
-    Store(cfg.store).rm(visit_key(run_id, cycle, block))  # activations are dead once committed
+    record["version"] = commit_visit(cfg, run_id, version, block, tr["block_file"], record)
+    store.rm(vkey)  # activations and mid-visit checkpoints are dead once committed
     metrics = {k: record[k] for k in ("steps", "train_loss", "val_loss", "val_ppl", "tokens_per_s",
                                       "preinfer_seconds", "train_seconds", "seconds")}
     tracker.metrics(mlrun, metrics, record["version"])
@@ -67,8 +73,8 @@ def visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dat
 
 
 @task(name="note-state", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 10])
-def note_state(store_url: str, run_id: str, **fields) -> None:
-    store = Store(store_url)
+def note_state(cfg: RunConfig, run_id: str, **fields) -> None:
+    store = cfg.open_store()
     state = runs.read_state(store, run_id)
     runs.write_state(store, run_id, {**state, **fields})
 
@@ -86,16 +92,17 @@ def cycle_order(cfg: RunConfig, n_blocks: int, cycle: int) -> list[int]:
 def run_bcd(cfg: RunConfig, run_id: str, mode: str, max_steps: int | None = None,
             eval_every: int | None = None) -> dict:
     log = get_run_logger()
-    dataset_id = prepare_data_task(cfg, Store(cfg.store))
+    preempt.install()
+    dataset_id = prepare_data_task(cfg, cfg.open_store())
     state = init_run_task(cfg, run_id, dataset_id, mode)
-    n_blocks = len(runs.read_config(Store(cfg.store), run_id)["plan"]["blocks"])
+    n_blocks = len(runs.read_config(cfg.open_store(), run_id)["plan"]["blocks"])
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
     parent = tracker.start(run_id, params={**cfg.model_dump(exclude={"store", "tracking_uri"}), "mode": mode},
                            tags={"prefect.flow_run_id": flow_run.get_id(), "bcdflow.run_id": run_id,
                                  "bcdflow.mode": mode, "bcdflow.dataset": dataset_id},
                            resume_id=state.get("mlflow_run_id"))
     if parent and not state.get("mlflow_run_id"):
-        note_state(cfg.store, run_id, mlflow_run_id=parent)
+        note_state(cfg, run_id, mlflow_run_id=parent)
     done = {(v["cycle"], v["block"]) for v in state["visits"]}
     version = state["version"]
     steps = sum(v["steps"] for v in state["visits"])
@@ -113,10 +120,10 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str, max_steps: int | None = None
     except BaseException:
         tracker.end(parent, "FAILED")
         raise
-    note_state(cfg.store, run_id, status="done")
+    note_state(cfg, run_id, status="done")
     tracker.metrics(parent, {"total_steps": steps, "wall_seconds": time.perf_counter() - t0}, version)
     tracker.end(parent)
-    final = runs.read_state(Store(cfg.store), run_id)
+    final = runs.read_state(cfg.open_store(), run_id)
     summary = {"run_id": run_id, "version": final["version"], "steps": steps, "mlflow_run_id": parent,
                "val_loss": final["visits"][-1]["val_loss"] if final["visits"] else None}
     log.info("run %s done: version %d, val loss %s", run_id, summary["version"], summary["val_loss"])

@@ -72,6 +72,36 @@ def _run(args, mode: str, base: list[str] | None = None) -> dict:
     return {"cfg": cfg, "run_id": run_id, "summary": summary}
 
 
+def cmd_resume(args) -> int:
+    """Continue a run from its stored config: committed visits are skipped, complete shards reused, an
+    interrupted visit continues from its last checkpoint, the MLflow run is continued."""
+    from storage import runs
+    from tasks.config import RunConfig, parse_config
+
+    store = _store(args.store, args)
+    if runs.read_state(store, args.run_id) is None:
+        raise BadInput(f"run {args.run_id!r} not found in store {args.store}")
+    stored = runs.read_config(store, args.run_id)
+    raw = {k: v for k, v in stored.items() if k in RunConfig.model_fields}
+    cfg = parse_config({**raw, "store": args.store})
+    from flows.bcd import bcd_train, full_train
+
+    fn = full_train if stored.get("mode") == "full" else bcd_train
+    print(json.dumps(fn(config=cfg.model_dump(), run_id=args.run_id), indent=2))
+    return 0
+
+
+def _store(url: str, args=None):
+    """The store named on the command line, with the s3 options of a stored run config where needed."""
+    from storage.store import Store
+    from tasks.config import RunConfig
+
+    opts = {}
+    if url.startswith("s3://") and getattr(args, "endpoint_url", None):
+        opts = RunConfig(store=url, s3={"endpoint_url": args.endpoint_url}).storage_options()
+    return Store(url, opts)
+
+
 def cmd_train(args) -> int:
     _run(args, "bcd")
     return 0
@@ -85,7 +115,7 @@ def cmd_baseline(args) -> int:
 def cmd_demo(args) -> int:
     out = _run(args, "bcd", DEMO)
     cfg, run_id = out["cfg"], out["run_id"]
-    print(_status_table(cfg.store, run_id))
+    print(_status_table(cfg.store, run_id, args))
     uri = cfg.resolved_tracking_uri()
     print(f"\nresults: store {cfg.store} run {run_id}")
     print(f"  bcdflow status {run_id} --store {cfg.store}")
@@ -95,11 +125,10 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def status_dict(store_url: str, run_id: str) -> dict:
+def status_dict(store_url: str, run_id: str, args=None) -> dict:
     from storage import runs
-    from storage.store import Store
 
-    store = Store(store_url)
+    store = _store(store_url, args)
     state = runs.read_state(store, run_id)
     if state is None:
         raise BadInput(f"run {run_id!r} not found in store {store_url}")
@@ -111,8 +140,8 @@ def status_dict(store_url: str, run_id: str) -> dict:
             "visits": [{k: v.get(k) for k in keep} for v in state["visits"]]}
 
 
-def _status_table(store_url: str, run_id: str) -> str:
-    st = status_dict(store_url, run_id)
+def _status_table(store_url: str, run_id: str, args=None) -> str:
+    st = status_dict(store_url, run_id, args)
     lines = [f"run {run_id}: version {st['version']} ({st['status']}, {st['mode']})",
              f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'train':>8} {'val':>8} {'secs':>7}"]
     for v in st["visits"]:
@@ -123,9 +152,9 @@ def _status_table(store_url: str, run_id: str) -> str:
 
 def cmd_status(args) -> int:
     if args.json:
-        print(json.dumps(status_dict(args.store, args.run_id), indent=2))
+        print(json.dumps(status_dict(args.store, args.run_id, args), indent=2))
     else:
-        print(_status_table(args.store, args.run_id))
+        print(_status_table(args.store, args.run_id, args))
     return 0
 
 
@@ -133,9 +162,8 @@ def cmd_export(args) -> int:
     from safetensors.torch import save_file
 
     from storage import checkpoints, runs
-    from storage.store import Store
 
-    store = Store(args.store)
+    store = _store(args.store, args)
     state = runs.read_state(store, args.run_id)
     if state is None:
         raise BadInput(f"run {args.run_id!r} not found in store {args.store}")
@@ -174,16 +202,22 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=helptext)
         run_opts(sp)
         sp.set_defaults(fn=fn)
+    def store_opts(sp):
+        sp.add_argument("run_id")
+        sp.add_argument("--store", default="./bcdflow-store", help="store URL (default ./bcdflow-store)")
+        sp.add_argument("--endpoint-url", help="S3-compatible endpoint for an s3:// store")
+
+    sp = sub.add_parser("resume", help="continue an interrupted run where it stopped")
+    store_opts(sp)
+    sp.set_defaults(fn=cmd_resume)
     sp = sub.add_parser("status", help="a run's blocks and visits")
-    sp.add_argument("run_id")
-    sp.add_argument("--store", default="./bcdflow-store")
+    store_opts(sp)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_status)
     sp = sub.add_parser("export", help="write model.safetensors + config.json of a version")
-    sp.add_argument("run_id")
+    store_opts(sp)
     sp.add_argument("out_dir")
     sp.add_argument("--version", type=int)
-    sp.add_argument("--store", default="./bcdflow-store")
     sp.set_defaults(fn=cmd_export)
     return p
 

@@ -53,6 +53,25 @@ class StopRule:
 
 
 @dataclass
+class LoopState:
+    """Everything the loop needs to continue bitwise-identically after a restart, together with the
+    block's parameters, the optimizer state and the data cursor (= ``steps`` batches consumed)."""
+    steps: int = 0
+    tokens: int = 0
+    losses: list[float] = field(default_factory=list)
+    pending: list[float] = field(default_factory=list)  # losses of the still-open window
+    best: float = float("inf")
+    bad: int = 0
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoopState":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass
 class LoopResult:
     steps: int
     losses: list[float] = field(default_factory=list)
@@ -66,36 +85,35 @@ class LoopResult:
         return sum(tail) / len(tail) if tail else float("nan")
 
 
-class Plateau:
-    """Loss-plateau rule over window means."""
-
-    def __init__(self, rule: StopRule):
-        self.rule, self.best, self.bad = rule, float("inf"), 0
-
-    def update(self, window_mean: float) -> bool:
-        if self.best - window_mean >= self.rule.min_delta:
-            self.best, self.bad = window_mean, 0
-        else:
-            self.bad += 1
-        return self.rule.patience > 0 and self.bad >= self.rule.patience
+def plateau_update(st: LoopState, rule: StopRule, window_mean: float) -> bool:
+    """Loss-plateau rule over window means; True when the visit has converged."""
+    if st.best - window_mean >= rule.min_delta:
+        st.best, st.bad = window_mean, 0
+    else:
+        st.bad += 1
+    return rule.patience > 0 and st.bad >= rule.patience
 
 
 def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.Parameter],
               batches: Iterable, optimizer: torch.optim.Optimizer, spec: OptimSpec, stop: StopRule,
               on_window: Callable[[int, list[float]], None] | None = None,
-              should_stop: Callable[[], bool] | None = None) -> LoopResult:
+              should_stop: Callable[[], bool] | None = None, state: LoopState | None = None,
+              checkpoint: Callable[[LoopState], None] | None = None, ckpt_steps: int = 0,
+              ckpt_seconds: float = 0.0) -> LoopResult:
     """Train ``params`` with ``optimizer`` on ``batches`` until the stop rule fires.
 
     ``loss_fn(batch)`` runs the forward pass and returns a scalar loss. Losses are synced to the host
     once per window (not every step) so a GPU never waits on ``.item()``. ``on_window(step, losses)``
-    receives each window's per-step losses (for tracking); ``should_stop()`` lets a caller end the
-    loop after the current step (e.g. on SIGTERM).
+    receives each window's per-step losses (for tracking). ``state`` continues a loop from a
+    checkpoint (``batches`` must then start at batch ``state.steps``); ``checkpoint(state)`` is called
+    every ``ckpt_steps`` steps or ``ckpt_seconds`` seconds, and when ``should_stop()`` turns true
+    (SIGTERM), after which the loop ends with ``stopped_by="interrupted"``.
     """
-    res = LoopResult(steps=0)
-    plateau = Plateau(stop)
-    pending: list[torch.Tensor] = []
+    st = state or LoopState()
+    res = LoopResult(steps=st.steps, losses=list(st.losses), tokens=st.tokens)
+    pending = [torch.tensor(v, dtype=torch.float32) for v in st.pending]
     it: Iterator = iter(batches)
-    t0 = time.perf_counter()
+    t0 = last_ckpt = time.perf_counter()
     while res.steps < stop.max_steps:
         batch = next(it)
         if spec.warmup_steps:
@@ -117,13 +135,22 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             res.losses.extend(window)
             if on_window:
                 on_window(res.steps, window)
-            if len(window) == stop.window and plateau.update(sum(window) / len(window)):
+            if len(window) == stop.window and plateau_update(st, stop, sum(window) / len(window)):
                 res.stopped_by = "plateau"
                 break
-        if should_stop and should_stop():
+        interrupted = bool(should_stop and should_stop())
+        now = time.perf_counter()
+        if checkpoint and res.steps < stop.max_steps and (
+                interrupted or (ckpt_steps and res.steps % ckpt_steps == 0)
+                or (ckpt_seconds and now - last_ckpt >= ckpt_seconds)):
+            st.steps, st.tokens, st.losses = res.steps, res.tokens, list(res.losses)
+            st.pending = torch.stack(pending).float().cpu().tolist() if pending else []
+            checkpoint(st)
+            last_ckpt = now
+        if interrupted:
             res.stopped_by = "interrupted"
             break
-    if pending:
+    if pending and res.stopped_by != "interrupted":
         res.losses.extend(torch.stack(pending).float().cpu().tolist())
     res.seconds = time.perf_counter() - t0
     return res

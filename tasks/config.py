@@ -112,12 +112,32 @@ class TrainSection(_Section):
     precision: Literal["fp32", "bf16"] = "fp32"
 
 
+class S3Section(_Section):
+    """Object-store connection for ``s3://`` stores. Credentials are never config values: they come from
+    the standard AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) or a
+    named ``profile``, so they cannot leak into the store, MLflow params or logs."""
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, R2, a test server); None = AWS."""
+    region: str | None = None
+    profile: str | None = None
+    anon: bool = False
+
+
+class CheckpointSection(_Section):
+    every_steps: int = Field(50, ge=1)
+    """Mid-visit checkpoint every N optimizer steps ..."""
+    every_seconds: float = Field(300.0, gt=0)
+    """... and at least every S seconds (whichever comes first)."""
+
+
 class RunConfig(_Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     bcd: BcdSection = BcdSection()
     optim: OptimSection = OptimSection()
     train: TrainSection = TrainSection()
+    s3: S3Section = S3Section()
+    checkpoint: CheckpointSection = CheckpointSection()
     seed: int = 0
     store: str = "./bcdflow-store"
     """Any fsspec URL: a local path, memory://, s3://bucket/prefix."""
@@ -148,6 +168,26 @@ class RunConfig(_Section):
     def stop_rule(self, max_steps: int | None = None) -> StopRule:
         b = self.bcd
         return StopRule(max_steps or b.max_steps, b.patience, b.min_delta, b.window)
+
+    def storage_options(self) -> dict:
+        """fsspec options for the store URL (s3fs reads credentials from the AWS environment)."""
+        if not self.store.startswith(("s3://", "s3a://")):
+            return {}
+        opts: dict = {}
+        if self.s3.endpoint_url:
+            opts["endpoint_url"] = self.s3.endpoint_url
+        if self.s3.region:
+            opts["client_kwargs"] = {"region_name": self.s3.region}
+        if self.s3.profile:
+            opts["profile"] = self.s3.profile
+        if self.s3.anon:
+            opts["anon"] = True
+        return opts
+
+    def open_store(self):
+        from storage.store import Store
+
+        return Store(self.store, self.storage_options())
 
     def resolved_tracking_uri(self) -> str:
         if self.tracking_uri:

@@ -33,7 +33,7 @@ def acts_key(run_id: str, cycle: int, block: int) -> str:
 @task(name="plan-shards", retries=2, retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
 def plan_shards(cfg: RunConfig, run_id: str, cycle: int, block: int, dataset_id: str) -> list[int]:
     """Create the visit's activation arrays (once) and return the shards still to compute."""
-    store = Store(cfg.store)
+    store = cfg.open_store()
     ds = TokenDataset.open(store, dataset_id)
     n = len(visit_rows(cfg, ds.n_train, cycle, block))
     mcfg, _ = plan_for(cfg, ds.vocab_size)
@@ -63,7 +63,7 @@ def _prefix(store: Store, run_id: str, version: int, mcfg, plan, block: int, dev
 
 def run_prefix(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
                shard: int) -> dict:
-    store = Store(cfg.store)
+    store = cfg.open_store()
     ds = TokenDataset.open(store, dataset_id)
     mcfg, plan = plan_for(cfg, ds.vocab_size)
     device = resolve_device(cfg.train.device)

@@ -14,7 +14,6 @@ from prefect.cache_policies import NO_CACHE
 from models import build_model, make_plan
 from models.errors import ConfigError
 from storage import checkpoints, runs
-from storage.store import Store
 from storage.tokens import TokenDataset
 from tasks.config import RunConfig
 from tasks.weights import block_tensors
@@ -48,7 +47,7 @@ def param_names(mcfg) -> list[str]:
 
 def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") -> dict:
     """Create version 0 of a new run, or check an existing run's config and return its state."""
-    store = Store(cfg.store)
+    store = cfg.open_store()
     ds = TokenDataset.open(store, dataset_id)
     mcfg, plan = plan_for(cfg, ds.vocab_size)
     resolved = {**cfg.model_dump(), "mode": mode, "dataset": dataset_id,
@@ -78,10 +77,10 @@ init_run_task = task(init_run, name="init-run", retries=2, retry_delay_seconds=[
 
 
 @task(name="commit", retries=3, retry_delay_seconds=[1, 5, 20], cache_policy=NO_CACHE)
-def commit_visit(store_url: str, run_id: str, base_version: int, block: int, block_file: dict,
+def commit_visit(cfg: RunConfig, run_id: str, base_version: int, block: int, block_file: dict,
                  visit: dict) -> int:
     """Publish version base+1 = version base with ``block`` replaced; append the visit to the state."""
-    store = Store(store_url)
+    store = cfg.open_store()
     new_version = base_version + 1
     checkpoints.commit_version(store, run_id, base_version, new_version, {block: block_file})
     runs.append_visit(store, run_id, {**visit, "version": new_version})

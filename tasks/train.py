@@ -6,6 +6,7 @@ gradients and optimizer state exist for the active block alone (invariant I6).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,13 +17,14 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from models.trainer import make_optimizer, run_steps
-from storage import activations, checkpoints
+from models.trainer import LoopState, make_optimizer, run_steps
+from storage import activations, checkpoints, trainckpt
 from storage.store import Store
 from storage.tokens import TokenDataset
 from tasks.config import RunConfig
 from tasks.data import batch_ranges, sample_rows, visit_rows
-from tasks.preinfer import acts_key
+from tasks import preempt
+from tasks.preinfer import acts_key, visit_key
 from tasks.run import plan_for
 from tasks.tracking import Tracker
 from tasks.weights import autocast, block_tensors, load_part, resolve_device
@@ -41,7 +43,7 @@ def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> It
 def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
                 max_steps: int | None = None, step_offset: int = 0, mlflow_runs: tuple = (),
                 eval_every: int | None = None) -> dict:
-    store = Store(cfg.store)
+    store = cfg.open_store()
     ds = TokenDataset.open(store, dataset_id)
     mcfg, plan = plan_for(cfg, ds.vocab_size)
     device = resolve_device(cfg.train.device)
@@ -98,12 +100,36 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
         torch.cuda.reset_peak_memory_stats(device)
     spec = cfg.optim_spec()
     opt = make_optimizer(params, spec)
-    batches = prefetched(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, cycle, block), fetch, device)
-    res = run_steps(loss_fn, params, batches, opt, spec, cfg.stop_rule(max_steps), on_window=on_window)
+    vkey = visit_key(run_id, cycle, block)
+    state = None
+    ck = trainckpt.load(store, vkey, device)
+    if ck is not None and ck[0]["meta"].get("base_version") == version:  # resume mid-visit
+        pointer, saved, opt_state = ck
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in active:
+                    p.copy_(saved[n])
+        opt.load_state_dict(opt_state)
+        state = LoopState.from_dict(pointer["meta"]["loop"])
+
+    def checkpoint(st: LoopState) -> None:
+        trainckpt.save(store, vkey, st.steps, {n: p for n, p in model.named_parameters() if n in active},
+                       opt.state_dict(), {"loop": st.to_dict(), "base_version": version})
+
+    # the data cursor: a resumed loop skips the batches it already trained on
+    ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, cycle, block),
+                              state.steps if state else 0, None)
+    batches = prefetched(ranges, fetch, device)
+    with preempt.training():
+        res = run_steps(loss_fn, params, batches, opt, spec, cfg.stop_rule(max_steps), on_window=on_window,
+                        should_stop=preempt.requested, state=state, checkpoint=checkpoint,
+                        ckpt_steps=cfg.checkpoint.every_steps, ckpt_seconds=cfg.checkpoint.every_seconds)
+    if res.stopped_by == "interrupted":
+        preempt.finish()  # hands SIGTERM on (Prefect reschedules) or exits 143
     block_file = checkpoints.save_block(store, run_id, block_tensors(model, plan, block))
     return {
         "steps": res.steps, "train_loss": res.final_loss, "first_loss": res.losses[0],
-        "stopped_by": res.stopped_by, "train_seconds": res.seconds, "tokens": res.tokens,
+        "stopped_by": res.stopped_by, "train_seconds": res.seconds, "resumed_at": state.steps if state else 0, "tokens": res.tokens,
         "tokens_per_s": res.tokens / max(res.seconds, 1e-9), "block_file": block_file,
         "rows": int(len(rows)), "val_points": val_points,
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
@@ -131,7 +157,7 @@ def evaluate_model(model, ds: TokenDataset, cfg: RunConfig, device) -> float:
 def evaluate_version(cfg: RunConfig, run_id: str, base_version: int, dataset_id: str,
                      changed: dict[int, dict] | None = None) -> dict:
     """Validation loss and perplexity of version ``base_version`` with ``changed`` blocks replaced."""
-    store = Store(cfg.store)
+    store = cfg.open_store()
     ds = TokenDataset.open(store, dataset_id)
     mcfg, plan = plan_for(cfg, ds.vocab_size)
     device = resolve_device(cfg.train.device)
@@ -149,7 +175,7 @@ evaluate = task(evaluate_version, name="evaluate", retries=1, retry_delay_second
 def greedy_block(cfg: RunConfig, run_id: str, version: int, dataset_id: str, cycle: int,
                  candidates: list[int]) -> int:
     """The candidate block with the largest gradient norm on a probe batch (DESIGN §2, order greedy)."""
-    store = Store(cfg.store)
+    store = cfg.open_store()
     ds = TokenDataset.open(store, dataset_id)
     mcfg, plan = plan_for(cfg, ds.vocab_size)
     device = resolve_device(cfg.train.device)

@@ -1,0 +1,159 @@
+"""Run config: every bad input is a ConfigError that names its key; ``--set`` parsing; YAML precedence
+(tasks/config.py, DESIGN §8).
+
+Run: python -m pytest -q tests/test_config.py   (no I/O beyond tmp_path, a second or two)
+"""
+from __future__ import annotations
+
+import pytest
+
+from models.errors import ConfigError
+from tasks.config import RunConfig, load_config, parse_config
+
+
+@pytest.mark.parametrize("sets,key", [
+    (["model.name=nope"], "model.name"),
+    (["bcd.order=zigzag"], "bcd.order"),
+    (["bcd.blocks=0"], "bcd.blocks"),
+    (["bcd.blocks=7"], "bcd.blocks"),  # tiny has 6 layers
+    (["model.n_layer=4", "bcd.blocks=5"], "bcd.blocks"),  # checked against the resolved model
+    (["bcd.sample_rate=0"], "bcd.sample_rate"),
+    (["bcd.sample_rate=1.5"], "bcd.sample_rate"),
+    (["bcd.sample_rate=-0.1"], "bcd.sample_rate"),
+    (["data.seq_len=512"], "data.seq_len"),  # tiny's n_ctx is 256
+    (["model.name=G-1.6B", "data.seq_len=2048"], "data.seq_len"),
+    (["bcd.nope=1"], "bcd.nope"),
+    (["nope=1"], "nope"),
+    (["bcd=3"], "bcd"),
+    (["bcd.blocks=abc"], "bcd.blocks"),
+    (["bcd.blocks=2.5"], "bcd.blocks"),
+    (["bcd.preinfer=maybe"], "bcd.preinfer"),
+    (["bcd.act_dtype=float8"], "bcd.act_dtype"),
+    (["optim.name=adam"], "optim.name"),
+    (["optim.lr=0"], "optim.lr"),
+    (["train.precision=fp8"], "train.precision"),
+    (["data.val_fraction=1"], "data.val_fraction"),
+    (["model.n_head=5"], "model.n_head"),  # 128 % 5: the model config's own check, still named
+    (["model.name=tiny-llama", "model.n_kv_head=3"], "model.n_kv_head"),
+])
+def test_bad_value_names_its_key(sets, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(sets=sets)
+    assert str(e.value).startswith(f"{key}:"), str(e.value)
+    assert "\n" not in str(e.value)  # one line for the CLI
+
+
+@pytest.mark.parametrize("sets,allowed", [
+    (["model.name=nope"], "tiny-llama"),
+    (["bcd.order=zigzag"], "greedy"),
+    (["bcd.blocks=7"], "n_layer=6"),
+    (["bcd.sample_rate=1.5"], "(0, 1]"),
+])
+def test_error_says_what_is_allowed(sets, allowed):
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config(sets=sets)
+    assert allowed in str(e.value)
+
+
+def test_parse_config_of_a_nested_dict():
+    with pytest.raises(ConfigError, match=r"^bcd\.order:"):
+        parse_config({"bcd": {"order": "zigzag"}})
+    with pytest.raises(ConfigError, match=r"^model\.name:"):
+        parse_config({"model": {"name": "nope"}})
+    cfg = load_config(sets=["bcd.blocks=2", "model.name=tiny-llama"])
+    assert parse_config(cfg.model_dump()) == cfg  # flows pass configs as plain dicts
+
+
+@pytest.mark.xfail(reason="product bug: bcd.boundaries is not range-checked in RunConfig._cross; "
+                          "the error only surfaces in make_plan, after prepare_data wrote to the store")
+@pytest.mark.parametrize("bounds", ["[9]", "[-1]"])
+def test_out_of_range_boundaries_are_rejected_at_config_time(bounds):
+    with pytest.raises(ConfigError, match=r"^bcd\.boundaries:"):
+        load_config(sets=[f"bcd.boundaries={bounds}"])
+
+
+def test_set_value_parsing():
+    cfg = load_config(sets=[
+        "bcd.blocks=4",                  # int
+        "bcd.sample_rate=0.5",           # float
+        "optim.lr=3e-4",                 # YAML reads this as a string; the float field coerces it
+        "bcd.min_delta=.01",
+        "bcd.boundaries=[2, 4]",         # list of ints
+        "data.files=[a.txt, b.txt]",     # list of strings
+        "bcd.preinfer=false",            # bools
+        "data.max_chars=",               # empty = None
+        "model.name=tiny-llama",         # a dash in a string value
+        "store=memory://bucket/x",       # '=' and ':' inside the value are kept
+        "seed=7",
+    ])
+    assert cfg.bcd.blocks == 4 and isinstance(cfg.bcd.blocks, int)
+    assert cfg.bcd.sample_rate == 0.5 and cfg.optim.lr == pytest.approx(3e-4) and cfg.bcd.min_delta == 0.01
+    assert cfg.bcd.boundaries == [2, 4]
+    assert cfg.data.files == ["a.txt", "b.txt"]
+    assert cfg.bcd.preinfer is False
+    assert cfg.data.max_chars is None
+    assert cfg.model.name == "tiny-llama" and cfg.model_cfg().family == "llama"
+    assert cfg.store == "memory://bucket/x" and cfg.seed == 7
+    for text, value in [("true", True), ("True", True), ("no", False), ("yes", True), ("0", False)]:
+        assert load_config(sets=[f"bcd.preinfer={text}"]).bcd.preinfer is value
+    assert load_config(sets=["store=a=b"]).store == "a=b"
+
+
+def test_set_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match=r"^--set 'bcd.blocks'"):
+        load_config(sets=["bcd.blocks"])
+
+
+@pytest.mark.xfail(reason="product bug: --set values are YAML-parsed and pydantic does not coerce int->str, "
+                          "so a numeric value for a str field (experiment, data.split, ...) is refused")
+def test_numeric_looking_string_values():
+    assert load_config(sets=["experiment=2024"]).experiment == "2024"
+
+
+def test_defaults():
+    cfg = load_config()
+    assert cfg == RunConfig()
+    assert (cfg.model.name, cfg.bcd.order, cfg.bcd.sample_rate, cfg.bcd.preinfer) == ("tiny", "cyclic", 0.9, True)
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text(
+        "model:\n  name: tiny-llama\n  n_layer: 4\n"
+        "bcd:\n  blocks: 2\n  order: reverse\n  boundaries: [1, 3]\n"
+        "seed: 5\n"
+    )
+    cfg = load_config(str(f))
+    assert (cfg.model.name, cfg.model.n_layer, cfg.bcd.blocks, cfg.bcd.order, cfg.seed) == \
+        ("tiny-llama", 4, 2, "reverse", 5)
+    assert cfg.bcd.boundaries == [1, 3]
+    # --set wins over the file, and only for the keys it names: the rest of a section survives
+    cfg = load_config(str(f), sets=["bcd.blocks=4", "seed=9", "bcd.boundaries="])
+    assert (cfg.bcd.blocks, cfg.seed, cfg.bcd.boundaries) == (4, 9, None)
+    assert (cfg.model.name, cfg.model.n_layer, cfg.bcd.order) == ("tiny-llama", 4, "reverse")
+    # the file wins over a base dict
+    cfg = load_config(str(f), base={"seed": 1, "bcd": {"cycles": 3, "blocks": 1}})
+    assert (cfg.seed, cfg.bcd.cycles, cfg.bcd.blocks) == (5, 3, 2)
+    # the cross-field check sees the merged result: n_layer 4 from the file, blocks 5 from --set
+    with pytest.raises(ConfigError, match=r"^bcd\.blocks:"):
+        load_config(str(f), sets=["bcd.blocks=5", "bcd.boundaries="])
+
+
+def test_yaml_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("bcd:\n  blocks: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"^config file .*bad\.yaml.*not valid YAML"):
+        load_config(str(bad))
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match=r"^config file .*list\.yaml.*mapping"):
+        load_config(str(lst))
+    with pytest.raises(ConfigError, match=r"^config file .*missing\.yaml.*does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("bcd:\n  nope: 1\n")
+    with pytest.raises(ConfigError, match=r"^bcd\.nope:"):
+        load_config(str(unknown))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(str(empty)) == RunConfig()

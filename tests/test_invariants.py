@@ -1,0 +1,231 @@
+"""DESIGN §3 invariants on the tiny config: I1 (a visit touches its block only), I2 (pre-inference on = off),
+I3 (one-block BCD = full-parameter training), I6 (a visit holds blocks >= b, trains block b only), and the
+per-visit sampler (paper §3.2.3).
+
+Run: python -m pytest -q tests/test_invariants.py   (CPU; the flow tests share one Prefect test server)
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import tasks.train
+from storage.checkpoints import commit_version, load_blocks, read_manifest
+from storage.store import Store
+from tasks.data import batch_ranges, prepare_data, sample_rows, visit_rows
+from tasks.preinfer import plan_shards, run_prefix
+from tasks.run import init_run, plan_for
+from tasks.train import train_visit
+
+_LAYER = re.compile(r"^h\.(\d+)\.")
+LLAMA = ("model.name=tiny-llama", "model.d_model=64", "model.n_head=4")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+def new_run(cfg, run_id: str = "r") -> str:
+    """Prepare the dataset and create version 0; returns the dataset id."""
+    ds_id = prepare_data(cfg, Store(cfg.store))
+    init_run(cfg, run_id, ds_id)
+    return ds_id
+
+
+def do_visit(cfg, run_id: str, ds_id: str, cycle: int, block: int, version: int) -> dict:
+    """One visit through the plain task functions: pre-infer (block > 0), train, commit."""
+    if cfg.bcd.preinfer and block > 0:
+        shards = plan_shards.fn(cfg, run_id, cycle, block, ds_id)
+        assert shards, "a fresh visit has shards to compute"
+        for s in shards:
+            run_prefix(cfg, run_id, cycle, block, version, ds_id, s)
+        assert plan_shards.fn(cfg, run_id, cycle, block, ds_id) == []  # all complete now
+    out = train_visit(cfg, run_id, cycle, block, version, ds_id)
+    commit_version(Store(cfg.store), run_id, version, version + 1, {block: out["block_file"]})
+    return out
+
+
+class Spy:
+    """Records the model ``train_visit`` loads and the parameters its optimizer gets (no refactor needed)."""
+
+    def __init__(self, monkeypatch):
+        self.models, self.opt_params, self.opts = [], [], []
+        real_load, real_opt = tasks.train.load_part, tasks.train.make_optimizer
+
+        def load_part(*args, **kwargs):
+            model = real_load(*args, **kwargs)
+            self.models.append(model)
+            return model
+
+        def make_optimizer(params, spec):
+            opt = real_opt(params, spec)
+            self.opt_params.append(list(params))
+            self.opts.append(opt)
+            return opt
+
+        monkeypatch.setattr(tasks.train, "load_part", load_part)
+        monkeypatch.setattr(tasks.train, "make_optimizer", make_optimizer)
+
+
+def layers_of(names) -> set[int]:
+    return {int(m.group(1)) for n in names if (m := _LAYER.match(n))}
+
+
+# -- I1 -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block,preinfer", [(0, True), (1, True), (2, True), (1, False)],
+                         ids=["block0", "middle-preinfer", "last-preinfer", "middle-no-preinfer"])
+def test_i1_a_visit_changes_only_its_block(tiny_cfg, monkeypatch, block, preinfer):
+    cfg = tiny_cfg(f"bcd.preinfer={str(preinfer).lower()}")
+    ds_id = new_run(cfg)
+    store = Store(cfg.store)
+    _, plan = plan_for(cfg, 512)
+    before = load_blocks(store, "r", 0)
+    spy = Spy(monkeypatch)
+
+    do_visit(cfg, "r", ds_id, cycle=0, block=block, version=0)
+
+    after = load_blocks(store, "r", 1)
+    assert after.keys() == before.keys()
+    active = set(plan[block].params)
+    for name, t in before.items():
+        if name in active:
+            assert not torch.equal(t, after[name]), f"{name} of the active block did not change"
+        else:
+            assert torch.equal(t, after[name]), f"{name} outside block {block} changed"
+    # copy-on-write: unchanged blocks point at the very same files
+    m0, m1 = read_manifest(store, "r", 0)["blocks"], read_manifest(store, "r", 1)["blocks"]
+    assert {k for k in m0 if m0[k] != m1[k]} == {str(block)}
+    # and the frozen tensors the visit held in memory were not touched either (no weight decay, no
+    # in-place update leaking into a frozen tensor such as the tied wte the head reads)
+    (model,) = spy.models
+    for name, p in model.named_parameters():
+        if name not in active:
+            assert torch.equal(p.detach(), before[name]), name
+
+
+# -- I6 -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["tiny", "tiny-llama"])
+def test_i6_visit_holds_blocks_from_b_and_trains_block_b_only(tiny_cfg, monkeypatch, family):
+    cfg = tiny_cfg(*(LLAMA if family == "tiny-llama" else ()), "bcd.preinfer=true")
+    ds_id = new_run(cfg)
+    mcfg, plan = plan_for(cfg, 512)
+    block = 1
+    lo = plan[block].layers[0]
+    spy = Spy(monkeypatch)
+
+    do_visit(cfg, "r", ds_id, cycle=0, block=block, version=0)
+
+    (model,) = spy.models
+    params = dict(model.named_parameters())
+    # weights of blocks >= b only: no prefix layer, no position embedding; wte only for a tied head
+    assert min(layers_of(params)) == lo and max(layers_of(params)) == mcfg.n_layer - 1
+    assert not any(n.startswith("wpe.") for n in params)
+    assert ("wte.weight" in params) == mcfg.tied
+    assert "ln_f.weight" in params
+    # gradients and optimizer state for block b only
+    active = set(plan[block].params)
+    assert {n for n, p in params.items() if p.requires_grad} == active
+    assert all(p.grad is None for n, p in params.items() if n not in active)
+    (opt_params,) = spy.opt_params
+    assert {id(p) for p in opt_params} == {id(params[n]) for n in active}
+    (opt,) = spy.opts
+    assert {id(p) for p in opt.state} <= {id(params[n]) for n in active}
+
+
+# -- I2, I3 (through the flows) ---------------------------------------------------------------
+
+def final_weights(cfg, run_id: str) -> dict[str, torch.Tensor]:
+    from storage import runs
+
+    store = Store(cfg.store)
+    state = runs.read_state(store, run_id)
+    assert state["status"] == "done"
+    return load_blocks(store, run_id, state["version"])
+
+
+@pytest.mark.slow
+def test_i2_preinference_on_and_off_give_the_same_weights(tiny_cfg, prefect_server):
+    from flows.bcd import bcd_train
+
+    on, off = tiny_cfg("bcd.preinfer=true"), tiny_cfg("bcd.preinfer=false")
+    assert (on.bcd.blocks, on.bcd.cycles) == (3, 1)
+    r_on = bcd_train(config=on.model_dump(), run_id="pre-on")
+    r_off = bcd_train(config=off.model_dump(), run_id="pre-off")
+    assert r_on["version"] == r_off["version"] == 3
+    a, b = final_weights(on, "pre-on"), final_weights(off, "pre-off")
+    assert a.keys() == b.keys()
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff <= 1e-4, f"max abs diff {diff}"
+    # not vacuous: every block moved away from version 0
+    v0 = load_blocks(Store(on.store), "pre-on", 0)
+    _, plan = plan_for(on, 512)
+    for blk in plan.blocks:
+        assert any(not torch.equal(v0[n], a[n]) for n in blk.params), f"block {blk.index} never trained"
+
+
+@pytest.mark.slow
+def test_i3_one_block_bcd_equals_full_training(tiny_cfg, prefect_server):
+    from flows.bcd import bcd_train, full_train
+
+    cfg = tiny_cfg("bcd.blocks=1", "bcd.cycles=1", "bcd.sample_rate=1", "bcd.max_steps=6", "train.steps=6")
+    r_bcd = bcd_train(config=cfg.model_dump(), run_id="bcd")
+    r_full = full_train(config=cfg.model_dump(), run_id="full")
+    assert r_bcd["steps"] == r_full["steps"] == 6
+    a, b = final_weights(cfg, "bcd"), final_weights(cfg, "full")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert not torch.equal(a["h.0.attn.c_attn.weight"], load_blocks(Store(cfg.store), "bcd", 0)["h.0.attn.c_attn.weight"])
+
+
+# -- per-visit sampling (paper §3.2.3) ------------------------------------------------------------
+
+@pytest.mark.parametrize("n,rate", [(100, 0.9), (101, 0.5), (7, 1.0), (10, 0.01)])
+def test_sample_rows_deterministic_sized_and_distinct(n, rate):
+    a = sample_rows(n, rate, seed=0, cycle=1, block=2)
+    assert np.array_equal(a, sample_rows(n, rate, seed=0, cycle=1, block=2))  # deterministic
+    assert len(a) == max(1, round(rate * n))
+    assert len(np.unique(a)) == len(a) and a.min() >= 0 and a.max() < n  # a subset, no repeats
+    assert a.dtype.kind == "i"
+
+
+def test_sample_rows_differ_across_visits_and_seeds():
+    n, rate = 200, 0.9
+    keys = [(0, c, b) for c in range(2) for b in range(3)] + [(1, 0, 0)]
+    samples = {k: sample_rows(n, rate, *k) for k in keys}
+    for i, ka in enumerate(keys):
+        for kb in keys[i + 1:]:
+            assert not np.array_equal(samples[ka], samples[kb]), (ka, kb)
+    # at rate 1 every row is drawn, still in a visit-specific order
+    full = sample_rows(n, 1.0, 0, 0, 0)
+    assert sorted(full.tolist()) == list(range(n))
+    assert not np.array_equal(full, sample_rows(n, 1.0, 0, 0, 1))
+
+
+def test_visit_rows_is_the_sample_cut_to_the_step_cap(tiny_cfg):
+    cfg = tiny_cfg()
+    rows = visit_rows(cfg, 1000, cycle=0, block=1)
+    assert np.array_equal(rows, sample_rows(1000, cfg.bcd.sample_rate, cfg.seed, 0, 1)[: 6 * 8])
+    assert len(visit_rows(cfg, 1000, 0, 1, max_steps=2)) == 16
+
+
+@pytest.mark.parametrize("n_rows,bs", [(48, 8), (50, 8), (5, 8), (64, 64)])
+def test_batch_ranges_cover_every_row_each_epoch(n_rows, bs):
+    n_batches = -(-n_rows // bs)
+    it = batch_ranges(n_rows, bs, seed=0, cycle=0, block=1)
+    epochs = [[next(it) for _ in range(n_batches)] for _ in range(4)]
+    for ep in epochs:
+        covered = np.zeros(n_rows, dtype=int)
+        for lo, hi in ep:
+            assert 0 <= lo < hi <= n_rows and hi - lo <= bs
+            covered[lo:hi] += 1
+        assert (covered == 1).all()  # every row exactly once per epoch
+    assert [lo for lo, _ in epochs[0]] == list(range(0, n_rows, bs))  # epoch 0 in order
+    if n_batches > 2:
+        assert any(ep != epochs[0] for ep in epochs[1:])  # later epochs reshuffle batches
+    # deterministic per (seed, cycle, block)
+    again = batch_ranges(n_rows, bs, seed=0, cycle=0, block=1)
+    assert [next(again) for _ in range(4 * n_batches)] == [r for ep in epochs for r in ep]
