@@ -1,9 +1,10 @@
-"""``bcdflow`` command line: demo, train, baseline, status, export.
+"""``bcdflow`` command line: demo, train, baseline, resume, status, export, compare.
 
     bcdflow demo                         # tiny model, built-in corpus, embedded defaults
     bcdflow train -c run.yaml --set bcd.blocks=4 --run-id my-run
     bcdflow status my-run --json
     bcdflow export my-run ./out
+    bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
 
 Bad input (unknown key or value, missing data file, empty corpus, ...) prints one line naming the
 key or file and exits with status 2, before anything is written to the store.
@@ -14,8 +15,6 @@ import argparse
 import json
 import os
 import sys
-import time
-import uuid
 
 EXIT_BAD_INPUT = 2
 
@@ -37,6 +36,15 @@ def _env_defaults() -> None:
 
 class BadInput(Exception):
     pass
+
+
+class RunFailed(Exception):
+    """A run stopped on a fault (store outage, preemption, crash): its committed work is safe."""
+
+    def __init__(self, run_id: str, store: str, cause: BaseException):
+        first = (str(cause).strip().splitlines() or [""])[0]
+        super().__init__(f"run {run_id} failed: {type(cause).__name__}: {first}\n"
+                         f"bcdflow: committed visits are safe; continue with: bcdflow resume {run_id} --store {store}")
 
 
 def _preflight(cfg) -> None:
@@ -63,11 +71,13 @@ def _config(args, base: list[str] | None = None):
 
 def _run(args, mode: str, base: list[str] | None = None) -> dict:
     cfg = _config(args, base)
-    run_id = args.run_id or f"{mode}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    from flows.params import new_run_id
+
+    run_id = args.run_id or new_run_id(mode)
     from flows.bcd import bcd_train, full_train
 
     fn = full_train if mode == "full" else bcd_train
-    summary = fn(config=cfg.model_dump(), run_id=run_id)
+    summary = _call(fn, cfg, run_id)
     print(json.dumps(summary, indent=2))
     return {"cfg": cfg, "run_id": run_id, "summary": summary}
 
@@ -87,8 +97,21 @@ def cmd_resume(args) -> int:
     from flows.bcd import bcd_train, full_train
 
     fn = full_train if stored.get("mode") == "full" else bcd_train
-    print(json.dumps(fn(config=cfg.model_dump(), run_id=args.run_id), indent=2))
+    print(json.dumps(_call(fn, cfg, args.run_id), indent=2))
     return 0
+
+
+def _call(fn, cfg, run_id: str) -> dict:
+    from flows.params import RunParams
+    from models.errors import ConfigError
+    from storage.errors import DataError
+
+    try:
+        return fn(config=RunParams.from_config(cfg), run_id=run_id)
+    except (ConfigError, DataError, SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        raise RunFailed(run_id, cfg.store, e) from e
 
 
 def _store(url: str, args=None):
@@ -158,10 +181,20 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_export(args) -> int:
-    from safetensors.torch import save_file
+def cmd_compare(args) -> int:
+    from flows.compare import CompareError, compare
 
-    from storage import checkpoints, runs
+    try:
+        result = compare(_store(args.store, args), args.run_ids)
+    except CompareError as e:
+        raise BadInput(str(e)) from None
+    print(json.dumps(result, indent=2) if args.json else result["markdown"])
+    return 0
+
+
+def cmd_export(args) -> int:
+    from storage import runs
+    from tasks.export import export_version
 
     store = _store(args.store, args)
     state = runs.read_state(store, args.run_id)
@@ -170,19 +203,8 @@ def cmd_export(args) -> int:
     version = state["version"] if args.version is None else args.version
     if not 0 <= version <= state["version"]:
         raise BadInput(f"--version: run {args.run_id!r} has versions 0..{state['version']}, got {version}")
-    tensors = checkpoints.load_blocks(store, args.run_id, version)
-    cfg = runs.read_config(store, args.run_id)
-    os.makedirs(args.out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(args.out_dir, "model.safetensors"),
-              metadata={"run_id": args.run_id, "version": str(version)})
-    with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-        json.dump({"run_id": args.run_id, "version": version, "model": cfg["model_resolved"],
-                   "plan": cfg["plan"], "dataset": cfg["dataset"]}, f, indent=2)
-    tok = f"datasets/{cfg['dataset']}/tokenizer.json"
-    if store.exists(tok):
-        with open(os.path.join(args.out_dir, "tokenizer.json"), "wb") as f:
-            f.write(store.read_bytes(tok))
-    print(f"exported run {args.run_id} version {version} ({len(tensors)} tensors) to {args.out_dir}")
+    n = export_version(store, args.run_id, version, args.out_dir)
+    print(f"exported run {args.run_id} version {version} ({n} tensors) to {args.out_dir}")
     return 0
 
 
@@ -219,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("out_dir")
     sp.add_argument("--version", type=int)
     sp.set_defaults(fn=cmd_export)
+    sp = sub.add_parser("compare", help="loss and cost of runs against the first (B-F multiplier, what-if cost)")
+    sp.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="the baseline first, then the others")
+    sp.add_argument("--store", default="./bcdflow-store", help="store URL (default ./bcdflow-store)")
+    sp.add_argument("--endpoint-url", help="S3-compatible endpoint for an s3:// store")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_compare)
     return p
 
 
@@ -226,13 +254,22 @@ def main(argv: list[str] | None = None) -> int:
     _env_defaults()
     args = build_parser().parse_args(argv)
     from models.errors import ConfigError
+    from storage.activations import ActivationError
+    from storage.checkpoints import CheckpointError
     from storage.errors import DataError
+    from storage.trainckpt import TrainCheckpointError
 
     try:
         return args.fn(args)
     except (BadInput, ConfigError, DataError) as e:
         print(f"bcdflow: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RunFailed as e:
+        print(f"bcdflow: error: {e}", file=sys.stderr)
+        return 1
+    except (CheckpointError, ActivationError, TrainCheckpointError) as e:
+        print(f"bcdflow: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 Zarr 3 facts that shape this: a shard is the unit of safe concurrent writes, so one pre-inference task owns
 whole shards (``shards=(shard_rows, T, d)``) and writes them with one region write; the array metadata is
 created once by the coordinator (``create_group``); there is no native bfloat16, so its 16-bit pattern is stored;
-activations barely compress, so compressors are off. A shard counts as complete only when its marker exists and
+activations barely compress, so compressors are off by default (zstd level 1 on request). A shard counts as complete only when its marker exists and
 the stored bytes still hash to the marker's checksum (DESIGN §3 I5), so a truncated or altered shard is redone,
 never trained on.
 
@@ -45,7 +45,7 @@ def _default_chunk_rows(shard_rows: int, row_bytes: int) -> int:
 
 
 def create_group(store: Store, key: str, *, n_rows: int, seq_len: int, d_model: int, shard_rows: int,
-                 dtype: str = "float32", chunk_rows: int | None = None) -> None:
+                 dtype: str = "float32", chunk_rows: int | None = None, compression: str = "none") -> None:
     """Create the group's metadata (coordinator, once). An existing group with identical attributes is kept
     (resume: its completed shards stay valid); one with different attributes is deleted and recreated."""
     for name, v in (("n_rows", n_rows), ("seq_len", seq_len), ("d_model", d_model), ("shard_rows", shard_rows)):
@@ -58,8 +58,11 @@ def create_group(store: Store, key: str, *, n_rows: int, seq_len: int, d_model: 
         chunk_rows = _default_chunk_rows(shard_rows, row_bytes)
     elif not isinstance(chunk_rows, int) or chunk_rows < 1 or shard_rows % chunk_rows:
         raise ActivationError(f"chunk_rows must be a positive divisor of shard_rows={shard_rows}, got {chunk_rows!r}")
+    if compression not in ("none", "zstd"):
+        raise ActivationError(f"compression must be none or zstd, got {compression!r}")
     attrs = {"n_rows": n_rows, "seq_len": seq_len, "d_model": d_model, "shard_rows": shard_rows,
-             "dtype": dtype, "n_shards": -(-n_rows // shard_rows)}
+             "dtype": dtype, "n_shards": -(-n_rows // shard_rows), "compression": compression}
+    compressors = None if compression == "none" else zarr.codecs.ZstdCodec(level=1)
     if _existing_attrs(store, key) == attrs:
         return
     store.rm(key)  # different layout (or a half-created group): its shards and markers are meaningless
@@ -67,7 +70,7 @@ def create_group(store: Store, key: str, *, n_rows: int, seq_len: int, d_model: 
     hidden_attrs = {"logical_dtype": "bfloat16"} if dtype == "bfloat16" else {}
     group.create_array("hidden", shape=(n_rows, seq_len, d_model), dtype=_STORED[dtype],
                        shards=(shard_rows, seq_len, d_model), chunks=(chunk_rows, seq_len, d_model),
-                       compressors=None, fill_value=0, attributes=hidden_attrs)
+                       compressors=compressors, fill_value=0, attributes=hidden_attrs)
     group.create_array("targets", shape=(n_rows, seq_len), dtype="int32", shards=(shard_rows, seq_len),
                        chunks=(chunk_rows, seq_len), compressors=None, fill_value=0)
     group.attrs.update(attrs)  # written last: attributes present means both arrays exist

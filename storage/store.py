@@ -27,6 +27,9 @@ class Store:
             url = os.path.abspath(os.path.expanduser(url))
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
+        if url.startswith(("s3://", "s3a://")):
+            # other processes write shards and markers concurrently: never trust a cached listing
+            self.storage_options.setdefault("use_listings_cache", False)
         self.fs, self.root = url_to_fs(self.url, **self.storage_options)
         self.is_local = "file" in _protocols(self.fs)
 

@@ -14,12 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from models.config import REGISTRY, ModelConfig, get_config
 from models.errors import ConfigError
 from models.trainer import OptimSpec, StopRule
+from tasks.spend import DEFAULT_PRICES, parse_prices
 
 ORDERS = ("cyclic", "reverse", "random", "greedy")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # attribute docstrings become field descriptions: the Prefect UI form shows them
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class ModelSection(_Section):
@@ -75,6 +77,13 @@ class BcdSection(_Section):
     window: int = Field(20, ge=1)
     shard_rows: int = Field(256, ge=1)
     act_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    act_compression: Literal["none", "zstd"] = "none"
+    """Activations barely compress; zstd (level 1) trades CPU for bytes on a slow link."""
+    preinfer_workers: int | None = Field(None, ge=1)
+    """Pre-inference shard tasks run at once in this process; None = 1 on CPU (torch already uses every
+    core per shard), 2 on GPU (one shard's I/O overlaps the next one's compute)."""
+    store_concurrency: int = Field(16, ge=1)
+    """Zarr's async concurrency: object-store requests in flight per shard read/write."""
 
     @field_validator("order")
     @classmethod
@@ -130,6 +139,55 @@ class CheckpointSection(_Section):
     """... and at least every S seconds (whichever comes first)."""
 
 
+class SpendSection(_Section):
+    """What the GPUs cost (DESIGN §7): spend of a stage = wall seconds x GPUs x USD per GPU-hour."""
+    prices: list[str] = []
+    """Catalog additions/overrides as KIND=USD per GPU-hour, e.g. ["h100=2.49"]; built in (paper §4.4.2):
+    rtx4090=0.29, a800=0.69, a100=1.20. A YAML mapping {h100: 2.49} works too."""
+    preinfer_device: str = "rtx4090"
+    """Device kind of pre-inference (a key of the price catalog)."""
+    preinfer_gpus: int = Field(1, ge=1)
+    train_device: str = "rtx4090"
+    """Device kind of block training."""
+    train_gpus: int = Field(1, ge=1)
+    eval_device: str = "rtx4090"
+    """Device kind of validation."""
+    eval_gpus: int = Field(1, ge=1)
+    budget_usd: float | None = Field(None, gt=0)
+    """Stop before a visit whose predicted spend (the block's last visit) exceeds what is left; None = no budget."""
+
+    @field_validator("prices", mode="before")
+    @classmethod
+    def _prices(cls, v):
+        if isinstance(v, dict):
+            v = [f"{k}={p}" for k, p in v.items()]
+        elif isinstance(v, str):
+            v = [e for e in v.split(",") if e.strip()]
+        if isinstance(v, list):
+            return [f"{k}={p:g}" for k, p in parse_prices(v).items()]
+        return v
+
+    @field_validator("preinfer_device", "train_device", "eval_device")
+    @classmethod
+    def _kind(cls, v: str, info) -> str:
+        known = {**DEFAULT_PRICES, **parse_prices(info.data.get("prices") or [])}
+        if v not in known:
+            raise ValueError(f"unknown device kind {v!r} (catalog: {', '.join(known)}; "
+                             "add one with spend.prices=[KIND=USD])")
+        return v
+
+
+class StopSection(_Section):
+    """Global stop rules (DESIGN §2): a run ends at the first of cycles done, target validation loss,
+    budget (``spend.budget_usd``), no validation improvement over whole cycles."""
+    target_val_loss: float | None = Field(None, gt=0)
+    """Stop once a visit's validation loss is at or below this; None = off."""
+    patience_cycles: int = Field(1, ge=0)
+    """Stop after this many whole cycles without a new best validation loss; 0 = off."""
+    min_delta: float = Field(0.0, ge=0)
+    """How much lower than the best so far a validation loss must be to count as an improvement."""
+
+
 class RunConfig(_Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
@@ -138,12 +196,16 @@ class RunConfig(_Section):
     train: TrainSection = TrainSection()
     s3: S3Section = S3Section()
     checkpoint: CheckpointSection = CheckpointSection()
+    spend: SpendSection = SpendSection()
+    stop: StopSection = StopSection()
     seed: int = 0
     store: str = "./bcdflow-store"
     """Any fsspec URL: a local path, memory://, s3://bucket/prefix."""
     tracking_uri: str | None = None
     """MLflow tracking URI; None = a SQLite file next to a local store; "none" = tracking off."""
     experiment: str = "bcdflow"
+    log_model: bool = True
+    """Log the final model (model.safetensors + config.json, as ``bcdflow export`` writes) to MLflow."""
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
@@ -185,8 +247,11 @@ class RunConfig(_Section):
         return opts
 
     def open_store(self):
+        import zarr
+
         from storage.store import Store
 
+        zarr.config.set({"async.concurrency": self.bcd.store_concurrency})
         return Store(self.store, self.storage_options())
 
     def resolved_tracking_uri(self) -> str:

@@ -12,12 +12,12 @@ from typing import Iterator
 
 import numpy as np
 from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from storage.corpus import builtin_corpus_files, resolve_files
 from storage.store import Store
 from storage.tokens import prepare_token_dataset
 from tasks.config import RunConfig
+from tasks.retry import retrying
 
 
 def data_files(cfg: RunConfig) -> list[str] | None:
@@ -39,8 +39,7 @@ def prepare_data(cfg: RunConfig, store: Store) -> str:
         val_fraction=d.val_fraction, max_chars=d.max_chars, cache_dir=cache)
 
 
-prepare_data_task = task(prepare_data, name="prepare-data", retries=2, retry_delay_seconds=[2, 10],
-                         cache_policy=NO_CACHE)
+prepare_data_task = task(prepare_data, name="prepare-data", **retrying())
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:

@@ -1,10 +1,12 @@
 """Spot preemption: on SIGTERM the trainer finishes its current step, writes a checkpoint and exits.
 
-``install()`` chains a SIGTERM handler in front of whatever was there (Prefect's own handler when a
-worker runs the flow with ``PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR=reschedule``). While a training
-loop runs, the handler only raises a flag that the loop polls after each step; after the checkpoint,
-``finish()`` hands the signal on (Prefect reschedules the run), or exits with 143 when nothing else
-handles it. Outside training (pre-inference shards are atomic and reused) the signal is handed on at once.
+While a training loop runs (``with training():``), a SIGTERM handler is chained in front of whatever
+was installed (Prefect's own handler, which reschedules the run when a worker runs it with
+``PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR=reschedule``). It only raises a flag that the loop polls
+after each step; after the checkpoint, ``finish()`` hands the signal on to the previous handler, or
+exits with 143 when there is none. Outside training (pre-inference shards are atomic and reused) the
+previous handler sees the signal directly. Prefect runs sync flows and tasks on the main thread,
+the only thread that may install signal handlers.
 """
 from __future__ import annotations
 
@@ -12,10 +14,8 @@ import signal
 import threading
 from contextlib import contextmanager
 
-_active = threading.Event()
 _requested = threading.Event()
 _previous = None
-_installed = False
 
 
 class Preempted(SystemExit):
@@ -25,25 +25,8 @@ class Preempted(SystemExit):
         super().__init__(128 + signal.SIGTERM)
 
 
-def install() -> None:
-    global _previous, _installed
-    if _installed or threading.current_thread() is not threading.main_thread():
-        return
-    _previous = signal.signal(signal.SIGTERM, _handler)
-    _installed = True
-
-
 def _handler(signum, frame) -> None:
-    if _active.is_set():
-        _requested.set()
-        return
-    _hand_on(signum, frame)
-
-
-def _hand_on(signum, frame) -> None:
-    if callable(_previous) and _previous not in (signal.SIG_DFL, signal.SIG_IGN):
-        _previous(signum, frame)
-    raise Preempted()
+    _requested.set()
 
 
 def requested() -> bool:
@@ -52,14 +35,21 @@ def requested() -> bool:
 
 @contextmanager
 def training():
-    _active.set()
+    global _previous
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        _previous = signal.signal(signal.SIGTERM, _handler)
     try:
         yield
     finally:
-        _active.clear()
+        if main:
+            signal.signal(signal.SIGTERM, _previous)
 
 
 def finish() -> None:
-    """Call after the interruption checkpoint is written."""
+    """Call after the interruption checkpoint is written: hand SIGTERM on."""
     _requested.clear()
-    _hand_on(signal.SIGTERM, None)
+    prev = _previous
+    if callable(prev) and prev not in (signal.SIG_DFL, signal.SIG_IGN):
+        prev(signal.SIGTERM, None)
+    raise Preempted()

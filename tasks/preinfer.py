@@ -11,15 +11,16 @@ import threading
 
 import torch
 from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from storage import activations, checkpoints
 from storage.store import Store
 from storage.tokens import TokenDataset
+from tasks import failpoints
 from tasks.config import RunConfig
 from tasks.data import visit_rows
 from tasks.run import plan_for
 from tasks.weights import autocast, load_part, resolve_device
+from tasks.retry import retrying
 
 
 def visit_key(run_id: str, cycle: int, block: int) -> str:
@@ -30,7 +31,7 @@ def acts_key(run_id: str, cycle: int, block: int) -> str:
     return f"{visit_key(run_id, cycle, block)}/activations.zarr"
 
 
-@task(name="plan-shards", retries=2, retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
+@task(name="plan-shards", **retrying())
 def plan_shards(cfg: RunConfig, run_id: str, cycle: int, block: int, dataset_id: str) -> list[int]:
     """Create the visit's activation arrays (once) and return the shards still to compute."""
     store = cfg.open_store()
@@ -39,7 +40,8 @@ def plan_shards(cfg: RunConfig, run_id: str, cycle: int, block: int, dataset_id:
     mcfg, _ = plan_for(cfg, ds.vocab_size)
     key = acts_key(run_id, cycle, block)
     activations.create_group(store, key, n_rows=n, seq_len=ds.seq_len, d_model=mcfg.d_model,
-                             shard_rows=cfg.bcd.shard_rows, dtype=cfg.bcd.act_dtype)
+                             shard_rows=cfg.bcd.shard_rows, dtype=cfg.bcd.act_dtype,
+                             compression=cfg.bcd.act_compression)
     n_shards = -(-n // cfg.bcd.shard_rows)
     return [s for s in range(n_shards) if not activations.shard_complete(store, key, s)]
 
@@ -77,9 +79,10 @@ def run_prefix(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int
         for x in tokens[:, :-1].split(cfg.train.batch_size):
             h = prefix.run_layers(prefix.embed(x.to(device)), 0, plan[block].layers[0])  # (B, T, C)
             hidden.append(h.float().cpu())
-    return activations.write_shard(store, acts_key(run_id, cycle, block), shard, torch.cat(hidden),
-                                   tokens[:, 1:].int())
+    marker = activations.write_shard(store, acts_key(run_id, cycle, block), shard, torch.cat(hidden),
+                                     tokens[:, 1:].int())
+    failpoints.hit("preinfer-shard")
+    return marker
 
 
-preinfer_shard = task(run_prefix, name="preinfer-shard", retries=2, retry_delay_seconds=[2, 10],
-                      cache_policy=NO_CACHE, task_run_name="shard-{shard}")
+preinfer_shard = task(run_prefix, name="preinfer-shard", task_run_name="shard-{shard}", **retrying())

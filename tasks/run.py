@@ -9,14 +9,15 @@ import time
 
 import torch
 from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from models import build_model, make_plan
 from models.errors import ConfigError
 from storage import checkpoints, runs
 from storage.tokens import TokenDataset
+from tasks import failpoints
 from tasks.config import RunConfig
 from tasks.weights import block_tensors
+from tasks.retry import retrying
 
 # keys that define what a run computes; a resumed run must match them exactly
 IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.order", "bcd.sample_rate",
@@ -73,14 +74,15 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
     return state
 
 
-init_run_task = task(init_run, name="init-run", retries=2, retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
+init_run_task = task(init_run, name="init-run", **retrying())
 
 
-@task(name="commit", retries=3, retry_delay_seconds=[1, 5, 20], cache_policy=NO_CACHE)
+@task(name="commit", **retrying())
 def commit_visit(cfg: RunConfig, run_id: str, base_version: int, block: int, block_file: dict,
                  visit: dict) -> int:
     """Publish version base+1 = version base with ``block`` replaced; append the visit to the state."""
     store = cfg.open_store()
+    failpoints.hit("before-commit")
     new_version = base_version + 1
     checkpoints.commit_version(store, run_id, base_version, new_version, {block: block_file})
     runs.append_visit(store, run_id, {**visit, "version": new_version})

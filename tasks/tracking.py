@@ -1,7 +1,10 @@
 """The one seam to MLflow (CONVENTIONS 6). ``Tracker("none")`` is a no-op.
 
 One MLflow run per training run, a nested run per visit (tag ``mlflow.parentRunId``). Metrics are
-batched (``log_batch``) so a SQLite backend never sits on the training hot path per step.
+batched (``log_batch``) so a SQLite backend never sits on the training hot path per step. A run started
+with ``system_metrics=True`` samples CPU, memory, disk, network (and NVIDIA GPUs when ``pynvml`` is
+installed: the ``gpu`` extra) into ``system/*`` metrics every ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL``
+seconds (default 10) until ``end``.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ class Tracker:
     def __init__(self, uri: str, experiment: str = "bcdflow", artifact_root: str | None = None):
         self.enabled = bool(uri) and uri.lower() != "none"
         self.uri = uri
+        self._monitors: dict[str, Any] = {}
         if not self.enabled:
             return
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -45,12 +49,16 @@ class Tracker:
             self.experiment_id = exp.experiment_id
 
     def start(self, name: str, params: dict | None = None, tags: dict | None = None,
-              parent: str | None = None, resume_id: str | None = None) -> str | None:
+              parent: str | None = None, resume_id: str | None = None,
+              system_metrics: bool = False) -> str | None:
         """Start (or continue, with ``resume_id``) a run; returns its id."""
         if not self.enabled:
             return None
         if resume_id:
             self.client.update_run(resume_id, status="RUNNING")
+            self.tags(resume_id, tags or {})  # e.g. the Prefect flow run that continues it
+            if system_metrics:
+                self._monitor(resume_id, resume=True)
             return resume_id
         all_tags = dict(tags or {})
         if parent:
@@ -62,7 +70,20 @@ class Tracker:
             items = [Param(k, v) for k, v in _flat(params).items()]
             for i in range(0, len(items), 100):
                 self.client.log_batch(run.info.run_id, params=items[i:i + 100])
+        if system_metrics:
+            self._monitor(run.info.run_id)
         return run.info.run_id
+
+    def _monitor(self, run_id: str, resume: bool = False) -> None:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        try:
+            mon = SystemMetricsMonitor(run_id, resume_logging=resume, tracking_uri=self.uri)
+        except Exception as e:  # psutil missing or an unsupported platform: train without them
+            log.warning("system metrics off: %s", e)
+            return
+        mon.start()
+        self._monitors[run_id] = mon
 
     def metrics(self, run_id: str | None, values: dict[str, float], step: int) -> None:
         self.metric_series(run_id, {k: [(step, v)] for k, v in values.items()})
@@ -90,6 +111,27 @@ class Tracker:
             else:
                 self.client.log_artifact(run_id, path, artifact_path)
 
+    def history(self, run_id: str | None, key: str) -> list[tuple[int, float]]:
+        """A metric's (step, value) points in step order; a step logged twice (a resumed visit) keeps
+        its last value."""
+        if not self.enabled or run_id is None:
+            return []
+        last = {m.step: m.value for m in sorted(self.client.get_metric_history(run_id, key),
+                                                key=lambda m: m.timestamp)}
+        return sorted(last.items())
+
+    def run_url(self, run_id: str | None) -> str | None:
+        """The run's page in the MLflow UI: the tracking server itself, or for a file/SQLite backend the
+        ``mlflow ui`` address in ``BCDFLOW_MLFLOW_UI`` (default http://127.0.0.1:5000)."""
+        if not self.enabled or run_id is None:
+            return None
+        base = self.uri if self.uri.startswith(("http://", "https://")) else \
+            os.environ.get("BCDFLOW_MLFLOW_UI", "http://127.0.0.1:5000")
+        return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
+
     def end(self, run_id: str | None, status: str = "FINISHED") -> None:
         if self.enabled and run_id:
+            mon = self._monitors.pop(run_id, None)
+            if mon is not None:
+                mon.finish()  # flush the last samples while the run is still RUNNING
             self.client.set_terminated(run_id, status=status)

@@ -23,11 +23,12 @@ from storage.store import Store
 from storage.tokens import TokenDataset
 from tasks.config import RunConfig
 from tasks.data import batch_ranges, sample_rows, visit_rows
-from tasks import preempt
+from tasks import failpoints, preempt
 from tasks.preinfer import acts_key, visit_key
 from tasks.run import plan_for
 from tasks.tracking import Tracker
 from tasks.weights import autocast, block_tensors, load_part, resolve_device
+from tasks.retry import retrying
 
 
 def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> Iterator:
@@ -115,6 +116,7 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
     def checkpoint(st: LoopState) -> None:
         trainckpt.save(store, vkey, st.steps, {n: p for n, p in model.named_parameters() if n in active},
                        opt.state_dict(), {"loop": st.to_dict(), "base_version": version})
+        failpoints.hit("train-checkpoint")
 
     # the data cursor: a resumed loop skips the batches it already trained on
     ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, cycle, block),
@@ -136,8 +138,7 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
     }
 
 
-train_block = task(train_visit, name="train-block", retries=1, retry_delay_seconds=[10],
-                   cache_policy=NO_CACHE)
+train_block = task(train_visit, name="train-block", **retrying(2))
 
 
 @torch.no_grad()
@@ -169,7 +170,7 @@ def evaluate_version(cfg: RunConfig, run_id: str, base_version: int, dataset_id:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "eval_seconds": time.perf_counter() - t0}
 
 
-evaluate = task(evaluate_version, name="evaluate", retries=1, retry_delay_seconds=[10], cache_policy=NO_CACHE)
+evaluate = task(evaluate_version, name="evaluate", **retrying(2))
 
 
 def greedy_block(cfg: RunConfig, run_id: str, version: int, dataset_id: str, cycle: int,

@@ -17,6 +17,9 @@ os.environ.update({
     "BCDFLOW_HF_CACHE": os.path.join(_HOME, "hf-datasets"),
     "MLFLOW_TRACKING_URI": "sqlite:///" + os.path.join(_HOME, "mlflow-default.db"),
     "TOKENIZERS_PARALLELISM": "false",
+    # one intra-op thread: tiny models gain nothing from two, and CLI subprocesses must match the
+    # in-process reference runs thread for thread (bitwise checks)
+    "OMP_NUM_THREADS": "1",
 })
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
 
@@ -25,7 +28,7 @@ import torch  # noqa: E402
 
 from tasks.config import RunConfig, load_config  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(1)
 
 # a tiny, fast run: ~400 KB of built-in corpus, 6 layers x 64 wide, a few steps per visit
 TINY = [
@@ -53,3 +56,60 @@ def tiny_cfg(tmp_path):
         extra.append(f"tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}" if tracking else "tracking_uri=none")
         return load_config(sets=TINY + extra + list(sets))
     return make
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url(prefect_server) -> str:
+    """The session test server's API URL, for CLI subprocesses (no second temporary server)."""
+    import prefect.settings
+
+    return prefect.settings.PREFECT_API_URL.value()
+
+
+class S3Server:
+    """moto's S3 on loopback (as s3fs's and zarr's own suites test); stop/start keeps its data."""
+
+    def __init__(self):
+        from moto.server import ThreadedMotoServer
+
+        self._cls = ThreadedMotoServer
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.server = None
+
+    def start(self) -> None:
+        self.server = self._cls(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1")
+    srv = S3Server()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh bucket; returns its s3:// URL."""
+    import s3fs
+
+    name = "b-" + request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:40]
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server.endpoint)
+    if not fs.exists(name):
+        fs.mkdir(name)
+    return f"s3://{name}"

@@ -50,7 +50,7 @@ def test_bad_value_names_its_key(sets, key):
     (["bcd.sample_rate=1.5"], "(0, 1]"),
 ])
 def test_error_says_what_is_allowed(sets, allowed):
-    with pytest.raises(ConfigError, match=None) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(sets=sets)
     assert allowed in str(e.value)
 

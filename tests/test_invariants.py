@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tasks.train
+from storage import runs
 from storage.checkpoints import commit_version, load_blocks, read_manifest
 from storage.store import Store
 from tasks.data import batch_ranges, prepare_data, sample_rows, visit_rows
@@ -137,9 +138,13 @@ def test_i6_visit_holds_blocks_from_b_and_trains_block_b_only(tiny_cfg, monkeypa
 
 # -- I2, I3 (through the flows) ---------------------------------------------------------------
 
-def final_weights(cfg, run_id: str) -> dict[str, torch.Tensor]:
-    from storage import runs
+@pytest.fixture(scope="module")
+def flow_store(tmp_path_factory):
+    """One store for the flow tests: the token dataset is content-addressed, so it is prepared once."""
+    return f"store={tmp_path_factory.mktemp('flows') / 'store'}"
 
+
+def final_weights(cfg, run_id: str) -> dict[str, torch.Tensor]:
     store = Store(cfg.store)
     state = runs.read_state(store, run_id)
     assert state["status"] == "done"
@@ -147,38 +152,50 @@ def final_weights(cfg, run_id: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_i2_preinference_on_and_off_give_the_same_weights(tiny_cfg, prefect_server):
+def test_i2_preinference_on_and_off_give_the_same_weights(tiny_cfg, prefect_server, flow_store):
     from flows.bcd import bcd_train
 
-    on, off = tiny_cfg("bcd.preinfer=true"), tiny_cfg("bcd.preinfer=false")
+    short = (flow_store, "bcd.max_steps=4")  # 4 steps x 8 rows: two pre-inference shards per visit
+    on, off = tiny_cfg(*short, "bcd.preinfer=true"), tiny_cfg(*short, "bcd.preinfer=false")
     assert (on.bcd.blocks, on.bcd.cycles) == (3, 1)
     r_on = bcd_train(config=on.model_dump(), run_id="pre-on")
     r_off = bcd_train(config=off.model_dump(), run_id="pre-off")
     assert r_on["version"] == r_off["version"] == 3
+    store = Store(on.store)
+    # the two runs really took the two paths: the prefix was pre-inferred for blocks 1 and 2 of one only
+    for run_id, flag in (("pre-on", True), ("pre-off", False)):
+        assert runs.read_config(store, run_id)["bcd"]["preinfer"] is flag
+        pre = [v["preinfer_seconds"] > 0 for v in runs.read_state(store, run_id)["visits"]]
+        assert pre == [False, flag, flag], (run_id, pre)
     a, b = final_weights(on, "pre-on"), final_weights(off, "pre-off")
     assert a.keys() == b.keys()
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     assert diff <= 1e-4, f"max abs diff {diff}"
     # not vacuous: every block moved away from version 0
-    v0 = load_blocks(Store(on.store), "pre-on", 0)
+    v0 = load_blocks(store, "pre-on", 0)
     _, plan = plan_for(on, 512)
     for blk in plan.blocks:
         assert any(not torch.equal(v0[n], a[n]) for n in blk.params), f"block {blk.index} never trained"
 
 
 @pytest.mark.slow
-def test_i3_one_block_bcd_equals_full_training(tiny_cfg, prefect_server):
+def test_i3_one_block_bcd_equals_full_training(tiny_cfg, prefect_server, flow_store):
     from flows.bcd import bcd_train, full_train
 
-    cfg = tiny_cfg("bcd.blocks=1", "bcd.cycles=1", "bcd.sample_rate=1", "bcd.max_steps=6", "train.steps=6")
+    cfg = tiny_cfg(flow_store, "bcd.blocks=1", "bcd.cycles=1", "bcd.sample_rate=1", "bcd.max_steps=4",
+                   "train.steps=4", "train.eval_every=2")
     r_bcd = bcd_train(config=cfg.model_dump(), run_id="bcd")
     r_full = full_train(config=cfg.model_dump(), run_id="full")
-    assert r_bcd["steps"] == r_full["steps"] == 6
+    assert r_bcd["steps"] == r_full["steps"] == 4
     a, b = final_weights(cfg, "bcd"), final_weights(cfg, "full")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert not torch.equal(a["h.0.attn.c_attn.weight"], load_blocks(Store(cfg.store), "bcd", 0)["h.0.attn.c_attn.weight"])
+    v0 = load_blocks(Store(cfg.store), "bcd", 0)
+    assert all(not torch.equal(v0[k], a[k]) for k in ("wte.weight", "h.0.attn.c_attn.weight", "ln_f.weight"))
+    # the baseline evaluated mid-run (every 2 steps), and that did not perturb training
+    (full_visit,) = runs.read_state(Store(cfg.store), "full")["visits"]
+    assert len(full_visit["val_points"]) == 2
 
 
 # -- per-visit sampling (paper §3.2.3) ------------------------------------------------------------

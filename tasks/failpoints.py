@@ -1,0 +1,27 @@
+"""Named crash points for the kill -9 tests (DESIGN I4): ``BCDFLOW_FAILPOINTS=name[:n],...`` makes the
+process SIGKILL itself at the n-th (default first) time it reaches ``hit(name)``. Unset: a dict lookup.
+
+Points: ``preinfer-shard`` (a shard written), ``train-checkpoint`` (a mid-visit checkpoint written),
+``before-commit`` (block file written, manifest and state not yet).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+_counts: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def hit(name: str) -> None:
+    spec = os.environ.get("BCDFLOW_FAILPOINTS")
+    if not spec:
+        return
+    for item in spec.split(","):
+        point, _, nth = item.partition(":")
+        if point == name:
+            with _lock:
+                _counts[name] = _counts.get(name, 0) + 1
+                if _counts[name] == int(nth or 1):
+                    os.kill(os.getpid(), signal.SIGKILL)

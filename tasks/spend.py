@@ -1,0 +1,123 @@
+"""Spend: what a run's GPUs cost (DESIGN §7; paper §4.4.2 economic cost analysis).
+
+A price catalog gives USD per GPU-hour per device kind; each stage of a visit (pre-inference,
+training, evaluation) runs on a configured kind and GPU count. The spend of a stage is
+
+    wall seconds x GPUs x price / 3600
+
+so a visit record carries, per stage, its GPU-hours and USD, and the run's cumulative spend. The
+budget rule predicts the next visit's spend from the last visit of the same block (blocks differ in
+size and in pre-inference depth), else from the last visit. Pure functions over plain dicts: no
+Prefect, no MLflow; ``spend`` is anything with the ``spend`` config section's attributes.
+"""
+from __future__ import annotations
+
+import re
+
+# paper §4.4.2: rental prices per GPU-hour
+DEFAULT_PRICES: dict[str, float] = {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}
+STAGES = ("preinfer", "train", "eval")
+_KIND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def parse_prices(entries: list[str]) -> dict[str, float]:
+    """``["h100=2.49", "a100=1.1"]`` -> ``{"h100": 2.49, "a100": 1.1}``; ValueError names the bad entry."""
+    out: dict[str, float] = {}
+    for e in entries:
+        kind, sep, usd = str(e).partition("=")
+        kind = kind.strip()
+        try:
+            price = float(usd)
+        except ValueError:
+            price = -1.0
+        if not sep or not _KIND.match(kind) or not price >= 0:
+            raise ValueError(f"expected KIND=USD_PER_GPU_HOUR (e.g. h100=2.49), got {e!r}")
+        out[kind] = price
+    return out
+
+
+def catalog(spend) -> dict[str, float]:
+    """The paper's defaults with the run's additions and overrides."""
+    return {**DEFAULT_PRICES, **parse_prices(spend.prices)}
+
+
+def stage_plan(spend) -> dict[str, tuple[str, int]]:
+    """stage -> (device kind, GPU count)."""
+    return {s: (getattr(spend, f"{s}_device"), getattr(spend, f"{s}_gpus")) for s in STAGES}
+
+
+def stage_cost(seconds: float, gpus: int, usd_per_gpu_hour: float) -> float:
+    return seconds * gpus * usd_per_gpu_hour / 3600.0
+
+
+def visit_spend(spend, record: dict) -> dict:
+    """Per-stage GPU-hours and USD of one visit record (``{stage}_seconds``), and their totals."""
+    prices = catalog(spend)
+    out: dict = {}
+    for stage, (kind, gpus) in stage_plan(spend).items():
+        secs = float(record.get(f"{stage}_seconds") or 0.0)
+        out[f"gpu_hours_{stage}"] = secs * gpus / 3600.0
+        out[f"spend_{stage}_usd"] = stage_cost(secs, gpus, prices[kind])
+    out["gpu_hours"] = sum(out[f"gpu_hours_{s}"] for s in STAGES)
+    out["spend_usd"] = sum(out[f"spend_{s}_usd"] for s in STAGES)
+    return out
+
+
+def visit_cost(spend, record: dict) -> float:
+    """A committed visit's USD: its recorded spend, or (older records) the spend of its seconds."""
+    if record.get("spend_usd") is not None:
+        return float(record["spend_usd"])
+    return visit_spend(spend, record)["spend_usd"]
+
+
+def total_spend(spend, visits: list[dict]) -> float:
+    return sum(visit_cost(spend, v) for v in visits)
+
+
+def predicted_cost(spend, visits: list[dict], block: int) -> float:
+    """The next visit of ``block`` costs what its last visit did; a first visit, what the last visit did."""
+    same = [v for v in visits if v["block"] == block]
+    last = same[-1] if same else (visits[-1] if visits else None)
+    return visit_cost(spend, last) if last is not None else 0.0
+
+
+def over_budget(spend, visits: list[dict], block: int) -> str | None:
+    """Why a visit of ``block`` must not start under ``spend.budget_usd``, or None when it may."""
+    if spend.budget_usd is None:
+        return None
+    spent = total_spend(spend, visits)
+    left = spend.budget_usd - spent
+    need = predicted_cost(spend, visits, block)
+    if left <= 0 or need > left:
+        return (f"the next visit of block {block} is predicted at ${need:.4f} but only ${max(left, 0):.4f} "
+                f"of the ${spend.budget_usd:g} budget is left (spent ${spent:.4f})")
+    return None
+
+
+def cost_on(gpu_hours: float, kind: str, prices: dict[str, float]) -> float:
+    """What-if: the cost of ``gpu_hours`` had every stage run on device ``kind``."""
+    return gpu_hours * prices[kind]
+
+
+def curve(spend, visits: list[dict]) -> list[dict]:
+    """The run's validation curve with cumulative steps, tokens, wall seconds, GPU-hours and USD at each
+    point: one point per visit (its ``val_loss`` at ``step_end``), plus a visit's intermediate
+    ``val_points`` (the baseline validates every ``train.eval_every`` steps), costed pro rata by step."""
+    out: list[dict] = []
+    acc = {"step": 0, "tokens": 0.0, "seconds": 0.0, "gpu_hours": 0.0, "spend_usd": 0.0}
+    for v in visits:
+        steps = int(v["steps"])
+        end = int(v.get("step_end", acc["step"] + steps))
+        start = end - steps
+        cost = {"tokens": float(v.get("tokens") or 0), "seconds": float(v.get("seconds") or 0),
+                "gpu_hours": float(v.get("gpu_hours") if v.get("gpu_hours") is not None
+                                   else visit_spend(spend, v)["gpu_hours"]),
+                "spend_usd": visit_cost(spend, v)}
+        pts = {int(s): float(val) for s, val in v.get("val_points") or [] if start < int(s) < end}
+        pts[end] = float(v["val_loss"])
+        for s in sorted(pts):
+            f = (s - start) / steps if steps else 1.0
+            out.append({"cycle": v["cycle"], "block": v["block"], "step": s, "val_loss": pts[s],
+                        **{k: acc[k] + f * cost[k] for k in cost}})
+        acc = {"step": end, **{k: acc[k] + cost[k] for k in cost}}
+    return out

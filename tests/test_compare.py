@@ -1,0 +1,110 @@
+"""``bcdflow compare`` on two tiny runs (a full-parameter baseline and BCD): the best common validation
+loss, steps/tokens to reach it and the B-F multiplier, checked against the runs' own recorded curves in
+state.json; what-if costs and the cost-reduction tables; the CLI (--json, errors) and the flow's
+markdown artifact."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from storage import runs
+from storage.store import Store
+from tasks.report import artifact_key
+
+
+def own_curve(state: dict) -> list[tuple[int, float, float]]:
+    """(step, val loss, tokens so far) straight from the visit records, written out independently."""
+    out, tokens_before = [], 0.0
+    for v in state["visits"]:
+        start = v["step_end"] - v["steps"]
+        pts = {s: val for s, val in v.get("val_points") or []}
+        pts[v["step_end"]] = v["val_loss"]
+        for s in sorted(pts):
+            out.append((s, pts[s], tokens_before + v["tokens"] * (s - start) / v["steps"]))
+        tokens_before += v["tokens"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, prefect_server):
+    from flows.bcd import bcd_train, full_train
+    from tasks.config import load_config
+    from tests.conftest import TINY
+
+    root = tmp_path_factory.mktemp("cmp")
+    sets = TINY + [f"store={root / 'store'}", "tracking_uri=none", "stop.patience_cycles=0"]
+    full = load_config(sets=sets + ["train.steps=12", "train.eval_every=3", "spend.train_device=a100"])
+    bcd = load_config(sets=sets + ["bcd.blocks=2", "bcd.cycles=2", "spend.prices=[x=0.5]",
+                                   "spend.preinfer_device=x"])
+    full_train(config=full, run_id="full")
+    bcd_train(config=bcd, run_id="bcd")
+    return str(root / "store")
+
+
+@pytest.mark.slow
+def test_compare_multiplier_matches_the_recorded_curves(two_runs):
+    from flows.compare import compare
+
+    store = Store(two_runs)
+    res = compare(store, ["full", "bcd"])
+    states = {r: runs.read_state(store, r) for r in ("full", "bcd")}
+    curves = {r: own_curve(s) for r, s in states.items()}
+    assert len(curves["full"]) == 4 and len(curves["bcd"]) == 4  # val every 3 of 12 steps; 4 visits
+
+    target = max(min(val for _, val, _ in c) for c in curves.values())
+    assert res["target_val_loss"] == pytest.approx(target)
+    first = {r: next((s, tok) for s, val, tok in c if val <= target) for r, c in curves.items()}
+    by_id = {r["run_id"]: r for r in res["runs"]}
+    for r in ("full", "bcd"):
+        assert by_id[r]["steps_to_target"] == first[r][0]
+        assert by_id[r]["tokens_to_target"] == pytest.approx(first[r][1])
+        assert by_id[r]["final_val_loss"] == states[r]["visits"][-1]["val_loss"]
+    assert res["baseline"] == "full" and by_id["full"]["bf_multiplier"] == 1.0
+    assert by_id["bcd"]["bf_multiplier"] == pytest.approx(first["bcd"][0] / first["full"][0])
+    assert by_id["bcd"]["tokens_multiplier"] == pytest.approx(first["bcd"][1] / first["full"][1])
+
+    # totals from the records
+    for r, st in states.items():
+        assert by_id[r]["spend_usd"] == pytest.approx(sum(v["spend_usd"] for v in st["visits"]))
+        assert by_id[r]["gpu_hours"] == pytest.approx(sum(v["gpu_hours"] for v in st["visits"]))
+        assert by_id[r]["wall_seconds"] == pytest.approx(sum(v["seconds"] for v in st["visits"]))
+    assert by_id["full"]["device"] == "1×a100" and by_id["bcd"]["device"] == "1×rtx4090"
+
+    # what-if: GPU-hours to L* priced on every kind of the merged catalog
+    assert res["catalog"] == {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20, "x": 0.5}
+    for r in by_id.values():
+        for kind, price in res["catalog"].items():
+            assert r["what_if_usd"][kind] == pytest.approx(r["gpu_hours_to_target"] * price)
+    # Tables 5-7: BCD as it ran against the baseline priced on each kind
+    for kind in res["catalog"]:
+        base_row, bcd_row = res["cost_reduction"][kind]
+        assert base_row["run_id"] == "full" and base_row["reduction"] == 0
+        assert bcd_row["reduction"] == pytest.approx(1 - by_id["bcd"]["spend_to_target_usd"]
+                                                     / by_id["full"]["what_if_usd"][kind])
+    md = res["markdown"]
+    assert "B-F ×" in md and "| full |" in md and "Baseline on **a100**" in md
+
+
+@pytest.mark.slow
+def test_compare_cli_and_flow_artifact(two_runs, capsys):
+    from flows.cli import main
+    from flows.compare import compare, compare_runs
+
+    assert main(["compare", "full", "bcd", "--store", two_runs, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["runs"][1]["bf_multiplier"] == pytest.approx(
+        compare(Store(two_runs), ["full", "bcd"])["runs"][1]["bf_multiplier"])
+    assert main(["compare", "bcd", "full", "--store", two_runs]) == 0  # BCD as the baseline
+    assert "against baseline `bcd`" in capsys.readouterr().out
+
+    for args, words in ((["full", "nope"], "'nope' not found"), (["full"], "at least two")):
+        assert main(["compare", *args, "--store", two_runs]) == 2
+        assert words in capsys.readouterr().err
+
+    state = compare_runs(run_ids=["full", "bcd"], store=two_runs, return_state=True)
+    assert state.is_completed()
+    from tests.test_tracking import _prefect_artifacts
+
+    (art,) = _prefect_artifacts(str(state.state_details.flow_run_id))["markdown"]
+    assert art["key"] == artifact_key("compare", "full-bcd") and "B-F ×" in art["data"]

@@ -1,0 +1,113 @@
+"""Deployments from prefect.yaml, end to end on the session's test server: create the work pool, `prefect
+deploy --all`, create a flow run through the API with the flat form's parameters (as the UI does), run it
+on a worker started here (`prefect worker start --run-once`), and find the trained run in the store,
+bitwise equal to the same config trained through the CLI."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from flows.params import KEYS, RunParams
+from storage import runs
+from storage.checkpoints import load_blocks
+from storage.store import Store
+from tests.conftest import TINY
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFECT = os.path.join(os.path.dirname(sys.executable), "prefect")
+POOL = "bcdflow"
+
+
+def test_prefect_yaml_declares_the_deployments():
+    with open(os.path.join(REPO, "prefect.yaml")) as f:
+        spec = yaml.safe_load(f)
+    deps = {d["name"]: d for d in spec["deployments"]}
+    assert deps["bcd"]["entrypoint"] == "flows/bcd.py:bcd_train"
+    assert deps["baseline"]["entrypoint"] == "flows/bcd.py:full_train"
+    pool = spec["definitions"]["work_pools"]["process"]
+    for d in deps.values():  # one shared pool definition (a YAML anchor), SIGTERM -> reschedule
+        assert d["work_pool"] == pool
+    assert pool["job_variables"]["env"]["PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR"] == "reschedule"
+    assert deps["bcd"]["schedules"][0] == spec["definitions"]["schedules"]["nightly"]
+
+
+def test_flat_params_round_trip_and_form_schema():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.bcd import bcd_train
+    from tasks.config import load_config
+
+    cfg = load_config(sets=TINY + ["data.files=/x/*.txt", "bcd.boundaries=[2, 4]", "spend.prices=[h100=2]",
+                                   "spend.train_device=h100", "stop.target_val_loss=3.5"])
+    flat = RunParams.from_config(cfg)
+    assert flat.bcd_boundaries == [2, 4] and flat.spend_train_device == "h100"
+    assert flat.to_config() == cfg
+    assert RunParams.model_validate(flat.model_dump()).to_config() == cfg  # through JSON, as the API stores it
+    assert set(KEYS.values()) >= {"model.name", "bcd.blocks", "spend.budget_usd", "stop.target_val_loss", "seed"}
+
+    schema = parameter_schema(bcd_train).model_dump()
+    form = schema["definitions"]["RunParams"]["properties"]
+    # flat and primitive: no nested objects, dropdowns for closed sets, docs from the config's docstrings
+    assert all("$ref" not in p and p.get("type") != "object" for p in form.values())
+    assert form["bcd_order"]["enum"] == ["cyclic", "reverse", "random", "greedy"]
+    assert "paper §3.2.3" in form["bcd_sample_rate"]["description"]
+    assert form["bcd_blocks"]["default"] == 3 and form["bcd_blocks"]["minimum"] == 1
+    assert schema["properties"]["run_id"]["default"] is None
+
+
+def _env(tmp_path, api_url: str) -> dict:
+    return {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": str(tmp_path / "prefect-home"),
+            "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_CLI_PROMPT": "false",
+            "PREFECT_LOGGING_LEVEL": "INFO"}
+
+
+def _prefect(env, *args, timeout=180, cwd=REPO) -> subprocess.CompletedProcess:
+    proc = subprocess.run([PREFECT, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.mark.slow
+def test_deployment_run_on_a_worker_trains_like_the_cli(prefect_api_url, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from flows.cli import main
+    from tasks.config import load_config
+
+    env = _env(tmp_path, prefect_api_url)
+    _prefect(env, "work-pool", "create", POOL, "--type", "process")
+    _prefect(env, "--no-prompt", "deploy", "--all")
+
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name("bcd_train/bcd")
+        assert dep.work_pool_name == POOL
+        assert dep.job_variables["env"]["PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR"] == "reschedule"
+        assert [s.active for s in dep.schedules] == [False]
+        assert "bcd_blocks" in dep.parameter_openapi_schema["definitions"]["RunParams"]["properties"]
+        assert client.read_deployment_by_name("full_train/baseline").entrypoint == "flows/bcd.py:full_train"
+
+    # a run as the UI form creates it: flat, JSON parameters
+    sets = TINY + ["bcd.blocks=2", "tracking_uri=none"]
+    cfg = load_config(sets=sets + [f"store={tmp_path / 'store'}"])
+    fr = run_deployment("bcd_train/bcd", timeout=0,
+                        parameters={"config": RunParams.from_config(cfg).model_dump(mode="json"), "run_id": "dep"})
+    worker = _prefect(env, "worker", "start", "--pool", POOL, "--run-once", "--limit", "1", timeout=300)
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(fr.id).state
+    assert state.is_completed(), f"{state}\n{worker.stdout[-3000:]}\n{worker.stderr[-3000:]}"
+    store = Store(cfg.store)
+    st = runs.read_state(store, "dep")
+    assert st["status"] == "done" and st["version"] == 2 and st["stop_reason"] == "cycles"
+
+    # the same config through the CLI, in-process: bitwise the same weights
+    args = [a for s in sets for a in ("--set", s)]
+    assert main(["train", *args, "--store", str(tmp_path / "store"), "--run-id", "cli"]) == 0
+    a, b = load_blocks(store, "dep", 2), load_blocks(store, "cli", 2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

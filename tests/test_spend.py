@@ -1,0 +1,149 @@
+"""Spend (DESIGN §7): price catalog, per-stage arithmetic, the cost curve, the budget rule, and the
+global stop rules' precedence; end to end, a budget that stops a run cleanly and a resume that lifts it."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from models.errors import ConfigError
+from storage import runs
+from storage.store import Store
+from tasks import spend
+from tasks.config import SpendSection, load_config
+
+
+def _v(cycle, block, *, pre=0.0, train=0.0, ev=0.0, val=5.0, steps=10, **kw):
+    return {"cycle": cycle, "block": block, "preinfer_seconds": pre, "train_seconds": train,
+            "eval_seconds": ev, "val_loss": val, "steps": steps, **kw}
+
+
+def test_catalog_defaults_overrides_and_additions():
+    assert spend.catalog(SpendSection()) == {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}
+    sp = load_config(sets=["spend.prices=[a100=1.0, h100=2.49]"]).spend
+    assert spend.catalog(sp) == {"rtx4090": 0.29, "a800": 0.69, "a100": 1.0, "h100": 2.49}
+    # a YAML mapping, --set section.prices.KIND=USD and a comma list all land as KIND=USD strings
+    assert load_config(sets=["spend.prices.h100=2.49"]).spend.prices == ["h100=2.49"]
+    assert load_config(sets=["spend.prices=h100=2.49,l4=0.8"]).spend.prices == ["h100=2.49", "l4=0.8"]
+
+
+@pytest.mark.parametrize("bad,key", [
+    ("spend.train_device=h100", "spend.train_device"),           # not in the catalog
+    ("spend.prices=[h100]", "spend.prices"),                     # no price
+    ("spend.prices=[h100=cheap]", "spend.prices"),
+    ("spend.prices=[h100=-1]", "spend.prices"),
+    ("spend.eval_gpus=0", "spend.eval_gpus"),
+    ("spend.budget_usd=0", "spend.budget_usd"),
+    ("stop.patience_cycles=-1", "stop.patience_cycles"),
+])
+def test_bad_spend_config_names_the_key(bad, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(sets=[bad])
+
+
+def test_stage_spend_is_seconds_times_gpus_times_price():
+    sp = load_config(sets=["spend.prices=[h100=2.0]", "spend.preinfer_device=a100", "spend.preinfer_gpus=2",
+                           "spend.train_device=rtx4090", "spend.eval_device=h100", "spend.eval_gpus=4"]).spend
+    out = spend.visit_spend(sp, _v(0, 1, pre=3600, train=1800, ev=360))
+    assert out["spend_preinfer_usd"] == pytest.approx(1 * 2 * 1.20)
+    assert out["spend_train_usd"] == pytest.approx(0.5 * 1 * 0.29)
+    assert out["spend_eval_usd"] == pytest.approx(0.1 * 4 * 2.0)
+    assert out["spend_usd"] == pytest.approx(2.4 + 0.145 + 0.8)
+    assert out["gpu_hours_preinfer"] == pytest.approx(2.0)
+    assert out["gpu_hours"] == pytest.approx(2.0 + 0.5 + 0.4)
+    # a recorded spend wins over recomputation (prices may change after the fact)
+    assert spend.visit_cost(sp, {**_v(0, 0, train=3600), "spend_usd": 7.0}) == 7.0
+
+
+def test_budget_predicts_from_the_same_block_else_the_last_visit():
+    sp = load_config(sets=["spend.prices=[x=3600]", "spend.train_device=x", "spend.budget_usd=10"]).spend
+    # $1 per train-second: visits of block 0 cost 3, block 1 costs 1
+    visits = [_v(0, 0, train=3), _v(0, 1, train=1)]
+    assert spend.predicted_cost(sp, visits, 0) == pytest.approx(3)
+    assert spend.predicted_cost(sp, visits, 1) == pytest.approx(1)
+    assert spend.predicted_cost(sp, visits, 2) == pytest.approx(1)  # never visited: the last visit
+    assert spend.predicted_cost(sp, [], 0) == 0
+    # spent 4 of 10: block 0 (3) fits, and so does block 2 (1)
+    assert spend.over_budget(sp, visits, 0) is None
+    visits.append(_v(0, 2, train=4.5))  # spent 8.5, 1.5 left
+    assert spend.over_budget(sp, visits, 1) is None          # predicted 1 <= 1.5
+    assert "block 0" in spend.over_budget(sp, visits, 0)     # predicted 3 > 1.5
+    assert spend.over_budget(SpendSection(), visits, 0) is None  # no budget, no limit
+
+
+def test_curve_is_cumulative_and_costs_intermediate_points_pro_rata():
+    sp = load_config(sets=["spend.prices=[x=3600]", "spend.train_device=x"]).spend
+    visits = [_v(0, 0, train=10, steps=10, step_end=10, tokens=100, seconds=12, val=4.0),
+              _v(1, 0, train=20, steps=20, step_end=30, tokens=200, seconds=22, val=3.0,
+                 val_points=[[15, 3.5], [30, 2.9]])]
+    pts = spend.curve(sp, visits)
+    assert [p["step"] for p in pts] == [10, 15, 30]
+    assert [p["val_loss"] for p in pts] == [4.0, 3.5, 3.0]  # the visit's own val loss at its end
+    assert pts[1]["tokens"] == pytest.approx(100 + 200 * 5 / 20)
+    assert pts[1]["spend_usd"] == pytest.approx(10 + 20 * 5 / 20)
+    assert pts[2]["spend_usd"] == pytest.approx(30)
+    assert pts[2]["seconds"] == pytest.approx(34)
+    assert pts[2]["gpu_hours"] == pytest.approx(30 / 3600)
+
+
+def test_stop_rule_precedence():
+    from flows.bcd import stale_cycles, stop_reason
+
+    cfg = load_config(sets=["stop.target_val_loss=3.0", "spend.prices=[x=3600]", "spend.train_device=x",
+                            "spend.budget_usd=5"])
+    # cycle 0: best 4.0; cycle 1 (complete): no better than 4.0; spent 6 > budget
+    stale = [_v(0, 0, train=1, val=4.0), _v(0, 1, train=1, val=4.2),
+             _v(1, 0, train=2, val=4.1), _v(1, 1, train=2, val=4.05)]
+    assert stale_cycles(stale, 2) == 1
+    assert stale_cycles(stale[:3], 2) == 0  # cycle 1 not finished yet
+    assert stop_reason(cfg, stale, 2, next_block=0)[0] == "no_improvement"  # before budget
+    # the target, once reached, wins over everything else
+    hit = stale[:-1] + [_v(1, 1, train=2, val=2.9)]
+    assert stop_reason(cfg, hit, 2, next_block=0)[0] == "target_val_loss"
+    # budget alone: improving, target not reached
+    improving = stale[:-1] + [_v(1, 1, train=2, val=3.5)]
+    reason, detail = stop_reason(cfg, improving, 2, next_block=0)
+    assert reason == "budget" and "$5 budget" in detail
+    assert stop_reason(cfg, improving, 2) is None  # no next visit asked about: no budget check
+    # rules off
+    off = load_config(sets=["stop.patience_cycles=0"])
+    assert stop_reason(off, stale, 2, next_block=0) is None
+    # min_delta: an improvement smaller than min_delta does not count
+    md = load_config(sets=["stop.min_delta=0.5"])
+    assert stop_reason(md, improving, 2)[0] == "no_improvement"
+    # patience 2: one stale cycle is not enough
+    assert stop_reason(load_config(sets=["stop.patience_cycles=2"]), stale, 2) is None
+
+
+@pytest.mark.slow
+def test_budget_stops_cleanly_and_resume_with_more_budget_finishes(tiny_cfg, prefect_server):
+    from flows.bcd import bcd_train
+
+    # a budget far below one visit's spend: the first visit runs (nothing predicts it), the second would
+    # exceed what is left, so the run stops cleanly at version 1
+    cfg = tiny_cfg("spend.budget_usd=1e-9", "spend.train_device=a100", "spend.train_gpus=2")
+    out = bcd_train(config=cfg, run_id="b")
+    assert out["stop_reason"] == "budget" and out["version"] == 1
+    store = Store(cfg.store)
+    state = runs.read_state(store, "b")
+    assert state["status"] == "done" and state["stop_reason"] == "budget" and len(state["visits"]) == 1
+    assert "block 1" in state["stop_detail"]
+    (v,) = state["visits"]
+    assert v["spend_train_usd"] == pytest.approx(v["train_seconds"] * 2 * 1.20 / 3600)
+    assert v["spend_preinfer_usd"] == 0 and v["preinfer_seconds"] == 0  # block 0 needs no pre-inference
+    assert v["spend_eval_usd"] == pytest.approx(v["eval_seconds"] * 0.29 / 3600)
+    assert v["cum_spend_usd"] == pytest.approx(v["spend_usd"]) and v["spend_usd"] > 0
+    assert v["gpu_hours"] == pytest.approx((2 * v["train_seconds"] + v["eval_seconds"]) / 3600)
+
+    # the same run with room in the budget continues where it stopped
+    more = tiny_cfg("spend.budget_usd=100", "spend.train_device=a100", "spend.train_gpus=2")
+    out = bcd_train(config=more, run_id="b")
+    assert out["stop_reason"] == "cycles" and out["version"] == 3
+    visits = runs.read_state(store, "b")["visits"]
+    assert [x["block"] for x in visits] == [0, 1, 2]
+    assert visits[1]["spend_preinfer_usd"] > 0  # block 1 pre-infers block 0's activations
+    cum = [x["cum_spend_usd"] for x in visits]
+    assert cum == pytest.approx(list(itertools.accumulate([x["spend_usd"] for x in visits])))
+    assert math.isclose(out["spend_usd"], cum[-1])
+
