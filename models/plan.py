@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from models.base import EMBED_PREFIXES, HEAD_PREFIXES
 from models.errors import ConfigError
@@ -48,16 +48,21 @@ class Plan:
         return {"n_layer": self.n_layer, "blocks": [b.to_dict() for b in self.blocks]}
 
 
-def layer_bounds(n_layer: int, blocks: int | None = None, boundaries: Sequence[int] | None = None) -> list[int]:
-    """Cut points [0, c1, ..., n_layer] from a block count (even split; the remainder goes to the
-    later blocks, since block 0 already carries the embeddings) or from explicit cut points."""
+def layer_bounds(n_layer: int, blocks: int | None = None, boundaries: Sequence[int] | None = None,
+                 layer_sizes: Sequence[int] | None = None, embed_size: int = 0, head_size: int = 0) -> list[int]:
+    """Cut points [0, c1, ..., n_layer] from explicit cut points, or from a block count: with
+    ``layer_sizes`` the cuts balance parameter counts (block 0 also carries the embeddings, the last
+    block the head: the paper's "update one third of the parameters", §4.1); without, an even layer
+    split with the remainder on the later blocks."""
     if boundaries:
-        cuts = sorted(set([0, *map(int, boundaries), n_layer]))
-        if cuts[0] < 0 or cuts[-1] > n_layer:
-            raise ConfigError(f"bcd.boundaries: cut points must lie in [0, {n_layer}], got {list(boundaries)}")
-        return cuts
+        if any(not 0 < int(c) < n_layer for c in boundaries):
+            raise ConfigError(f"bcd.boundaries: cut points must lie strictly between 0 and n_layer={n_layer}, "
+                              f"got {list(boundaries)}")
+        return sorted(set([0, *map(int, boundaries), n_layer]))
     if blocks is None or not 1 <= blocks <= n_layer:
         raise ConfigError(f"bcd.blocks: must be between 1 and n_layer={n_layer}, got {blocks}")
+    if layer_sizes is not None:
+        return _balanced_cuts(list(layer_sizes), blocks, embed_size, head_size)
     base, extra = divmod(n_layer, blocks)
     sizes = [base + (1 if i >= blocks - extra else 0) for i in range(blocks)]
     cuts = [0]
@@ -66,10 +71,40 @@ def layer_bounds(n_layer: int, blocks: int | None = None, boundaries: Sequence[i
     return cuts
 
 
-def make_plan(param_names: Sequence[str], n_layer: int, blocks: int | None = None,
+def _balanced_cuts(layer_sizes: list[int], blocks: int, embed_size: int, head_size: int) -> list[int]:
+    """Each cut at the layer boundary whose cumulative size is nearest j/M of the total, keeping at
+    least one layer per block."""
+    n = len(layer_sizes)
+    cum = [embed_size]
+    for size in layer_sizes:
+        cum.append(cum[-1] + size)  # cum[k] = params of embeddings + layers [0, k)
+    total = cum[-1] + head_size
+    cuts = [0]
+    for j in range(1, blocks):
+        lo, hi = cuts[-1] + 1, n - (blocks - j)
+        cuts.append(min(range(lo, hi + 1), key=lambda k: (abs(cum[k] - j * total / blocks), k)))
+    return cuts + [n]
+
+
+def make_plan(param_names: Sequence[str] | Mapping[str, int], n_layer: int, blocks: int | None = None,
               boundaries: Sequence[int] | None = None) -> Plan:
-    """Partition parameter names into blocks. Pure: same inputs, same plan."""
-    cuts = layer_bounds(n_layer, blocks, boundaries)
+    """Partition parameter names into blocks. Pure: same inputs, same plan.
+
+    ``param_names`` is a list of names (even layer split) or a mapping name -> element count (blocks
+    balanced by parameter count)."""
+    sizes = None
+    if isinstance(param_names, Mapping):
+        layer_sizes, embed, head = [0] * n_layer, 0, 0
+        for name, numel in param_names.items():
+            m = _LAYER.match(name)
+            if m:
+                layer_sizes[int(m.group(1))] += numel
+            elif name.startswith(EMBED_PREFIXES):
+                embed += numel
+            else:
+                head += numel
+        sizes = {"layer_sizes": layer_sizes, "embed_size": embed, "head_size": head}
+    cuts = layer_bounds(n_layer, blocks, boundaries, **(sizes or {}))
     M = len(cuts) - 1
     owned: list[list[str]] = [[] for _ in range(M)]
     for name in param_names:

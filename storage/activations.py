@@ -130,6 +130,8 @@ def write_shard(store: Store, key: str, shard: int, hidden: torch.Tensor, target
         raise ActivationError(f"shard {shard} of {key} holds rows [{lo}, {hi}): expected hidden {(hi - lo, T, d)} "
                               f"and targets {(hi - lo, T)}, got {tuple(hidden.shape)} and {tuple(targets.shape)}")
     store.rm(_marker_key(key, shard))  # a rewrite is incomplete until its new marker lands
+    for name in ("hidden", "targets"):  # drop a damaged old shard object: zarr would read its index to merge
+        store.rm(key, name, "c", str(shard))
     h = _hidden_to_stored(hidden, attrs["dtype"])  # (rows, T, d)
     y = targets.detach().to("cpu", torch.int32).contiguous().numpy()  # (rows, T)
     h_arr[lo:hi] = h

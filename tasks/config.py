@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from models.config import REGISTRY, ModelConfig, get_config
 from models.errors import ConfigError
+from models.plan import layer_bounds
 from models.trainer import OptimSpec, StopRule
 from tasks.spend import DEFAULT_PRICES, parse_prices
 
@@ -21,7 +22,8 @@ ORDERS = ("cyclic", "reverse", "random", "greedy")
 
 class _Section(BaseModel):
     # attribute docstrings become field descriptions: the Prefect UI form shows them
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              coerce_numbers_to_str=True)
 
 
 class ModelSection(_Section):
@@ -65,6 +67,9 @@ class BcdSection(_Section):
     blocks: int = Field(3, ge=1)
     boundaries: list[int] | None = None
     """Explicit layer cut points (e.g. [4, 8] for 12 layers); overrides ``blocks``."""
+    split: Literal["params", "layers"] = "params"
+    """How ``blocks`` cuts the layers: equal parameter counts (embeddings and head included; the
+    paper updates one third of the parameters per visit) or equal layer counts."""
     cycles: int = Field(2, ge=1)
     order: str = "cyclic"
     sample_rate: float = 0.9
@@ -212,6 +217,8 @@ class RunConfig(_Section):
         mc = self.model_cfg()
         if self.bcd.boundaries is None and not 1 <= self.bcd.blocks <= mc.n_layer:
             raise ValueError(f"bcd.blocks: must be between 1 and n_layer={mc.n_layer}, got {self.bcd.blocks}")
+        if self.bcd.boundaries is not None:
+            layer_bounds(mc.n_layer, boundaries=self.bcd.boundaries)  # raises naming bcd.boundaries
         if self.data.seq_len > mc.n_ctx:
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's context n_ctx={mc.n_ctx}")
         return self

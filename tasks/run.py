@@ -20,7 +20,7 @@ from tasks.weights import block_tensors
 from tasks.retry import retrying
 
 # keys that define what a run computes; a resumed run must match them exactly
-IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.order", "bcd.sample_rate",
+IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.split", "bcd.order", "bcd.sample_rate",
             "bcd.preinfer", "bcd.max_steps", "bcd.patience", "bcd.min_delta", "bcd.window",
             "optim", "train.batch_size", "seed", "mode")
 
@@ -33,17 +33,19 @@ def _pick(d: dict, dotted: str):
 
 def plan_for(cfg: RunConfig, vocab_size: int):
     mcfg = cfg.model_cfg(vocab_size)
-    names = param_names(mcfg)
+    sizes = param_sizes(mcfg)
+    names = sizes if cfg.bcd.split == "params" else list(sizes)
     return mcfg, make_plan(names, mcfg.n_layer, cfg.bcd.blocks, cfg.bcd.boundaries)
 
 
-def param_names(mcfg) -> list[str]:
+def param_sizes(mcfg) -> dict[str, int]:
+    """Parameter name -> element count, from a meta-device model (no memory, no init)."""
     from models.gpt import GPT
     from models.llama import LLaMA
 
     with torch.device("meta"):
         model = {"gpt": GPT, "llama": LLaMA}[mcfg.family](mcfg)
-    return [n for n, _ in model.named_parameters()]
+    return {n: p.numel() for n, p in model.named_parameters()}
 
 
 def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") -> dict:

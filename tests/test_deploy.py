@@ -67,7 +67,9 @@ def _env(tmp_path, api_url: str) -> dict:
 
 
 def _prefect(env, *args, timeout=180, cwd=REPO) -> subprocess.CompletedProcess:
+    import time; t0 = time.time()
     proc = subprocess.run([PREFECT, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    print("TIMING", args[:2], time.time() - t0)
     assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 

@@ -76,7 +76,7 @@ def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, tmp_path
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_within_10s_and_resume_continues(prefect_api_url, tmp_path):
-    sets = _sets("bcd.blocks=2", "bcd.max_steps=3000", "checkpoint.every_steps=100",
+    sets = _sets("bcd.blocks=2", "bcd.max_steps=600", "checkpoint.every_steps=100",
                  "checkpoint.every_seconds=1000", "train.batch_size=16")
     store = str(tmp_path / "store")
     env = {**os.environ, "PREFECT_API_URL": prefect_api_url}

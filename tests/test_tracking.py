@@ -15,18 +15,16 @@ from tasks.report import artifact_key
 
 
 def _prefect_artifacts(flow_run_id: str) -> dict[str, list[dict]]:
-    """The flow run's artifacts by type, oldest first (the REST filter: this client's helper sends nulls
-    the 3.8 server refuses)."""
-    import httpx
-    import prefect.settings
+    """The flow run's artifacts by type, oldest first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    resp = httpx.post(f"{prefect.settings.PREFECT_API_URL.value()}/artifacts/filter",
-                      json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200, "offset": 0,
-                            "sort": "CREATED_DESC"})
-    resp.raise_for_status()
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
     out: dict[str, list[dict]] = {}
-    for a in sorted(resp.json(), key=lambda a: a["created"]):
-        out.setdefault(a["type"], []).append(a)
+    for a in sorted(arts, key=lambda a: a.created):
+        out.setdefault(a.type, []).append(a.model_dump(mode="json"))
     return out
 
 
