@@ -202,7 +202,10 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str, max_steps: int | None = None
                              "spend_usd": total_usd,
                              "gpu_hours": sum(v.get("gpu_hours") or 0.0 for v in visits)}, version)
     if parent:
-        report.report_run(cfg, run_id, parent, version)
+        try:
+            report.report_run(cfg, run_id, parent, version)
+        except Exception as e:  # the trained model is safe in the store (`bcdflow export`)
+            log.warning("figures/model not logged to MLflow: %s: %s", type(e).__name__, e)
     tracker.end(parent)
     progress.update(len(visits), note=f"stopped: {reason} ({detail})", finished=True)
     report.publish_visits(run_id, visits, stop_reason=reason)

@@ -81,10 +81,10 @@ class LLaMA(Decoder):
 
     def _init_buffers(self) -> None:
         # RoPE tables are derived, never stored in checkpoints
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.n_ctx, self.cfg.rope_theta)
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.n_ctx, self.cfg.rope_theta, device=device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def __init__(self, cfg: ModelConfig, *args, **kwargs):
         super().__init__(cfg, *args, **kwargs)

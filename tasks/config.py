@@ -215,10 +215,7 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
         mc = self.model_cfg()
-        if self.bcd.boundaries is None and not 1 <= self.bcd.blocks <= mc.n_layer:
-            raise ValueError(f"bcd.blocks: must be between 1 and n_layer={mc.n_layer}, got {self.bcd.blocks}")
-        if self.bcd.boundaries is not None:
-            layer_bounds(mc.n_layer, boundaries=self.bcd.boundaries)  # raises naming bcd.boundaries
+        layer_bounds(mc.n_layer, self.bcd.blocks, self.bcd.boundaries)  # raises naming bcd.blocks/boundaries
         if self.data.seq_len > mc.n_ctx:
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's context n_ctx={mc.n_ctx}")
         return self

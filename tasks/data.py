@@ -52,13 +52,13 @@ def sample_rows(n_train: int, rate: float, seed: int, cycle: int, block: int) ->
     return _rng(seed, cycle, block).permutation(n_train)[:n]
 
 
-def visit_rows(cfg: RunConfig, n_train: int, cycle: int, block: int, max_steps: int | None = None) -> np.ndarray:
+def visit_rows(cfg: RunConfig, n_train: int, cycle: int, block: int) -> np.ndarray:
     """The rows a visit can actually reach: its sample, cut to ``max_steps * batch_size`` rows.
 
     The first epoch reads the sample in order, so rows past the step cap are never trained on;
     pre-inferring them would be pure waste (the paper pre-infers the whole subset)."""
     rows = sample_rows(n_train, cfg.bcd.sample_rate, cfg.seed, cycle, block)
-    return rows[: (max_steps or cfg.bcd.max_steps) * cfg.train.batch_size]
+    return rows[: cfg.bcd.max_steps * cfg.train.batch_size]
 
 
 def batch_ranges(n_rows: int, batch_size: int, seed: int, cycle: int, block: int) -> Iterator[tuple[int, int]]:

@@ -59,7 +59,7 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
     params = [p for n, p in model.named_parameters() if n in active]
     model.train()
 
-    rows = visit_rows(cfg, ds.n_train, cycle, block, max_steps)
+    rows = visit_rows(cfg, ds.n_train, cycle, block)
     if from_acts:
         reader = activations.ActivationReader(store, acts_key(run_id, cycle, block))
         fetch = reader.read  # (B, T, C) float32, (B, T) long

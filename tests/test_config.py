@@ -32,6 +32,7 @@ from tasks.config import RunConfig, load_config, parse_config
     (["optim.name=adam"], "optim.name"),
     (["optim.lr=0"], "optim.lr"),
     (["train.precision=fp8"], "train.precision"),
+    (["bcd.split=halves"], "bcd.split"),
     (["data.val_fraction=1"], "data.val_fraction"),
     (["model.n_head=5"], "model.n_head"),  # 128 % 5: the model config's own check, still named
     (["model.name=tiny-llama", "model.n_kv_head=3"], "model.n_kv_head"),
@@ -64,12 +65,17 @@ def test_parse_config_of_a_nested_dict():
     assert parse_config(cfg.model_dump()) == cfg  # flows pass configs as plain dicts
 
 
-@pytest.mark.xfail(reason="product bug: bcd.boundaries is not range-checked in RunConfig._cross; "
-                          "the error only surfaces in make_plan, after prepare_data wrote to the store")
-@pytest.mark.parametrize("bounds", ["[9]", "[-1]"])
+@pytest.mark.parametrize("bounds", ["[9]", "[-1]", "[0]", "[6]", "[2, 6]"])
 def test_out_of_range_boundaries_are_rejected_at_config_time(bounds):
-    with pytest.raises(ConfigError, match=r"^bcd\.boundaries:"):
+    # before anything is written to the store (DESIGN §8), not later in make_plan
+    with pytest.raises(ConfigError, match=r"^bcd\.boundaries:.*n_layer=6"):
         load_config(sets=[f"bcd.boundaries={bounds}"])
+    assert load_config(sets=["bcd.boundaries=[2, 4]", "bcd.blocks=6"]).bcd.boundaries == [2, 4]
+
+
+def test_empty_boundaries_mean_unset():
+    cfg = load_config(sets=["bcd.boundaries=[]"])
+    assert cfg.bcd.blocks == 3 and not cfg.bcd.boundaries
 
 
 def test_set_value_parsing():
@@ -104,10 +110,10 @@ def test_set_without_equals_is_an_error():
         load_config(sets=["bcd.blocks"])
 
 
-@pytest.mark.xfail(reason="product bug: --set values are YAML-parsed and pydantic does not coerce int->str, "
-                          "so a numeric value for a str field (experiment, data.split, ...) is refused")
 def test_numeric_looking_string_values():
-    assert load_config(sets=["experiment=2024"]).experiment == "2024"
+    # --set values are YAML-parsed; a str field still takes a number-looking value as text
+    cfg = load_config(sets=["experiment=2024", "data.split=0", "train.device=cpu"])
+    assert (cfg.experiment, cfg.data.split) == ("2024", "0")
 
 
 def test_defaults():

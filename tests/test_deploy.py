@@ -67,9 +67,7 @@ def _env(tmp_path, api_url: str) -> dict:
 
 
 def _prefect(env, *args, timeout=180, cwd=REPO) -> subprocess.CompletedProcess:
-    import time; t0 = time.time()
     proc = subprocess.run([PREFECT, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    print("TIMING", args[:2], time.time() - t0)
     assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -77,13 +75,15 @@ def _prefect(env, *args, timeout=180, cwd=REPO) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_deployment_run_on_a_worker_trains_like_the_cli(prefect_api_url, tmp_path):
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.deployments import run_deployment
 
     from flows.cli import main
     from tasks.config import load_config
 
     env = _env(tmp_path, prefect_api_url)
-    _prefect(env, "work-pool", "create", POOL, "--type", "process")
+    with get_client(sync_client=True) as client:  # = prefect work-pool create bcdflow --type process
+        client.create_work_pool(WorkPoolCreate(name=POOL, type="process"))
     _prefect(env, "--no-prompt", "deploy", "--all")
 
     with get_client(sync_client=True) as client:

@@ -8,12 +8,23 @@ import copy
 import re
 
 import pytest
+import torch
 
 from models import build_model, get_config, make_plan
 from models.errors import ConfigError
+from models.gpt import GPT
+from models.llama import LLaMA
 from models.plan import layer_bounds
 
 _LAYER = re.compile(r"^h\.(\d+)\.")
+
+
+def sizes_of(name: str, **over) -> dict[str, int]:
+    """name -> element count from a meta-device model: no memory, so any registry size works."""
+    cfg = get_config(name, **over)
+    cls = {"gpt": GPT, "llama": LLaMA}[cfg.family]
+    with torch.device("meta"):
+        return {n: p.numel() for n, p in cls(cfg).named_parameters()}
 
 
 def names_of(name: str, **over) -> list[str]:
@@ -99,9 +110,11 @@ def test_explicit_boundaries(family):
     # boundaries win over blocks; unsorted and duplicate cut points are normalised
     assert make_plan(names, 6, blocks=6, boundaries=[5, 2, 2]) == plan
     assert [b.layers for b in make_plan(names, 6, boundaries=[1]).blocks] == [(0, 1), (1, 6)]
+    # a name -> size mapping does not move explicit cut points
+    assert [b.layers for b in make_plan(sizes_of(family), 6, boundaries=[2, 5]).blocks] == [(0, 2), (2, 5), (5, 6)]
 
 
-@pytest.mark.parametrize("bad", [[7], [-1, 3]])
+@pytest.mark.parametrize("bad", [[7], [-1, 3], [0], [6], [2, 6]])
 def test_boundaries_out_of_range(bad):
     with pytest.raises(ConfigError, match=r"^bcd\.boundaries"):
         make_plan([], 6, boundaries=bad)
@@ -139,3 +152,60 @@ def test_plan_is_pure(family):
     assert d["n_layer"] == 6 and [blk["layers"] for blk in d["blocks"]] == [[0, 2], [2, 4], [4, 6]]
     # block order of params follows the input order (stable, reproducible manifests)
     assert list(a[1].params) == [n for n in names if n in set(a[1].params)]
+
+
+# -- blocks balanced by parameter count (a name -> size mapping; what runs use by default) -----------
+
+def block_sizes(plan, sizes) -> list[int]:
+    return [sum(sizes[n] for n in blk.params) for blk in plan.blocks]
+
+
+@pytest.mark.parametrize("name,blocks", [("gpt2-124m", 3), ("tiny", 3), ("tiny-llama", 2), ("L-6B", 4),
+                                         ("G-1.6B", 3)])
+def test_balanced_split_cuts_nearest_equal_shares(name, blocks):
+    sizes = sizes_of(name)
+    n_layer = get_config(name).n_layer
+    plan = make_plan(sizes, n_layer, blocks)
+    # same ownership rules as the list form
+    assert sorted(n for blk in plan.blocks for n in blk.params) == sorted(sizes)
+    assert plan.owner(next(n for n in sizes if n.startswith("wte."))) == 0
+    assert plan.owner("ln_f.weight") == blocks - 1
+    ranges = [b.layers for b in plan.blocks]
+    assert ranges[0][0] == 0 and ranges[-1][1] == n_layer and all(hi > lo for lo, hi in ranges)
+    # each cut is the layer boundary whose cumulative size (embeddings included) is nearest j/M of the
+    # total, among the boundaries that leave every block at least one layer
+    embed = sum(v for n, v in sizes.items() if n.startswith(("wte.", "wpe.")))
+    layer = [sum(v for n, v in sizes.items() if n.startswith(f"h.{i}.")) for i in range(n_layer)]
+    cum = [embed + sum(layer[:k]) for k in range(n_layer + 1)]
+    total = sum(sizes.values())
+    for j in range(1, blocks):
+        cut, target = ranges[j][0], j * total / blocks
+        allowed = range(ranges[j - 1][0] + 1, n_layer - (blocks - j) + 1)
+        assert abs(cum[cut] - target) == min(abs(cum[k] - target) for k in allowed)
+
+
+def test_balanced_split_examples():
+    # GPT-2 124M: the 39M-parameter embedding is already a third of the model
+    assert [b.layers for b in make_plan(sizes_of("gpt2-124m"), 12, 3).blocks] == [(0, 1), (1, 6), (6, 12)]
+    # uniform layers and negligible embeddings/head: the same cuts as the even layer split
+    small = sizes_of("tiny", d_model=64, n_head=4, vocab_size=16, n_ctx=8)
+    assert make_plan(small, 6, 3) == make_plan(list(small), 6, 3)
+    # huge embeddings never leave a block without a layer
+    big = sizes_of("tiny", vocab_size=50_000)
+    assert [b.layers for b in make_plan(big, 6, 6).blocks] == [(i, i + 1) for i in range(6)]
+
+
+def test_balanced_split_is_more_even_than_layer_split():
+    sizes = sizes_of("gpt2-124m")
+    spread = lambda plan: max(block_sizes(plan, sizes)) - min(block_sizes(plan, sizes))  # noqa: E731
+    assert spread(make_plan(sizes, 12, 3)) < spread(make_plan(list(sizes), 12, 3))
+
+
+def test_balanced_split_is_pure_and_checks_block_count():
+    sizes = sizes_of("tiny-llama")
+    frozen = dict(sizes)
+    assert make_plan(sizes, 6, 3) == make_plan(dict(sizes), 6, 3)
+    assert sizes == frozen
+    for bad in (0, 7):
+        with pytest.raises(ConfigError, match=r"^bcd\.blocks"):
+            make_plan(sizes, 6, bad)
