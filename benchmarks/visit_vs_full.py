@@ -24,182 +24,26 @@ A miss prints MISS; the exit status stays 0 (CONVENTIONS 10).
 from __future__ import annotations
 
 import argparse
-import gc
-import itertools
 import json
-import platform
 import statistics
-import time
-import weakref
+import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from models import build_model, get_config, make_plan
-from models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
-from tasks.weights import autocast, resolve_device
+if __package__ in (None, ""):  # run as a script (python benchmarks/visit_vs_full.py): the repo root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MB = 2**20
+from benchmarks.common import MB, Visit, check_tracker, machine, prefix_batch, round_robin  # noqa: E402
+from models import build_model, get_config, make_plan  # noqa: E402
+from tasks.weights import resolve_device  # noqa: E402
+
 # Defaults for arguments not given. CPU: one thread (two stall whenever the box is busy, skewing the ratios)
 # and, without --model, gpt2-124m at half width and vocabulary: the same 12 layers (4-layer blocks) and the
 # same layers : tied-head ratio (144 d^2 : V d = 2.2 : 1), at a quarter of the FLOPs (about a minute).
 DEFAULTS = {"cpu": dict(batch_size=2, seq_len=128, precision="fp32", steps=5, warmup=2, threads=1),
             "cuda": dict(batch_size=8, seq_len=1024, precision="bf16", steps=20, warmup=5)}
 CPU_MODEL = dict(model="gpt2-124m", d_model=384, n_head=6, vocab_size=25152)
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages created while active (CPU has no allocator stats to read).
-
-    Every op's outputs are checked: a storage that is not one of the op's inputs (in-place ops, views) and
-    not already counted is new; a weakref finalizer takes it off when the storage is freed. Allocations
-    inside a kernel that never surface as a tensor (workspaces) are not seen. Cross-checked against the
-    RSS high-water mark under MALLOC_MMAP_THRESHOLD_=65536: a gpt2-124m step agrees within 0.1%.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.sizes: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key, n = st.data_ptr(), st.nbytes()
-            if n and key not in inputs and key not in self.sizes:
-                self.sizes[key] = n
-                self.live += n
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(st, self._free, key)
-        return out
-
-    def _free(self, key: int) -> None:
-        self.live -= self.sizes.pop(key)
-
-
-def tensor_bytes(*trees) -> int:
-    """Bytes of the distinct storages among the tensors in ``trees`` (a tied weight counts once)."""
-    seen: dict[int, int] = {}
-    for t in tree_flatten(trees)[0]:
-        if isinstance(t, torch.Tensor):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def one_step(loss_fn, params, batch, opt, spec) -> None:
-    run_steps(loss_fn, params, itertools.repeat(batch), opt, spec, StopRule(max_steps=1))
-
-
-def check_tracker() -> dict:
-    """Analytic case: an nn.Linear AdamW step (foreach) after a first step, so the moments exist.
-
-    Alive at the optimizer step: weights W, two moments 2W, grads W and the one W-sized temporary of
-    foreach AdamW (sqrt of the second moment); activations (B x out) are gone by then. Peak = 5W + input.
-    """
-    lin = torch.nn.Linear(512, 512)
-    x, W = torch.randn(4, 512), tensor_bytes(list(lin.parameters()))
-    params, spec = list(lin.parameters()), OptimSpec("adamw", grad_clip=1.0)
-    opt = make_optimizer(params, spec)
-    loss_fn = lambda b: lin(b).square().mean()  # noqa: E731
-    one_step(loss_fn, params, x, opt, spec)
-    opt.zero_grad(set_to_none=True)
-    base = tensor_bytes(params, opt.state, x)
-    with LiveBytes() as tr:
-        one_step(loss_fn, params, x, opt, spec)
-    measured, expected = base + tr.peak, 5 * W + x.nbytes
-    ok = abs(measured - expected) <= 0.01 * expected
-    print(f"tracker check, Linear AdamW step: {measured / MB:.3f} MB, analytic 5W + input {expected / MB:.3f} MB"
-          f" -> {'ok' if ok else 'MISMATCH'}")
-    return {"measured_bytes": measured, "expected_bytes": expected, "ok": ok}
-
-
-def matmul_flops(model, trainable: set[str], cfg) -> int:
-    """Matmul FLOPs per token of a step: forward 2P and input-grad 2P over every weight the step runs,
-    weight-grad 2P over the trainable ones (attention scores, norms and the optimizer not counted)."""
-    run = sum(p.numel() for n, p in model.named_parameters() if n.startswith("h.") and p.dim() == 2)
-    train = sum(p.numel() for n, p in model.named_parameters()
-                if n.startswith("h.") and p.dim() == 2 and n in trainable)
-    head = cfg.vocab_size * cfg.d_model
-    head_trainable = ("wte.weight" if cfg.tied else "lm_head.weight") in trainable
-    return 4 * (run + head) + 2 * (train + (head if head_trainable else 0))
-
-
-class Visit:
-    """One configuration: its part of the model (from the master weights), optimizer, batch and step."""
-
-    def __init__(self, name, cfg, master, device, args, layers, embed, trainable, batch):
-        self.name, self.layers, self.embed, self.device, self.batch = name, layers, embed, device, batch
-        model = build_model(cfg, layers=layers, embed=embed, head=True, device=device, init=False)
-        model.load_state_dict({k: master[k] for k in model.state_dict()}, strict=True)
-        for n, p in model.named_parameters():
-            p.requires_grad_(n in trainable)
-        self.model = model.train()
-        self.params = [p for n, p in model.named_parameters() if n in trainable]
-        self.spec = OptimSpec(args.optim)
-        self.opt = make_optimizer(self.params, self.spec)
-        self.flops = matmul_flops(model, trainable, cfg)
-        lo, precision = layers[0], args.precision
-
-        def loss_fn(b):  # the loss path of tasks/train.py::train_visit
-            x, y = b
-            with autocast(device, precision):
-                h = model.embed(x) if embed else x  # (B, T, C)
-                return model.loss(model.run_layers(h, lo, cfg.n_layer), y)
-
-        self.loss_fn = loss_fn
-        self.times: list[float] = []
-
-    def step(self, timed: bool) -> None:
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        one_step(self.loss_fn, self.params, self.batch, self.opt, self.spec)
-        sync()
-        if timed:
-            self.times.append(time.perf_counter() - t0)
-
-    def peak(self) -> dict:
-        """Peak tensor bytes of one step: the state alive before it (grads are set to None first, as
-        run_steps does) plus the most the step itself holds on top of that at any moment."""
-        self.opt.zero_grad(set_to_none=True)
-        gc.collect()
-        state = {"weights": tensor_bytes(list(self.model.parameters()), list(self.model.buffers())),
-                 "grads": sum(p.numel() * p.element_size() for p in self.params),
-                 "optim": tensor_bytes(self.opt.state), "input": tensor_bytes(self.batch)}
-        base = state["weights"] + state["optim"] + state["input"]
-        if self.device.type == "cuda":  # the other configurations' tensors stay put during the step
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.step(timed=False)
-            peak = base + torch.cuda.max_memory_allocated(self.device) - before
-        else:
-            with LiveBytes() as tracker:
-                self.step(timed=False)
-            peak = base + tracker.peak
-        return {"peak_bytes": peak, "bytes": {**state, "rest": peak - sum(state.values())}}
-
-    def report(self) -> dict:
-        ms = [1e3 * t for t in self.times]
-        return {"name": self.name, "layers": list(self.layers), "embed": self.embed,
-                "trainable_params": sum(p.numel() for p in self.params),
-                "step_ms_median": statistics.median(ms), "step_ms_mean": statistics.fmean(ms), "step_ms_all": ms,
-                **self.peak(), "matmul_flops_per_token": self.flops}
-
-
-def machine(device: torch.device) -> dict:
-    cpu = platform.processor()
-    if Path("/proc/cpuinfo").exists():
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), cpu)
-    return {"cpu": cpu, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device)}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -277,21 +121,11 @@ def main(argv=None) -> dict:
     visits = [Visit("full", cfg, master, device, args, (0, cfg.n_layer), True, set(names), (x, y))]
     for blk in plan.blocks:
         lo = blk.layers[0]
-        if lo == 0:
-            batch = (x, y)
-        else:  # paper §3.2.2 pre-inference: the frozen prefix runs once, before the visit, off the clock
-            prefix = build_model(cfg, layers=(0, lo), head=False, device=device, init=False)
-            prefix.load_state_dict({k: master[k] for k in prefix.state_dict()}, strict=True)
-            # no_grad, not inference_mode: the visit saves this tensor for backward (as it does what it reads)
-            with torch.no_grad(), autocast(device, args.precision):
-                batch = (prefix.run_layers(prefix.embed(x), 0, lo).float(), y)  # (B, T, C), (B, T)
-            del prefix
+        # paper §3.2.2 pre-inference: the frozen prefix runs once, before the visit, off the clock
+        batch = (x, y) if lo == 0 else (prefix_batch(cfg, master, device, args.precision, x, lo), y)
         visits.append(Visit(f"block {blk.index}", cfg, master, device, args, (lo, cfg.n_layer), lo == 0,
                             set(blk.params), batch))
-    # round-robin: a slow spell on a shared machine hits every configuration alike, not one of them
-    for i in range(args.warmup + args.steps):
-        for v in visits:
-            v.step(timed=i >= args.warmup)
+    round_robin(visits, args.warmup, args.steps)
     rows = [v.report() for v in visits]
 
     summary = summarize(rows)

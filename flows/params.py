@@ -54,7 +54,7 @@ class _Flat(BaseModel):
         """Python callers may pass a RunConfig or its nested dict (``cfg.model_dump()``) as well."""
         if isinstance(data, RunConfig):
             data = data.model_dump()
-        if isinstance(data, dict) and any(isinstance(data.get(s), dict) for s in RunConfig.model_fields):
+        if isinstance(data, dict) and any(isinstance(v, dict) for v in data.values()):
             return _flatten(data)
         return data
 
@@ -78,9 +78,11 @@ class _Flat(BaseModel):
 
 
 def _flatten(nested: dict) -> dict:
+    """``{"bcd": {"blocks": 3}, "seed": 0}`` -> ``{"bcd_blocks": 3, "seed": 0}``."""
+    sections = {k for k, f in RunConfig.model_fields.items() if _is_section(f.annotation)}
     out = {}
     for k, v in nested.items():
-        if isinstance(v, dict) and _is_section(RunConfig.model_fields.get(k) and RunConfig.model_fields[k].annotation):
+        if k in sections and isinstance(v, dict):
             out.update({f"{k}_{kk}": vv for kk, vv in v.items()})
         else:
             out[k] = v

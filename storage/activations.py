@@ -4,14 +4,19 @@
 
     hidden   [n, T, d]  float32 | float16 | uint16 (bfloat16 bit pattern, attribute logical_dtype)
     targets  [n, T]     int32
-    done/{shard}.json   completion marker per shard: row range + sha256 of the bytes as written
+    done/{shard}.json   completion marker per shard: row range + crc32 of the bytes as written
 
-Zarr 3 facts that shape this: a shard is the unit of safe concurrent writes, so one pre-inference task owns
-whole shards (``shards=(shard_rows, T, d)``) and writes them with one region write; the array metadata is
-created once by the coordinator (``create_group``); there is no native bfloat16, so its 16-bit pattern is stored;
-activations barely compress, so compressors are off by default (zstd level 1 on request). A shard counts as complete only when its marker exists and
-the stored bytes still hash to the marker's checksum (DESIGN §3 I5), so a truncated or altered shard is redone,
-never trained on.
+A *shard* (bcdflow's unit of pre-inference work, ``shard_rows`` rows) is stored as whole Zarr chunks of
+~16 MB, one object each. Each pre-inference task owns whole chunks, so concurrent writers never share an
+object, which is what makes concurrent writes safe. Zarr's sharding codec was tried and dropped: in
+zarr 3.1 a region write of a whole shard still takes the partial-write path (zero-filled scratch chunks,
+an all-zeros scan, a join), about 5x slower than writing the same bytes to a file. Whole-chunk objects
+write at raw-file speed (benchmarks/store_throughput.py).
+
+The array metadata is created once by the coordinator (``create_group``). Zarr has no native bfloat16, so
+its 16-bit pattern is stored. Activations barely compress, so compressors are off by default (zstd level 1
+on request). A shard counts as complete only when its marker exists and the stored bytes still match the
+marker's checksum (DESIGN §3 I5), so a truncated or altered shard is redone, never trained on.
 
 Usage::
 
@@ -21,17 +26,19 @@ Usage::
 """
 from __future__ import annotations
 
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 import zarr
 
-from .store import Store, sha256_bytes
+from .store import Store
 
 DTYPES = ("float32", "float16", "bfloat16")
 _STORED = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
-_CHUNK_BYTES = 4 << 20  # ~4 MB inner chunks: whole-chunk reads for contiguous row ranges
+_CHUNK_BYTES = 16 << 20  # ~16 MB per chunk object: large enough for object stores, small enough for batches
 
 
 class ActivationError(RuntimeError):
@@ -39,7 +46,7 @@ class ActivationError(RuntimeError):
 
 
 def _default_chunk_rows(shard_rows: int, row_bytes: int) -> int:
-    """Largest divisor of shard_rows whose chunk fits in ~4 MB (at least one row)."""
+    """Largest divisor of shard_rows whose chunk fits in ~16 MB (at least one row)."""
     cap = max(1, _CHUNK_BYTES // max(1, row_bytes))
     return max(r for r in range(1, min(cap, shard_rows) + 1) if shard_rows % r == 0)
 
@@ -61,18 +68,21 @@ def create_group(store: Store, key: str, *, n_rows: int, seq_len: int, d_model: 
     if compression not in ("none", "zstd"):
         raise ActivationError(f"compression must be none or zstd, got {compression!r}")
     attrs = {"n_rows": n_rows, "seq_len": seq_len, "d_model": d_model, "shard_rows": shard_rows,
-             "dtype": dtype, "n_shards": -(-n_rows // shard_rows), "compression": compression}
+             "chunk_rows": chunk_rows, "dtype": dtype, "n_shards": -(-n_rows // shard_rows),
+             "compression": compression}
     compressors = None if compression == "none" else zarr.codecs.ZstdCodec(level=1)
     if _existing_attrs(store, key) == attrs:
         return
     store.rm(key)  # different layout (or a half-created group): its shards and markers are meaningless
     group = zarr.open_group(store.zarr_store(key), mode="w")
     hidden_attrs = {"logical_dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    # whole-chunk writes never read back; skipping zarr's all-zeros scan per chunk halves write time
+    fast = {"write_empty_chunks": True}
     group.create_array("hidden", shape=(n_rows, seq_len, d_model), dtype=_STORED[dtype],
-                       shards=(shard_rows, seq_len, d_model), chunks=(chunk_rows, seq_len, d_model),
-                       compressors=compressors, fill_value=0, attributes=hidden_attrs)
-    group.create_array("targets", shape=(n_rows, seq_len), dtype="int32", shards=(shard_rows, seq_len),
-                       chunks=(chunk_rows, seq_len), compressors=None, fill_value=0)
+                       chunks=(chunk_rows, seq_len, d_model), compressors=compressors, fill_value=0,
+                       attributes=hidden_attrs, config=fast)
+    group.create_array("targets", shape=(n_rows, seq_len), dtype="int32", chunks=(chunk_rows, seq_len),
+                       compressors=None, fill_value=0, config=fast)
     group.attrs.update(attrs)  # written last: attributes present means both arrays exist
 
 
@@ -117,12 +127,17 @@ def _hidden_from_stored(arr: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr)).float()
 
 
+def _crc(arr: np.ndarray) -> int:
+    """crc32 of the bytes as stored: 2 GB/s here, twice sha256, and all a truncation or bit flip needs."""
+    return zlib.crc32(np.ascontiguousarray(arr).data)
+
+
 def _marker_key(key: str, shard: int) -> str:
     return f"{key}/done/{shard}.json"
 
 
 def write_shard(store: Store, key: str, shard: int, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
-    """Write exactly the rows of one shard (one region write = one shard object), then its marker."""
+    """Write exactly the rows of one shard (one region write of whole chunks), then its marker."""
     h_arr, t_arr, attrs = _open(store, key, read_only=False)
     lo, hi = _rows(attrs, shard)
     T, d = attrs["seq_len"], attrs["d_model"]
@@ -130,14 +145,18 @@ def write_shard(store: Store, key: str, shard: int, hidden: torch.Tensor, target
         raise ActivationError(f"shard {shard} of {key} holds rows [{lo}, {hi}): expected hidden {(hi - lo, T, d)} "
                               f"and targets {(hi - lo, T)}, got {tuple(hidden.shape)} and {tuple(targets.shape)}")
     store.rm(_marker_key(key, shard))  # a rewrite is incomplete until its new marker lands
-    for name in ("hidden", "targets"):  # drop a damaged old shard object: zarr would read its index to merge
-        store.rm(key, name, "c", str(shard))
+    cr = attrs["chunk_rows"]
+    if hi == attrs["n_rows"] and hi % cr:  # the ragged last chunk: never merge with a damaged old object
+        store.rm(key, "hidden", "c", str(hi // cr))
+        store.rm(key, "targets", "c", str(hi // cr))
     h = _hidden_to_stored(hidden, attrs["dtype"])  # (rows, T, d)
     y = targets.detach().to("cpu", torch.int32).contiguous().numpy()  # (rows, T)
-    h_arr[lo:hi] = h
-    t_arr[lo:hi] = y
-    marker = {"shard": shard, "lo": lo, "hi": hi, "dtype": attrs["dtype"],
-              "hidden_sha256": sha256_bytes(h.data), "targets_sha256": sha256_bytes(y.data)}
+    with ThreadPoolExecutor(1) as pool:  # zlib releases the GIL: checksum while zarr writes
+        h_crc = pool.submit(_crc, h)
+        h_arr[lo:hi] = h
+        t_arr[lo:hi] = y
+        marker = {"shard": shard, "lo": lo, "hi": hi, "dtype": attrs["dtype"],
+                  "hidden_crc32": h_crc.result(), "targets_crc32": _crc(y)}
     store.write_json(marker, _marker_key(key, shard))
     return marker
 
@@ -163,10 +182,10 @@ def verify_shard(store: Store, key: str, shard: int) -> None:
     except (ValueError, OSError, zarr.errors.BaseZarrError) as e:  # e.g. truncated shard: index checksum fails
         raise ActivationError(f"shard {shard} of {key} is unreadable: {e}") from e
     for name, arr in (("hidden", h), ("targets", y)):
-        sha = sha256_bytes(np.ascontiguousarray(arr).data)
-        if sha != marker[f"{name}_sha256"]:
-            raise ActivationError(f"shard {shard} of {key} is corrupt: {name} sha256 {sha} != marker "
-                                  f"{marker[f'{name}_sha256']}")
+        crc = _crc(arr)
+        if crc != marker.get(f"{name}_crc32"):
+            raise ActivationError(f"shard {shard} of {key} is corrupt: {name} crc32 {crc} != marker "
+                                  f"{marker.get(f'{name}_crc32')}")
 
 
 def shard_complete(store: Store, key: str, shard: int) -> bool:

@@ -144,8 +144,9 @@ def test_create_group_resume_and_recreate(store):
         create_group(store, KEY, n_rows=10, seq_len=4, d_model=8, shard_rows=4, chunk_rows=3)
 
 
-def _shard_object(store: Store, shard: int) -> str:
-    return f"{KEY}/hidden/c/{shard}/0/0"  # one object per Zarr shard
+def _shard_object(store: Store, shard: int, shard_rows: int = 4, chunk_rows: int = 2) -> str:
+    """The first chunk object of a shard (a shard is stored as whole chunks, one object each)."""
+    return f"{KEY}/hidden/c/{shard * shard_rows // chunk_rows}/0/0"
 
 
 def test_truncated_or_altered_shard_detected(store):

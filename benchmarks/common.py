@@ -1,0 +1,372 @@
+"""What every benchmark shares: a CPU tensor-memory tracker, one training step as the product runs it,
+a visit configuration (part of the model + optimizer + batch), analytic FLOPs, round-robin timing and the
+machine description.
+
+A step is ``models.trainer.run_steps`` for one step (zero_grad, forward+loss as in
+``tasks/train.py::train_visit``, backward, clip, optimizer step), so a benchmark times the product's
+loop, not a copy of it.
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import platform
+import statistics
+import time
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from models import build_model
+from models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
+from tasks.weights import autocast
+
+MB = 2**20
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages created while active (CPU has no allocator stats to read).
+
+    Every op's outputs are checked: a storage that is not one of the op's inputs (in-place ops, views) and
+    not already counted is new; a weakref finalizer takes it off when the storage is freed. Allocations
+    inside a kernel that never surface as a tensor (workspaces) are not seen. Cross-checked against the
+    RSS high-water mark under MALLOC_MMAP_THRESHOLD_=65536: a gpt2-124m step agrees within 0.1%.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key, n = st.data_ptr(), st.nbytes()
+            if n and key not in inputs and key not in self.sizes:
+                self.sizes[key] = n
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(st, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.live -= self.sizes.pop(key)
+
+
+def tensor_bytes(*trees) -> int:
+    """Bytes of the distinct storages among the tensors in ``trees`` (a tied weight counts once)."""
+    seen: dict[int, int] = {}
+    for t in tree_flatten(trees)[0]:
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def one_step(loss_fn, params, batch, opt, spec) -> None:
+    run_steps(loss_fn, params, itertools.repeat(batch), opt, spec, StopRule(max_steps=1))
+
+
+def check_tracker() -> dict:
+    """Analytic case: an nn.Linear AdamW step (as ``make_optimizer`` builds it) after a first step, so the
+    moments exist.
+
+    Alive at the optimizer step: weights W, two moments 2W, grads W and, for foreach AdamW only, one
+    W-sized temporary (sqrt of the second moment; fused AdamW has none); activations (B x out) are gone
+    by then. Peak = 4W (fused) or 5W (foreach) + input.
+    """
+    lin = torch.nn.Linear(512, 512)
+    x, W = torch.randn(4, 512), tensor_bytes(list(lin.parameters()))
+    params, spec = list(lin.parameters()), OptimSpec("adamw", grad_clip=1.0)
+    opt = make_optimizer(params, spec)
+    fused = bool(opt.defaults.get("fused"))
+    loss_fn = lambda b: lin(b).square().mean()  # noqa: E731
+    one_step(loss_fn, params, x, opt, spec)
+    opt.zero_grad(set_to_none=True)
+    base = tensor_bytes(params, opt.state, x)
+    with LiveBytes() as tr:
+        one_step(loss_fn, params, x, opt, spec)
+    n = 4 if fused else 5
+    measured, expected = base + tr.peak, n * W + x.nbytes
+    ok = abs(measured - expected) <= 0.01 * expected
+    print(f"tracker check, Linear AdamW step ({'fused' if fused else 'foreach'}): {measured / MB:.3f} MB, "
+          f"analytic {n}W + input {expected / MB:.3f} MB -> {'ok' if ok else 'MISMATCH'}")
+    return {"measured_bytes": measured, "expected_bytes": expected, "ok": ok, "fused": fused}
+
+
+def matmul_flops(model, trainable: set[str], cfg) -> int:
+    """Matmul FLOPs per token of a step: forward 2P and input-grad 2P over every weight the step runs,
+    weight-grad 2P over the trainable ones (attention scores, norms and the optimizer not counted)."""
+    run = sum(p.numel() for n, p in model.named_parameters() if n.startswith("h.") and p.dim() == 2)
+    train = sum(p.numel() for n, p in model.named_parameters()
+                if n.startswith("h.") and p.dim() == 2 and n in trainable)
+    head = cfg.vocab_size * cfg.d_model
+    head_trainable = ("wte.weight" if cfg.tied else "lm_head.weight") in trainable
+    return 4 * (run + head) + 2 * (train + (head if head_trainable else 0))
+
+
+def layer_matmul_params(model) -> dict[int, int]:
+    """Layer index -> elements of its matrices (what the matmuls of that layer multiply by)."""
+    out: dict[int, int] = {}
+    for n, p in model.named_parameters():
+        if n.startswith("h.") and p.dim() == 2:
+            i = int(n.split(".")[1])
+            out[i] = out.get(i, 0) + p.numel()
+    return out
+
+
+def step_flops(model, trainable: set[str], cfg, seq_len: int, grad_from: int | None = None,
+               lo: int = 0) -> int:
+    """FLOPs per token of one training step, matmuls and attention (the nanoGPT/PaLM count).
+
+    The step runs the model's layers >= ``lo`` (a visit with pre-inference holds only those; ``model`` may
+    be the whole model on the meta device). Layers below ``grad_from`` run forward only (pre-inference
+    off: the frozen prefix under no_grad); the others run forward (2P + 4TC for the attention scores and
+    values), input-gradient backward (2P + 8TC) and, for trainable matrices, weight-gradient backward
+    (2P). The head always runs forward + input grad (it sits on the gradient path), plus weight grad
+    when trainable."""
+    mats = {i: P for i, P in layer_matmul_params(model).items() if i >= lo}
+    grad_from = min(mats, default=0) if grad_from is None else grad_from
+    attn = 4 * seq_len * cfg.d_model  # per token per layer: Q K^T and A V
+    train = {}
+    for n, p in model.named_parameters():
+        if n.startswith("h.") and p.dim() == 2 and n in trainable:
+            i = int(n.split(".")[1])
+            train[i] = train.get(i, 0) + p.numel()
+    total = 0
+    for i, P in mats.items():
+        total += 2 * P + attn
+        if i >= grad_from:
+            total += 2 * P + 2 * attn + 2 * train.get(i, 0)
+    head = cfg.vocab_size * cfg.d_model
+    head_trainable = ("wte.weight" if cfg.tied else "lm_head.weight") in trainable
+    return total + 4 * head + (2 * head if head_trainable else 0)
+
+
+def forward_flops(model, cfg, seq_len: int, lo: int, hi: int, head: bool = False) -> int:
+    """FLOPs per token of a forward pass over layers [lo, hi) (pre-inference, evaluation with ``head``)."""
+    mats = layer_matmul_params(model)
+    attn = 4 * seq_len * cfg.d_model
+    return sum(2 * P + attn for i, P in mats.items() if lo <= i < hi) + (2 * cfg.vocab_size * cfg.d_model
+                                                                          if head else 0)
+
+
+def meta_model(cfg):
+    """The whole model on the meta device: shapes and names, no memory (for analytic counts)."""
+    from models.gpt import GPT
+    from models.llama import LLaMA
+
+    with torch.device("meta"):
+        return {"gpt": GPT, "llama": LLaMA}[cfg.family](cfg)
+
+
+class Visit:
+    """One configuration: its part of the model (from the master weights), optimizer, batch and step.
+
+    ``layers`` is the part held; ``start`` the first layer on the gradient path (default ``layers[0]``).
+    ``start > layers[0]`` is a visit with pre-inference off: layers [layers[0], start) run every step
+    under no_grad, as ``tasks/train.py`` runs the frozen prefix then. ``args`` needs ``optim`` and
+    ``precision``.
+    """
+
+    def __init__(self, name, cfg, master, device, args, layers, embed, trainable, batch, start=None):
+        self.name, self.layers, self.embed, self.device, self.batch = name, layers, embed, device, batch
+        self.start = layers[0] if start is None else start
+        model = build_model(cfg, layers=layers, embed=embed, head=True, device=device, init=False)
+        model.load_state_dict({k: master[k] for k in model.state_dict()}, strict=True)
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in trainable)
+        self.model = model.train()
+        self.trainable = set(trainable)
+        self.params = [p for n, p in model.named_parameters() if n in trainable]
+        self.spec = OptimSpec(args.optim)
+        self.opt = make_optimizer(self.params, self.spec)
+        self.flops = matmul_flops(model, trainable, cfg)
+        lo, start, precision = layers[0], self.start, args.precision
+
+        def loss_fn(b):  # the loss path of tasks/train.py::train_visit
+            x, y = b
+            with autocast(device, precision):
+                h = model.embed(x) if embed else x  # (B, T, C)
+                if start > lo:  # pre-inference off: the frozen prefix runs here, off the gradient path
+                    with torch.no_grad():
+                        h = model.run_layers(h, lo, start)
+                return model.loss(model.run_layers(h, start, cfg.n_layer), y)
+
+        self.loss_fn = loss_fn
+        self.times: list[float] = []
+
+    def step(self, timed: bool) -> None:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        one_step(self.loss_fn, self.params, self.batch, self.opt, self.spec)
+        sync()
+        if timed:
+            self.times.append(time.perf_counter() - t0)
+
+    def peak(self) -> dict:
+        """Peak tensor bytes of one step: the state alive before it (grads are set to None first, as
+        run_steps does) plus the most the step itself holds on top of that at any moment."""
+        self.opt.zero_grad(set_to_none=True)
+        gc.collect()
+        state = {"weights": tensor_bytes(list(self.model.parameters()), list(self.model.buffers())),
+                 "grads": sum(p.numel() * p.element_size() for p in self.params),
+                 "optim": tensor_bytes(self.opt.state), "input": tensor_bytes(self.batch)}
+        base = state["weights"] + state["optim"] + state["input"]
+        if self.device.type == "cuda":  # the other configurations' tensors stay put during the step
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.step(timed=False)
+            peak = base + torch.cuda.max_memory_allocated(self.device) - before
+        else:
+            with LiveBytes() as tracker:
+                self.step(timed=False)
+            peak = base + tracker.peak
+        return {"peak_bytes": peak, "bytes": {**state, "rest": peak - sum(state.values())}}
+
+    def saved_bytes(self) -> int:
+        """Bytes of the activations autograd saves for backward in one forward (parameters and the
+        batch not counted; views of one storage counted once)."""
+        skip = {t.untyped_storage().data_ptr() for t in [*self.model.parameters(), *tree_flatten(self.batch)[0]]
+                if isinstance(t, torch.Tensor)}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in skip and st.device.type != "meta":
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = self.loss_fn(self.batch)
+        del loss
+        return sum(seen.values())
+
+    def report(self) -> dict:
+        ms = [1e3 * t for t in self.times]
+        return {"name": self.name, "layers": list(self.layers), "embed": self.embed,
+                "trainable_params": sum(p.numel() for p in self.params),
+                "step_ms_median": statistics.median(ms), "step_ms_mean": statistics.fmean(ms), "step_ms_all": ms,
+                **self.peak(), "matmul_flops_per_token": self.flops}
+
+
+class Timed:
+    """Anything timed in a round-robin: ``fn()`` runs once; ``times`` holds the timed seconds."""
+
+    def __init__(self, name: str, fn, device: torch.device, **info):
+        self.name, self.fn, self.device, self.info, self.times = name, fn, device, info, []
+
+    def step(self, timed: bool) -> None:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        self.fn()
+        sync()
+        if timed:
+            self.times.append(time.perf_counter() - t0)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times)
+
+
+def round_robin(items, warmup: int, steps: int) -> None:
+    """Time every item ``steps`` times after ``warmup``, taking turns step by step: a slow spell on a
+    shared machine hits every configuration alike, not one of them."""
+    for i in range(warmup + steps):
+        for it in items:
+            it.step(timed=i >= warmup)
+
+
+def prefix_batch(cfg, master, device, precision, x, lo):
+    """Paper §3.2.2 pre-inference: the frozen prefix [0, lo) runs once, off the clock.
+
+    no_grad, not inference_mode: the visit saves this tensor for backward (as it does what it reads)."""
+    prefix = build_model(cfg, layers=(0, lo), head=False, device=device, init=False)
+    prefix.load_state_dict({k: master[k] for k in prefix.state_dict()}, strict=True)
+    with torch.no_grad(), autocast(device, precision):
+        return prefix.run_layers(prefix.embed(x), 0, lo).float()  # (B, T, C)
+
+
+def machine(device: torch.device) -> dict:
+    cpu = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), cpu)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device),
+            "cpu_count": os.cpu_count(), "load_avg_1m": load}
+
+
+def ns(**kw) -> SimpleNamespace:
+    """The ``args`` a Visit reads (``optim``, ``precision``)."""
+    return SimpleNamespace(**kw)
+
+
+class Workload:
+    """One model, one set of master weights and one batch, from which every configuration is built.
+
+    Block plans come from the product (``tasks.run.plan_for``: the split ``bcd.split`` picks, by
+    parameter count by default), so the benchmark measures the blocks a run would train."""
+
+    def __init__(self, c: dict, device: torch.device, optim: str = "adamw", seed: int = 0):
+        from models import get_config
+
+        self.c, self.device = c, device
+        self.cfg = get_config(c["model"], **c["overrides"])
+        torch.manual_seed(seed)
+        whole = build_model(self.cfg)
+        self.master = whole.state_dict()  # kept on the CPU; each configuration copies its part
+        self.names = [n for n, _ in whole.named_parameters()]
+        self.n_params = sum(p.numel() for p in whole.parameters())
+        del whole
+        B, T = c["batch_size"], c["seq_len"]
+        tokens = torch.randint(self.cfg.vocab_size, (B, T + 1), device=device)
+        self.x, self.y = tokens[:, :-1], tokens[:, 1:]  # (B, T)
+        self.args = ns(optim=optim, precision=c["precision"])
+        self._prefix: dict[int, torch.Tensor] = {}
+
+    @property
+    def tokens(self) -> int:
+        return self.x.numel()
+
+    def plan(self, blocks: int):
+        from tasks.config import RunConfig
+        from tasks.run import plan_for
+
+        over = {k: v for k, v in self.c["overrides"].items() if k != "vocab_size"}
+        run = RunConfig(model={"name": self.c["model"], **over},
+                        data={"vocab_size": max(self.cfg.vocab_size, 260), "seq_len": self.c["seq_len"]},
+                        bcd={"blocks": blocks})
+        _, plan = plan_for(run, self.cfg.vocab_size)
+        return plan
+
+    def full(self) -> Visit:
+        return Visit("full", self.cfg, self.master, self.device, self.args, (0, self.cfg.n_layer), True,
+                     set(self.names), (self.x, self.y))
+
+    def hidden(self, lo: int) -> torch.Tensor:
+        if lo not in self._prefix:
+            self._prefix[lo] = prefix_batch(self.cfg, self.master, self.device, self.args.precision, self.x, lo)
+        return self._prefix[lo]
+
+    def visit(self, name: str, blk, preinfer: bool = True) -> Visit:
+        """Block ``blk``'s visit as tasks/train.py runs it: with pre-inference, layers >= lo fed the prefix's
+        hidden states; without, the whole model with the prefix under no_grad every step."""
+        lo, n = blk.layers[0], self.cfg.n_layer
+        if preinfer and lo > 0:
+            return Visit(name, self.cfg, self.master, self.device, self.args, (lo, n), False, set(blk.params),
+                         (self.hidden(lo), self.y))
+        return Visit(name, self.cfg, self.master, self.device, self.args, (0, n), True, set(blk.params),
+                     (self.x, self.y), start=lo)

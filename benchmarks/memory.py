@@ -1,0 +1,184 @@
+"""Memory per visit against a full-parameter AdamW step (paper Tables 9, 11 and Figure 5).
+
+For each ``bcd.blocks`` M in the profile's list (2, 3, 4, 5) and each block of the product's plan, the
+peak tensor memory of one training step of that block's visit, pre-inference on (the product's default:
+block b > 0 holds layers >= b and the head only), against the full step on the same model and batch.
+
+Measured: ``Visit.peak`` (CUDA peak allocated, or the LiveBytes dispatch tracker on CPU) split into the
+state alive before the step (weights, optimizer state, batch), the gradients of the trainable block and
+the rest (activations and temporaries at the peak); plus the activations autograd saves in a forward
+(saved-tensor hooks). Analytic: weights, gradients and AdamW moments from parameter counts (the paper's
+Figure 5 counts only these three) and activations from the layer structure (below).
+"""
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+from benchmarks import report
+from benchmarks.common import MB, Workload
+
+# paper Table 11 (GPT-2, Adam / SGD): memory at 1/UFP unfrozen over the full update's
+PAPER_ADAM = {1: 2432.60, 2: 1520.38, 3: 1216.30, 4: 1064.26}
+PAPER_SGD = {1: 1824.45, 2: 1216.30, 3: 1013.58, 4: 912.23}
+
+
+def analytic(w: Workload, v) -> dict:
+    """Bytes by kind for a visit, from counts (fp32 weights, AdamW = 2 moments).
+
+    Activations per token, pre-LN GPT layer (read off the autograd graph): a layer with trainable
+    matrices saves 17C (ln inputs and outputs, qkv, attention output, the projections' inputs, the MLP's
+    4C pre- and post-GELU); a frozen layer on the gradient path keeps only what input gradients need,
+    about 10C (no linear inputs); a layer below ``start`` saves nothing; the head saves ln_f's input, its
+    output when the head is trainable, and the V log-probabilities."""
+    cfg, B, T = w.cfg, *w.x.shape
+    C, V = cfg.d_model, cfg.vocab_size
+    size = 4  # fp32 master weights and moments (bf16 autocast keeps fp32 parameters)
+    held = sum(p.numel() for p in v.model.parameters())
+    train = sum(p.numel() for p in v.params)
+    layers = range(v.start, cfg.n_layer)
+    trainable_layers = {int(n.split(".")[1]) for n in v.trainable if n.startswith("h.")}
+    per_tok = sum(17 * C if i in trainable_layers else 10 * C for i in layers)
+    head_tr = ("wte.weight" if cfg.tied else "lm_head.weight") in v.trainable
+    per_tok += C + (C if head_tr else 0) + V
+    act_size = 2 if w.args.precision == "bf16" else 4
+    return {"weights": held * size, "grads": train * size, "optim": 2 * train * size,
+            "activations": B * T * per_tok * act_size}
+
+
+def measure(w: Workload, v) -> dict:
+    v.step(timed=False)  # a first step, so the optimizer state exists (as in every step but the first)
+    peak = v.peak()
+    an = analytic(w, v)
+    return {"name": v.name, "layers": list(v.layers), "trainable_params": sum(p.numel() for p in v.params),
+            "ufp": sum(p.numel() for p in v.params) / w.n_params, "peak_bytes": peak["peak_bytes"],
+            "bytes": peak["bytes"], "saved_activation_bytes": v.saved_bytes(), "analytic": an,
+            "analytic_state_bytes": an["weights"] + an["grads"] + an["optim"],
+            "analytic_total_bytes": sum(an.values())}
+
+
+def run(prof: dict, device, out: Path, **_) -> dict:
+    c = prof["compute"]
+    w = Workload(c, device)
+    full = measure(w, w.full())
+    gc.collect()
+    rows, per_m = [dict(full, blocks=1, block=None)], {}
+    for M in c["memory_blocks"]:
+        plan = w.plan(M)
+        block_rows = []
+        for blk in plan.blocks:
+            v = w.visit(f"M={M} block {blk.index}", blk)
+            r = measure(w, v)
+            del v
+            gc.collect()
+            r.update(blocks=M, block=blk.index)
+            for k in ("peak_bytes", "analytic_state_bytes", "analytic_total_bytes", "saved_activation_bytes"):
+                r[f"{k}_ratio"] = r[k] / full[k] if full[k] else None
+            block_rows.append(r)
+        rows += block_rows
+        worst = max(block_rows, key=lambda r: r["peak_bytes"])
+        per_m[M] = {"worst_block": worst["block"], "worst_peak_ratio": worst["peak_bytes_ratio"],
+                    "mean_peak_ratio": sum(r["peak_bytes_ratio"] for r in block_rows) / M,
+                    "worst_state_ratio": max(r["analytic_state_bytes_ratio"] for r in block_rows),
+                    "worst_analytic_total_ratio": max(r["analytic_total_bytes_ratio"] for r in block_rows),
+                    "max_ufp": max(r["ufp"] for r in block_rows),
+                    "paper_adam_ratio": PAPER_ADAM[M] / PAPER_ADAM[1] if M in PAPER_ADAM else (1 + 3 / M) / 4,
+                    "plan": [list(b.layers) for b in plan.blocks]}
+    res = {"config": {**c, "n_params": w.n_params, "cfg": w.cfg.to_dict()}, "full": full, "rows": rows,
+           "per_blocks": {str(k): v for k, v in per_m.items()}}
+    res["plots"] = plots(rows, per_m, full, out)
+    res["claims"] = claims(per_m)
+    res["markdown"] = markdown(res, w)
+    return res
+
+
+def claims(per_m: dict) -> list[dict]:
+    out = []
+    if 3 in per_m:
+        s = per_m[3]
+        out.append(report.claim("memory", "worst-block peak / full AdamW step, 3 blocks (measured)",
+                                s["worst_peak_ratio"], paper="0.50 (Table 11: 1216 / 2433 MB, Adam, 1/3)",
+                                target="≤ 0.50", passed=s["worst_peak_ratio"] <= 0.5))
+        out.append(report.claim("memory", "worst block, weights+grads+AdamW only, 3 blocks (analytic)",
+                                s["worst_state_ratio"], paper="0.50 (Figure 5: (1 + 3/3) / 4)"))
+    for M, s in per_m.items():
+        if M != 3:
+            out.append(report.claim("memory", f"worst-block peak / full, {M} blocks (measured)",
+                                    s["worst_peak_ratio"], paper=f"{s['paper_adam_ratio']:.2f} "
+                                    + ("(Table 11)" if M in PAPER_ADAM else "(Figure 5 formula)")))
+    return out
+
+
+def markdown(res: dict, w: Workload) -> str:
+    c, full = res["config"], res["full"]
+    cols = [("name", "config", "s"), ("layers_s", "layers", "s"), ("trainable_m", "trainable M", ".2f"),
+            ("ufp", "UFP", ".2f"), ("w", "weights MB", ".1f"), ("g", "grads MB", ".1f"), ("o", "optim MB", ".1f"),
+            ("rest", "act+temp MB", ".1f"), ("saved", "saved act MB", ".1f"), ("peak", "peak MB", ".1f"),
+            ("ratio", "× full", ".2f"), ("an_state", "analytic W+G+O × full", ".2f"),
+            ("an_act", "analytic act MB", ".1f"), ("an_ratio", "analytic total × full", ".2f")]
+    rows = []
+    for r in res["rows"]:
+        b = r["bytes"]
+        rows.append({"name": r["name"], "layers_s": "%d-%d" % tuple(r["layers"]),
+                     "trainable_m": r["trainable_params"] / 1e6, "ufp": r["ufp"], "w": b["weights"] / MB,
+                     "g": b["grads"] / MB, "o": b["optim"] / MB, "rest": b["rest"] / MB,
+                     "saved": r["saved_activation_bytes"] / MB, "peak": r["peak_bytes"] / MB,
+                     "ratio": r["peak_bytes"] / full["peak_bytes"],
+                     "an_state": r["analytic_state_bytes"] / full["analytic_state_bytes"],
+                     "an_act": r["analytic"]["activations"] / MB,
+                     "an_ratio": r["analytic_total_bytes"] / full["analytic_total_bytes"]})
+    per = [{"M": int(M), "ufp": 1 / int(M), **s, "plan": str(s["plan"])} for M, s in res["per_blocks"].items()]
+    return "\n".join([
+        "## memory: peak per visit vs a full AdamW step (Tables 9, 11; Figure 5)", "",
+        f"{c['model']} {w.cfg.n_layer} layers, d={w.cfg.d_model}, vocab={w.cfg.vocab_size} "
+        f"({c['n_params'] / 1e6:.2f}M parameters), batch {c['batch_size']}×{c['seq_len']}, {c['precision']}, AdamW, "
+        "pre-inference on, blocks from the product's plan (`tasks.run.plan_for`). Measured peak = state before "
+        "the step + the most the step adds (CUDA allocator peak, or a dispatch-mode tracker of tensor storages on "
+        "CPU); 'act+temp' = activations and temporaries at the peak; 'saved act' = what autograd saves in one "
+        "forward. Analytic: fp32 weights, gradients and two AdamW moments from parameter counts (the paper's "
+        "Figure 5 counts only these), activations from the layer structure.", "",
+        md_table_per(per), "", report.md_table(rows, cols)])
+
+
+def md_table_per(per: list[dict]) -> str:
+    return report.md_table(per, [("M", "blocks", "d"), ("ufp", "1/M", ".2f"), ("max_ufp", "largest block UFP", ".2f"),
+                                 ("worst_block", "worst block", "d"), ("worst_peak_ratio", "worst peak × full", ".2f"),
+                                 ("mean_peak_ratio", "mean peak × full", ".2f"),
+                                 ("worst_state_ratio", "worst W+G+O × full (analytic)", ".2f"),
+                                 ("worst_analytic_total_ratio", "worst analytic total × full", ".2f"),
+                                 ("paper_adam_ratio", "paper (Adam)", ".2f"), ("plan", "layers per block", "s")])
+
+
+def plots(rows: list[dict], per_m: dict, full: dict, out: Path) -> list[str]:
+    files = []
+    Ms = sorted(per_m)
+    fig, axes = report.figure(1, len(Ms) + 0, figsize=(3.2 * max(1, len(Ms)), 3.6), squeeze=False)
+    kinds = [("weights", "weights"), ("grads", "grads"), ("optim", "optimizer"), ("input", "input"),
+             ("rest", "activations + temporaries")]
+    for ax, M in zip(axes[0], Ms):
+        sel = [full] + [r for r in rows if r.get("blocks") == M]
+        labels = ["full"] + [f"b{r['block']}" for r in sel[1:]]
+        bottom = [0.0] * len(sel)
+        for key, label in kinds:
+            vals = [max(r["bytes"][key], 0) / MB for r in sel]
+            ax.bar(labels, vals, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.axhline(0.5 * full["peak_bytes"] / MB, color="k", ls="--", lw=1, label="0.5 × full")
+        ax.set_title(f"{M} blocks")
+        ax.set_ylabel("MB")
+    axes[0][0].legend(fontsize=7)
+    files.append(report.save(fig, out, "memory_breakdown.png"))
+
+    fig, ax = report.figure(figsize=(5, 3.6))
+    ufp = [1 / M for M in Ms]
+    ax.plot(ufp, [per_m[M]["worst_peak_ratio"] for M in Ms], "o-", label="worst block, measured peak")
+    ax.plot(ufp, [per_m[M]["mean_peak_ratio"] for M in Ms], "s-", label="mean block, measured peak")
+    ax.plot(ufp, [per_m[M]["worst_state_ratio"] for M in Ms], "^--", label="worst block, W+G+O analytic")
+    ax.plot([1 / k for k in (2, 3, 4)], [PAPER_ADAM[k] / PAPER_ADAM[1] for k in (2, 3, 4)], "kx:",
+            label="paper Table 11 (Adam)")
+    ax.axhline(0.5, color="grey", lw=0.8)
+    ax.set_xlabel("unfrozen part 1/M")
+    ax.set_ylabel("memory / full AdamW step")
+    ax.legend(fontsize=7)
+    files.append(report.save(fig, out, "memory_ratio.png"))
+    return files

@@ -1,0 +1,63 @@
+"""Benchmark sizes: ``full`` (a GPU: the paper's settings where a machine can hold them), ``quick`` (2 CPU
+cores, under 10 minutes) and ``tiny`` (the smoke tests: every code path in seconds).
+
+``compute`` sizes the step-level benchmarks (memory, iteration, utilization): a registry model with
+overrides, one batch, fp32 as in the paper (A.1). ``flows`` sizes the runs through ``flows.bcd``
+(validity, sampling, order, cost): ``--set``-style config keys shared by every run, per-optimizer
+learning rates, and step caps.
+
+Quick compute model: gpt2-124m at quarter width and vocabulary (12 layers, d=192, V=12576): the same
+4-layer blocks and the same layers : tied-head parameter ratio (144 d^2 : V d = 2.2 : 1) as GPT-2 124M.
+Quick flows model: ``tiny`` at d=64 on 200 kB of the built-in corpus (about 1900 rows of 32 tokens), so
+the full run plateaus (it starts to overfit) within a few hundred steps and one 80-step visit reads its
+whole sample (the sample rate then changes how many rows a visit sees, paper A.2).
+"""
+from __future__ import annotations
+
+# paper §4.2.1: AdamW 1e-4, SGD 0.1 (momentum 0.9, weight decay 1e-5). AdamW at 1e-4 barely moves a
+# tiny model in a few hundred steps; the CPU sizes use the demo's 3e-3 for both BCD and full runs.
+PROFILES: dict[str, dict] = {
+    "full": {
+        "compute": {"model": "gpt2-124m", "overrides": {}, "batch_size": 8, "seq_len": 1024,
+                    "precision": "fp32", "memory_blocks": [2, 3, 4, 5], "iteration_blocks": [3, 4, 5],
+                    "warmup": 3, "steps": 10, "matmul_sizes": [2048, 4096, 8192], "matmul_reps": 5},
+        "flows": {"sets": ["model.name=tiny", "data.seq_len=128", "data.vocab_size=2048",
+                           "data.builtin_bytes=1500000", "data.val_fraction=0.05", "bcd.blocks=3",
+                           "bcd.max_steps=200", "bcd.window=25", "bcd.patience=2", "bcd.min_delta=0.005",
+                           "bcd.shard_rows=256", "optim.warmup_steps=20", "train.batch_size=16",
+                           "train.steps=6000", "train.eval_every=100", "train.eval_rows=512"],
+                  "lr": {"adamw": 3e-3, "sgd": 0.1}, "bcd_cycles": {"adamw": 20, "sgd": 20},
+                  "variant_cycles": 12, "tol": 0.02},
+    },
+    "quick": {
+        "compute": {"model": "gpt2-124m", "overrides": {"d_model": 192, "n_head": 3, "vocab_size": 12576},
+                    "batch_size": 2, "seq_len": 128, "precision": "fp32", "memory_blocks": [2, 3, 4, 5],
+                    "iteration_blocks": [3, 4, 5], "warmup": 1, "steps": 3, "matmul_sizes": [512, 1024],
+                    "matmul_reps": 3},
+        "flows": {"sets": ["model.name=tiny", "model.d_model=64", "model.n_head=4", "data.seq_len=32",
+                           "data.vocab_size=512", "data.builtin_bytes=200000", "data.val_fraction=0.1",
+                           "bcd.blocks=3", "bcd.max_steps=80", "bcd.window=20", "bcd.patience=2",
+                           "bcd.min_delta=0.01", "bcd.shard_rows=1024", "optim.warmup_steps=10",
+                           "train.batch_size=16", "train.steps=800", "train.eval_every=40",
+                           "train.eval_rows=256"],
+                  "lr": {"adamw": 3e-3, "sgd": 0.1}, "bcd_cycles": {"adamw": 8, "sgd": 5},
+                  "variant_cycles": 5, "tol": 0.02},
+    },
+    "tiny": {
+        "compute": {"model": "tiny", "overrides": {"d_model": 32, "n_head": 2, "vocab_size": 320},
+                    "batch_size": 2, "seq_len": 16, "precision": "fp32", "memory_blocks": [3],
+                    "iteration_blocks": [3], "warmup": 0, "steps": 1, "matmul_sizes": [128],
+                    "matmul_reps": 1},
+        "flows": {"sets": ["model.name=tiny", "model.n_layer=2", "model.d_model=32", "model.n_head=2",
+                           "data.seq_len=16", "data.vocab_size=300", "data.builtin_bytes=60000",
+                           "bcd.blocks=2", "bcd.max_steps=3", "bcd.window=3", "bcd.patience=0",
+                           "bcd.shard_rows=64", "train.batch_size=8", "train.steps=6",
+                           "train.eval_every=3", "train.eval_rows=16"],
+                  "lr": {"adamw": 3e-3, "sgd": 0.1}, "bcd_cycles": {"adamw": 1, "sgd": 1},
+                  "variant_cycles": 1, "tol": 0.02},
+    },
+}
+
+
+def profile(name: str) -> dict:
+    return PROFILES[name]

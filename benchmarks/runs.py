@@ -1,0 +1,137 @@
+"""Training runs through the real flows (``flows.bcd.bcd_train`` / ``full_train``), shared by the
+validity, sampling, order and cost benchmarks and read back from the run state.
+
+Runs live in a temporary store with MLflow off, under Prefect's test server (a temporary database)
+unless a Prefect API is already configured (the test session's). A run is keyed by its configuration,
+so benchmarks asking for the same run in one process get it once: the cyclic BCD-AdamW run of
+``validity`` is the reference of ``sampling`` and ``order``, and ``cost`` prices whatever ran.
+
+Curves come from ``storage.runs.read_state``: one point per BCD visit (``step_end``, ``val_loss``), the
+full run's ``val_points`` in between, with cumulative tokens, seconds and GPU-hours from
+``tasks.spend.curve`` and analytic FLOPs (training steps, pre-inference, evaluation) added here.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import forward_flops, meta_model, step_flops
+
+_BOOKS: dict[tuple, "RunBook"] = {}
+
+
+def book(profile_name: str, prof: dict, threads: int) -> "RunBook":
+    """The process's run book for a profile and thread count (tests share runs across calls)."""
+    key = (profile_name, threads)
+    if key not in _BOOKS:
+        _BOOKS[key] = RunBook(prof["flows"], threads)
+    return _BOOKS[key]
+
+
+@contextlib.contextmanager
+def flow_server():
+    """Prefect's test server (temporary database), unless an API URL is already set."""
+    import prefect.settings
+
+    if prefect.settings.PREFECT_API_URL.value():
+        yield
+        return
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=None):
+        yield
+
+
+class RunBook:
+    def __init__(self, flows: dict, threads: int):
+        self.flows, self.threads = flows, threads
+        self.root = Path(tempfile.mkdtemp(prefix="bcdflow-bench-"))
+        self.runs: dict[str, dict] = {}  # key -> result
+        self.order: list[str] = []
+
+    def sets(self, optim: str, extra: list[str] = ()) -> list[str]:
+        return [*self.flows["sets"], f"optim.name={optim}", f"optim.lr={self.flows['lr'][optim]}",
+                f"store={self.root / 'store'}", "tracking_uri=none", *extra]
+
+    def get(self, label: str, mode: str, optim: str, extra: list[str] = ()) -> dict:
+        from tasks.config import load_config
+
+        sets = self.sets(optim, extra)
+        key = json.dumps([mode, sets])
+        if key in self.runs:
+            return self.runs[key]
+        cfg = load_config(sets=sets)
+        run_id = f"{mode}-{len(self.runs):02d}"
+        prev = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        t0 = time.perf_counter()
+        try:
+            from flows.bcd import bcd_train, full_train
+
+            (full_train if mode == "full" else bcd_train)(config=cfg.model_dump(), run_id=run_id)
+        finally:
+            torch.set_num_threads(prev)
+        res = read_run(cfg, run_id, label, mode, optim, sets, time.perf_counter() - t0)
+        print(f"  run {label}: {res['steps']} steps, final val {res['final_val']:.4f}, "
+              f"stop {res['stop_reason']}, {res['wall_seconds']:.0f} s", flush=True)
+        self.runs[key] = res
+        self.order.append(key)
+        return res
+
+    def all(self) -> list[dict]:
+        return [self.runs[k] for k in self.order]
+
+
+def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str], wall: float) -> dict:
+    from models.config import ModelConfig
+    from storage import runs
+    from tasks import spend
+
+    store = cfg.open_store()
+    state = runs.read_state(store, run_id)
+    conf = runs.read_config(store, run_id)
+    visits = state["visits"]
+    curve = spend.curve(cfg.spend, visits)
+    mcfg = ModelConfig(**conf["model_resolved"])
+    meta = meta_model(mcfg)
+    blocks = conf["plan"]["blocks"]
+    T = cfg.data.seq_len
+    eval_tokens = cfg.train.eval_rows * T  # evaluate_model reads at most eval_rows rows
+    flops_by_visit = []
+    for v in visits:
+        blk = blocks[v["block"]]
+        lo = blk["layers"][0]
+        pre = cfg.bcd.preinfer and lo > 0 and mode == "bcd"
+        train = step_flops(meta, set(blk["params"]), mcfg, T, grad_from=lo, lo=lo if pre else 0) * v["tokens"]
+        prefix = forward_flops(meta, mcfg, T, 0, lo) * v["rows"] * T if pre else 0
+        evals = (1 + len(v.get("val_points") or [])) * forward_flops(meta, mcfg, T, 0, mcfg.n_layer, head=True) \
+            * eval_tokens
+        flops_by_visit.append({"train": train, "preinfer": prefix, "eval": evals})
+    # cumulative FLOPs on the curve, pro rata by step within a visit (as spend.curve does for cost)
+    acc, start = 0.0, 0
+    for v, f in zip(visits, flops_by_visit):
+        total = f["train"] + f["preinfer"] + f["eval"]
+        for p in curve:
+            if (p["cycle"], p["block"]) == (v["cycle"], v["block"]) and start < p["step"] <= v["step_end"]:
+                frac = (p["step"] - start) / v["steps"] if v["steps"] else 1.0
+                p["flops"] = acc + frac * total
+        acc += total
+        start = v["step_end"]
+    return {"label": label, "run_id": run_id, "mode": mode, "optim": optim, "sets": sets,
+            "store": cfg.store, "stop_reason": state.get("stop_reason"), "visits": visits, "curve": curve,
+            "steps": curve[-1]["step"] if curve else 0, "final_val": visits[-1]["val_loss"] if visits else None,
+            "best_val": min(p["val_loss"] for p in curve) if curve else None, "wall_seconds": wall,
+            "flops": {k: sum(f[k] for f in flops_by_visit) for k in ("train", "preinfer", "eval")},
+            "stopped_by": [v["stopped_by"] for v in visits], "n_blocks": len(blocks),
+            "rows_per_visit": [v["rows"] for v in visits]}
+
+
+def first_reach(curve: list[dict], target: float, key: str = "step"):
+    """The first curve point at or below ``target`` (its ``key``), or None."""
+    hit = next((p for p in curve if p["val_loss"] <= target), None)
+    return hit[key] if hit else None
