@@ -4,13 +4,15 @@ cores, under 10 minutes) and ``tiny`` (the smoke tests: every code path in secon
 ``compute`` sizes the step-level benchmarks (memory, iteration, utilization): a registry model with
 overrides, one batch, fp32 as in the paper (A.1). ``flows`` sizes the runs through ``flows.bcd``
 (validity, sampling, order, cost): ``--set``-style config keys shared by every run, per-optimizer
-learning rates, and step caps.
+learning rates, the full runs' step caps (``full_steps``; they run to the cap, ``bcd.patience=0``, and the
+report says whether their validation loss had flattened) and the BCD runs' cycle caps.
 
 Quick compute model: gpt2-124m at quarter width and vocabulary (12 layers, d=192, V=12576): the same
 4-layer blocks and the same layers : tied-head parameter ratio (144 d^2 : V d = 2.2 : 1) as GPT-2 124M.
-Quick flows model: ``tiny`` at d=64 on 200 kB of the built-in corpus (about 1900 rows of 32 tokens), so
-the full run plateaus (it starts to overfit) within a few hundred steps and one 80-step visit reads its
-whole sample (the sample rate then changes how many rows a visit sees, paper A.2).
+Quick flows model: ``tiny`` at d=64 on 150 kB of the built-in corpus (about 1200 training rows of 32
+tokens), so the full AdamW run's validation loss flattens within ~600 steps and one 80-step visit reads
+its whole sample (1280 rows > 0.9 x 1200): only then does the sample rate change what a visit trains on
+(``tasks.data.sample_rows`` takes a prefix of one permutation, paper A.2).
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ PROFILES: dict[str, dict] = {
                            "bcd.max_steps=200", "bcd.window=25", "bcd.patience=2", "bcd.min_delta=0.005",
                            "bcd.shard_rows=256", "optim.warmup_steps=20", "train.batch_size=16",
                            "train.steps=6000", "train.eval_every=100", "train.eval_rows=512"],
-                  "lr": {"adamw": 3e-3, "sgd": 0.1}, "bcd_cycles": {"adamw": 20, "sgd": 20},
+                  "lr": {"adamw": 3e-3, "sgd": 0.1}, "full_steps": {"adamw": 6000, "sgd": 8000},
+                  "bcd_cycles": {"adamw": 20, "sgd": 20},
                   "variant_cycles": 12, "tol": 0.02},
     },
     "quick": {
@@ -35,13 +38,14 @@ PROFILES: dict[str, dict] = {
                     "iteration_blocks": [3, 4, 5], "warmup": 1, "steps": 3, "matmul_sizes": [512, 1024],
                     "matmul_reps": 3},
         "flows": {"sets": ["model.name=tiny", "model.d_model=64", "model.n_head=4", "data.seq_len=32",
-                           "data.vocab_size=512", "data.builtin_bytes=200000", "data.val_fraction=0.1",
+                           "data.vocab_size=512", "data.builtin_bytes=150000", "data.val_fraction=0.1",
                            "bcd.blocks=3", "bcd.max_steps=80", "bcd.window=20", "bcd.patience=2",
                            "bcd.min_delta=0.01", "bcd.shard_rows=1024", "optim.warmup_steps=10",
-                           "train.batch_size=16", "train.steps=800", "train.eval_every=40",
+                           "train.batch_size=16", "train.eval_every=40",
                            "train.eval_rows=256"],
-                  "lr": {"adamw": 3e-3, "sgd": 0.1}, "bcd_cycles": {"adamw": 8, "sgd": 5},
-                  "variant_cycles": 5, "tol": 0.02},
+                  "lr": {"adamw": 3e-3, "sgd": 0.1}, "full_steps": {"adamw": 600, "sgd": 600},
+                  "bcd_cycles": {"adamw": 6, "sgd": 4},
+                  "variant_cycles": 4, "tol": 0.02},
     },
     "tiny": {
         "compute": {"model": "tiny", "overrides": {"d_model": 32, "n_head": 2, "vocab_size": 320},
@@ -51,9 +55,10 @@ PROFILES: dict[str, dict] = {
         "flows": {"sets": ["model.name=tiny", "model.n_layer=2", "model.d_model=32", "model.n_head=2",
                            "data.seq_len=16", "data.vocab_size=300", "data.builtin_bytes=60000",
                            "bcd.blocks=2", "bcd.max_steps=3", "bcd.window=3", "bcd.patience=0",
-                           "bcd.shard_rows=64", "train.batch_size=8", "train.steps=6",
+                           "bcd.shard_rows=64", "train.batch_size=8",
                            "train.eval_every=3", "train.eval_rows=16"],
-                  "lr": {"adamw": 3e-3, "sgd": 0.1}, "bcd_cycles": {"adamw": 1, "sgd": 1},
+                  "lr": {"adamw": 3e-3, "sgd": 0.1}, "full_steps": {"adamw": 6, "sgd": 6},
+                  "bcd_cycles": {"adamw": 1, "sgd": 1},
                   "variant_cycles": 1, "tol": 0.02},
     },
 }

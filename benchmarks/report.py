@@ -72,8 +72,8 @@ def markdown(meta: dict, results: dict[str, dict], claims: list[dict]) -> str:
             f"(of {m['cpu_count']} CPUs; 1-minute load {fmt(m.get('load_avg_1m'), '.1f')} at the start), "
             f"{meta['started']}, {meta['seconds']:.0f} s.", "",
             "Every figure is a ratio measured side by side in this one run (configurations taking turns step "
-            "by step), next to the paper's figure (Tables 2-16) and the issue's target. A MISS is reported, "
-            "never an error.", "", "## Summary", "",
+            "by step), next to the paper's figure (T2 = the paper's Table 2, ...) and the issue's target. A MISS "
+            "is reported, never an error.", "", "## Summary", "",
             md_table(claims, [(k, h, "s") for k, h in CLAIM_COLUMNS]), ""]
     body = []
     for name, res in results.items():

@@ -12,8 +12,10 @@ full run's ``val_points`` in between, with cumulative tokens, seconds and GPU-ho
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +53,7 @@ class RunBook:
     def __init__(self, flows: dict, threads: int):
         self.flows, self.threads = flows, threads
         self.root = Path(tempfile.mkdtemp(prefix="bcdflow-bench-"))
+        atexit.register(shutil.rmtree, self.root, ignore_errors=True)
         self.runs: dict[str, dict] = {}  # key -> result
         self.order: list[str] = []
 
@@ -128,6 +131,7 @@ def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str
             "best_val": min(p["val_loss"] for p in curve) if curve else None, "wall_seconds": wall,
             "flops": {k: sum(f[k] for f in flops_by_visit) for k in ("train", "preinfer", "eval")},
             "stopped_by": [v["stopped_by"] for v in visits], "n_blocks": len(blocks),
+            "time": {k: sum(float(v.get(f"{k}_seconds") or 0) for v in visits) for k in ("train", "preinfer", "eval")},
             "rows_per_visit": [v["rows"] for v in visits]}
 
 

@@ -1,10 +1,11 @@
 """Utilization: training and pre-inference tokens/s and achieved FLOP/s, as a fraction of this machine's
 measured dense matmul throughput (the physical limit of the step on this machine).
 
-The matmul probe (square fp32 products of the profile's sizes; the best size's median is the peak) takes
-turns with the training steps round-robin, so both see the same machine, load included. Achieved FLOP/s
+The matmul probe (square fp32 products of the profile's sizes; the best size is the peak) takes turns with
+the training steps round-robin, so both see the same machine, load included; every figure is the fastest
+timed repeat (``common.best``), the probe's and the steps' alike. Achieved FLOP/s
 counts the step's matmul and attention FLOPs (``common.step_flops``: forward 2P, input-grad 2P, weight-grad
-2P on trainable matrices, attention 4TC per layer forward) over the median step time. On CPU the sweep runs
+2P on trainable matrices, attention 4TC per layer forward) over the fastest step time. On CPU the sweep runs
 at 1 thread and at the machine's thread count, since on a shared machine the two differ most.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import report
-from benchmarks.common import Timed, Workload, round_robin, step_flops
+from benchmarks.common import Timed, Workload, best, round_robin, step_flops
 from benchmarks.iteration import prefix_timer
 
 
@@ -40,11 +41,11 @@ def sweep(w: Workload, c: dict, threads: int) -> dict:
         items += probes
     round_robin(items, c["warmup"], c["steps"])
     T, tok = c["seq_len"], w.tokens
-    mm = [{"n": p.info["n"], "gflops": p.info["flops"] / p.median_s / 1e9} for p in probes]
+    mm = [{"n": p.info["n"], "gflops": p.info["flops"] / p.best_s / 1e9} for p in probes]
     peak = max(m["gflops"] for m in mm)
     rows = []
     for v in steps:
-        sec = statistics.median(v.times)
+        sec = best(v.times)
         fl = step_flops(v.model, v.trainable, w.cfg, T, v.start)
         rows.append({"name": "full step" if v is full else f"block {v.name[1:]} step (pre-inference on)",
                      "kind": "full" if v is full else "block", "tokens_per_s": tok / sec,
@@ -52,8 +53,8 @@ def sweep(w: Workload, c: dict, threads: int) -> dict:
     if pre:
         fl = pre.info["flops_per_token"]
         rows.append({"name": f"pre-inference (layers 0-{deepest})", "kind": "preinfer",
-                     "tokens_per_s": tok / pre.median_s, "gflops": fl * tok / pre.median_s / 1e9,
-                     "fraction": fl * tok / pre.median_s / 1e9 / peak})
+                     "tokens_per_s": tok / pre.best_s, "gflops": fl * tok / pre.best_s / 1e9,
+                     "fraction": fl * tok / pre.best_s / 1e9 / peak})
     blk = [r for r in rows if r["kind"] == "block"]
     return {"threads": threads, "matmul": mm, "peak_gflops": peak, "rows": rows,
             "block_mean_fraction": statistics.fmean(r["fraction"] for r in blk) if blk else None,
@@ -92,7 +93,7 @@ def markdown(res: dict, w: Workload) -> str:
     c = res["config"]
     parts = ["## utilization: tokens/s and FLOP/s vs measured matmul throughput", "",
              f"{c['model']} ({c['n_params'] / 1e6:.2f}M), batch {c['batch_size']}×{c['seq_len']}, {c['precision']}; "
-             f"matmul probe sizes {c['matmul_sizes']} (peak = best size's median), round-robin with the steps.", ""]
+             f"matmul probe sizes {c['matmul_sizes']} (peak = best size), round-robin with the steps, fastest repeat of each.", ""]
     for s in res["sweeps"]:
         mm = ", ".join(f"{m['n']}: {m['gflops']:.1f}" for m in s["matmul"])
         parts += [f"**{s['threads']} thread(s)**: matmul GFLOP/s {mm}; peak {s['peak_gflops']:.1f}", "",

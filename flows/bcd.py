@@ -232,7 +232,8 @@ def full_config(cfg: RunConfig) -> RunConfig:
 
 @flow(name="full_train")
 def full_train(config: RunParams = RunParams(), run_id: str | None = None) -> dict:
-    """Full-parameter baseline with the same sampler and step loop as a one-block visit."""
+    """Full-parameter baseline with the same sampler and step loop as a one-block visit: the bcd_* fields are
+    overridden (one block, one cycle, every row); it trains `train_steps` steps, validating every `train_eval_every`."""
     cfg = full_config(config.to_config())
     return run_bcd(cfg, run_id or new_run_id("full"), "full", max_steps=cfg.train.steps,
                    eval_every=cfg.train.eval_every)

@@ -131,7 +131,7 @@ def load_texts(files: list[str] | None = None, path: str | None = None, name: st
     else:
         raise DataError("data.files: give data.files or data.path")
 
-    texts = [t for t in texts if t]
+    texts = [t for t in texts if t and t.strip()]  # whitespace-only documents are empty too
     if max_chars is not None:
         texts = _truncate(texts, max_chars)
     if not texts:

@@ -122,6 +122,7 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
     ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, cycle, block),
                               state.steps if state else 0, None)
     batches = prefetched(ranges, fetch, device)
+    resumed_at = state.steps if state else 0  # run_steps advances the state it is given
     with preempt.training():
         res = run_steps(loss_fn, params, batches, opt, spec, cfg.stop_rule(max_steps), on_window=on_window,
                         should_stop=preempt.requested, state=state, checkpoint=checkpoint,
@@ -131,7 +132,8 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
     block_file = checkpoints.save_block(store, run_id, block_tensors(model, plan, block))
     return {
         "steps": res.steps, "train_loss": res.final_loss, "first_loss": res.losses[0],
-        "stopped_by": res.stopped_by, "train_seconds": res.seconds, "resumed_at": state.steps if state else 0, "tokens": res.tokens,
+        "stopped_by": res.stopped_by, "train_seconds": res.seconds, "resumed_at": resumed_at,
+        "tokens": res.tokens,
         "tokens_per_s": res.tokens / max(res.seconds, 1e-9), "block_file": block_file,
         "rows": int(len(rows)), "val_points": val_points,
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,

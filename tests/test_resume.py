@@ -76,7 +76,7 @@ def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, tmp_path
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_within_10s_and_resume_continues(prefect_api_url, tmp_path):
-    sets = _sets("bcd.blocks=2", "bcd.max_steps=600", "checkpoint.every_steps=100",
+    sets = _sets("bcd.blocks=2", "bcd.max_steps=300", "checkpoint.every_steps=50",
                  "checkpoint.every_seconds=1000", "train.batch_size=16")
     store = str(tmp_path / "store")
     env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
@@ -95,7 +95,7 @@ def test_sigterm_checkpoints_within_10s_and_resume_continues(prefect_api_url, tm
     elapsed = time.time() - t0
     pointer = s.read_json(ckpt)
     assert proc.returncode != 0
-    assert pointer["step"] > first and pointer["step"] % 100, "SIGTERM wrote no checkpoint of its own"
+    assert pointer["step"] > first and pointer["step"] % 50, "SIGTERM wrote no checkpoint of its own"
     assert elapsed < 10, f"checkpoint and exit took {elapsed:.1f}s"
     assert runs.read_state(s, "t")["version"] == 0
 

@@ -1,0 +1,148 @@
+"""``python -m benchmarks run [--quick] [--only NAME ...] [--out DIR]``: the paper's claims, measured here.
+
+Benchmarks (``--only``): memory, iteration, utilization (step-level, one process, round-robin timing) and
+validity, sampling, order, cost (training runs through the real flows). Writes ``report.md``,
+``results.json`` and PNG plots to ``--out`` (default ``benchmarks/out``) and prints the summary table:
+each measured figure beside the paper's, PASS/MISS against the issue's targets. A miss never fails the
+command; an error in a benchmark is reported, the others still run, and the exit status is 1.
+
+Sizes: default ``full`` (for a GPU), ``--quick`` (under 10 minutes on 2 CPU cores), ``--tiny`` or
+BCDFLOW_BENCH_SIZE=tiny (smoke tests). Threads: the timed step benchmarks use ``--threads`` (default: what
+torch sees on this machine); the training runs use ``--flow-threads`` (CPU default 1: their figures are
+step counts and losses, and the tiny model's small ops stall at 2 threads on a shared machine).
+
+    python -m benchmarks run --quick
+    python -m benchmarks run --quick --only memory iteration --out /tmp/bench
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+STEP = ("memory", "iteration", "utilization")
+FLOWS = ("validity", "sampling", "order", "cost")
+NAMES = STEP + FLOWS
+
+
+def setup_env() -> None:
+    """For the command line (``__main__``): telemetry off, Prefect's and Hugging Face's homes in a temp
+    dir. In-process callers (the tests) bring their own environment."""
+    if "prefect" in sys.modules:  # too late: Prefect has read its settings
+        return
+    home = tempfile.mkdtemp(prefix="bcdflow-bench-home-")
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    os.environ["PREFECT_HOME"] = os.path.join(home, "prefect")
+    os.environ.update({"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"})
+    for k, v in {"PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "600",
+                 "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+                 "TOKENIZERS_PARALLELISM": "false", "BCDFLOW_HF_CACHE": os.path.join(home, "hf-datasets"),
+                 "MLFLOW_TRACKING_URI": "sqlite:///" + os.path.join(home, "mlflow.db")}.items():
+        os.environ.setdefault(k, v)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run the benchmarks, write report.md, results.json and plots")
+    run.add_argument("--quick", action="store_true", help="CPU-sized: under 10 minutes on 2 cores")
+    run.add_argument("--tiny", action="store_true", help="smallest case of each benchmark (smoke tests)")
+    run.add_argument("--only", nargs="+", choices=NAMES, metavar="NAME", help=f"any of {', '.join(NAMES)}")
+    run.add_argument("--out", default="benchmarks/out", help="output directory (default benchmarks/out)")
+    run.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    run.add_argument("--threads", type=int, help="torch threads for the timed step benchmarks (default: all)")
+    run.add_argument("--flow-threads", type=int, help="torch threads for the training runs (CPU default 1)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    import torch
+
+    from benchmarks import report
+    from benchmarks.common import machine
+    from benchmarks.profiles import profile
+    from tasks.weights import resolve_device
+
+    size = "tiny" if args.tiny or os.environ.get("BCDFLOW_BENCH_SIZE") == "tiny" else (
+        "quick" if args.quick else "full")
+    prof = profile(size)
+    device = resolve_device(args.device)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    flow_threads = args.flow_threads or (1 if device.type == "cpu" else threads)
+    names = [n for n in NAMES if n in (args.only or NAMES)]
+    out = Path(args.out)
+    info = machine(device)
+    t0 = time.perf_counter()
+    print(f"bcdflow benchmarks ({size}): {', '.join(names)} on {info['gpu'] or info['cpu']} ({device}), "
+          f"torch {info['torch']}, {threads} threads (flows {flow_threads}), load {info['load_avg_1m']:.1f}",
+          flush=True)
+    if size == "full" and device.type == "cpu":
+        print("  note: the full size is meant for a GPU; --quick is the CPU size", flush=True)
+
+    results: dict[str, dict] = {}
+    for name in [n for n in names if n in STEP]:
+        results[name] = _one(name, prof, device, out, threads=threads)
+    flow_names = [n for n in names if n in FLOWS]
+    if flow_names:
+        from benchmarks.runs import book, flow_server
+
+        bk = book(size, prof, flow_threads)
+        try:
+            with flow_server():
+                for name in flow_names:
+                    results[name] = _one(name, prof, device, out, book=bk)
+        except Exception as e:  # the server itself failed to start
+            for name in flow_names:
+                results.setdefault(name, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+
+    claims = [c for r in results.values() for c in r.get("claims", [])]
+    meta = {"profile": size, "command": "python -m benchmarks " + " ".join(argv), "machine": info,
+            "threads": threads, "flow_threads": flow_threads, "benchmarks": names,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seconds": time.perf_counter() - t0,
+            "profile_settings": prof}
+    report.write(out, meta, results, claims)
+    print("\n" + report.summary_table(claims))
+    errors = [n for n, r in results.items() if r.get("error")]
+    for n in errors:
+        print(f"ERROR in {n}: {results[n]['error']}")
+    print(f"\nwrote {out / 'report.md'}, {out / 'results.json'} and "
+          f"{sum(len(r.get('plots', [])) for r in results.values())} plots in {meta['seconds']:.0f} s")
+    return 1 if errors else 0
+
+
+def _one(name: str, prof: dict, device, out: Path, **kw) -> dict:
+    from benchmarks import report
+
+    fn = _load(name)
+    print(f"\n== {name}", flush=True)
+    t = time.perf_counter()
+    try:
+        res = fn(prof=prof, device=device, out=out, **kw)
+    except Exception as e:
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
+                "seconds": time.perf_counter() - t}
+    res["seconds"] = time.perf_counter() - t
+    print(report.summary_table(res["claims"]) if res["claims"] else "(no figures)")
+    print(f"({name}: {res['seconds']:.0f} s)", flush=True)
+    return res
+
+
+def _load(name: str):
+    from benchmarks import cost, iteration, memory, training, utilization
+
+    step = {"memory": memory.run, "iteration": iteration.run, "utilization": utilization.run}
+    if name in step:
+        return step[name]
+    fn = {"validity": training.validity, "sampling": training.sampling, "order": training.order,
+          "cost": cost.cost}[name]
+    return lambda prof, device, out, book, **_: fn(book, out)

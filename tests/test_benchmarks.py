@@ -1,0 +1,85 @@
+"""Smoke tests of the benchmark suite (``python -m benchmarks run``): each benchmark on its smallest case
+(BCDFLOW_BENCH_SIZE=tiny), so the suite cannot rot when the training path changes under it.
+
+Benchmarks are programs, not timed tests (CONVENTIONS 10): nothing here checks a measured figure, only
+that every benchmark runs through the product's code, returns its claims and writes its report, JSON and
+plots. The flow benchmarks share their runs within the session (``benchmarks.runs.book``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(names: list[str], out: Path, monkeypatch) -> dict:
+    from benchmarks.cli import main
+
+    monkeypatch.setenv("BCDFLOW_BENCH_SIZE", "tiny")
+    rc = main(["run", "--quick", "--only", *names, "--out", str(out)])
+    data = json.loads((out / "results.json").read_text())
+    for name in names:
+        res = data["results"][name]
+        assert not res.get("error"), res.get("traceback")
+        assert res["claims"], name
+        for plot in res["plots"]:
+            assert (out / plot).stat().st_size > 1000, plot
+    assert rc == 0
+    report = (out / "report.md").read_text()
+    assert "## Summary" in report and all(f"| {n} |" in report for n in names)
+    return data
+
+
+@pytest.mark.parametrize("name", ["iteration", "utilization"])
+def test_step_benchmark_runs(name, tmp_path, monkeypatch):
+    data = bench([name], tmp_path, monkeypatch)
+    assert data["meta"]["profile"] == "tiny"
+    assert data["meta"]["machine"]["torch"]
+
+
+def test_memory_runs_and_breakdown_adds_up(tmp_path, monkeypatch):
+    res = bench(["memory"], tmp_path, monkeypatch)["results"]["memory"]
+    for row in res["rows"]:
+        assert sum(row["bytes"].values()) == row["peak_bytes"]
+        assert row["analytic"]["weights"] > 0 and row["analytic"]["activations"] > 0
+    # a visit never holds more weights than the full step (pre-inference drops the prefix, I6)
+    full = res["full"]["bytes"]["weights"]
+    assert all(r["bytes"]["weights"] <= full for r in res["rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["validity", "sampling", "order", "cost"])
+def test_flow_benchmark_runs(name, tmp_path, monkeypatch, prefect_server):
+    res = bench([name], tmp_path, monkeypatch)["results"][name]
+    if name == "validity":
+        for p in res["pairs"].values():
+            assert p["full_run"]["mode"] == "full" and p["bcd_run"]["mode"] == "bcd"
+            assert p["bcd_run"]["curve"] and all("flops" in pt for pt in p["bcd_run"]["curve"])
+
+
+@pytest.mark.slow
+def test_command_line(tmp_path):
+    """``python -m benchmarks run --quick --only memory`` as a user types it (tiny by environment)."""
+    env = {**os.environ, "BCDFLOW_BENCH_SIZE": "tiny"}
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "run", "--quick", "--only", "memory", "--out",
+                        str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "worst-block peak / full AdamW step" in r.stdout
+    assert {"report.md", "results.json", "memory_breakdown.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_visit_vs_full_script(tmp_path):
+    """The older script still runs on its own, on the shared helpers."""
+    out = tmp_path / "v.json"
+    r = subprocess.run([sys.executable, "benchmarks/visit_vs_full.py", "--model", "tiny", "--d-model", "32",
+                        "--n-head", "2", "--seq-len", "16", "--steps", "1", "--warmup", "0", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "mean block step / full step" in r.stdout
+    assert json.loads(out.read_text())["summary"]["mean_step_ratio"] > 0
