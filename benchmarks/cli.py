@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in NAMES if n in (args.only or NAMES)]
     out = Path(args.out)
     info = machine(device)
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    load = f", load {info['load_avg_1m']:.1f}" if info["load_avg_1m"] is not None else ""
     print(f"bcdflow benchmarks ({size}): {', '.join(names)} on {info['gpu'] or info['cpu']} ({device}), "
-          f"torch {info['torch']}, {threads} threads (flows {flow_threads}), load {info['load_avg_1m']:.1f}",
-          flush=True)
+          f"torch {info['torch']}, {threads} threads (flows {flow_threads}){load}", flush=True)
     if size == "full" and device.type == "cpu":
         print("  note: the full size is meant for a GPU; --quick is the CPU size", flush=True)
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     claims = [c for r in results.values() for c in r.get("claims", [])]
     meta = {"profile": size, "command": "python -m benchmarks " + " ".join(argv), "machine": info,
             "threads": threads, "flow_threads": flow_threads, "benchmarks": names,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seconds": time.perf_counter() - t0,
+            "started": started, "seconds": time.perf_counter() - t0,
             "profile_settings": prof}
     report.write(out, meta, results, claims)
     print("\n" + report.summary_table(claims))

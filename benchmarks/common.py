@@ -288,12 +288,37 @@ def best(times: list[float]) -> float:
     return min(times)
 
 
-def round_robin(items, warmup: int, steps: int) -> None:
+def round_robin(items, warmup: int, steps: int, max_steps: int | None = None, budget_s: float = 0.0,
+                tol: float = 0.1) -> dict:
     """Time every item ``steps`` times after ``warmup``, taking turns step by step: a slow spell on a
-    shared machine hits every configuration alike, not one of them."""
-    for i in range(warmup + steps):
+    shared machine hits every configuration alike, not one of them.
+
+    Then, up to ``max_steps`` rounds and ``budget_s`` seconds, keep taking turns while some item's two
+    fastest steps still differ by more than ``tol``: on a busy machine a configuration whose every step
+    was disturbed gets more chances to show what it costs. Returns how many rounds ran and the worst
+    remaining spread (fastest two) and median/fastest ratio, which the reports print as timing quality."""
+    for _ in range(warmup):
         for it in items:
-            it.step(timed=i >= warmup)
+            it.step(timed=False)
+    t0, rounds = time.perf_counter(), 0
+    while True:
+        for it in items:
+            it.step(timed=True)
+        rounds += 1
+        if rounds < steps:
+            continue
+        spread = max(_spread(it.times) for it in items)
+        if spread <= tol or rounds >= (max_steps or steps) or time.perf_counter() - t0 >= budget_s:
+            break
+    return {"rounds": rounds, "spread": max(_spread(it.times) for it in items),
+            "median_over_fastest": max(statistics.median(it.times) / min(it.times) for it in items)}
+
+
+def _spread(times: list[float]) -> float:
+    if len(times) < 2:
+        return 0.0
+    a, b = sorted(times)[:2]
+    return b / a - 1
 
 
 def prefix_batch(cfg, master, device, precision, x, lo):

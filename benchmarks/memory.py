@@ -13,10 +13,14 @@ Figure 5 counts only these three) and activations from the layer structure (belo
 from __future__ import annotations
 
 import gc
+import statistics
 from pathlib import Path
 
+import torch
+from torch.utils.checkpoint import checkpoint
+
 from benchmarks import report
-from benchmarks.common import MB, Workload
+from benchmarks.common import MB, Workload, best, round_robin
 
 # paper Table 11 (GPT-2, Adam / SGD): memory at 1/UFP unfrozen over the full update's
 PAPER_ADAM = {1: 2432.60, 2: 1520.38, 3: 1216.30, 4: 1064.26}
@@ -60,6 +64,27 @@ def measure(w: Workload, v) -> dict:
 def run(prof: dict, device, out: Path, **_) -> dict:
     c = prof["compute"]
     w = Workload(c, device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bytes do not depend on threads; one thread never stalls on a busy machine
+    try:
+        res = measure_all(w, c)
+    finally:
+        torch.set_num_threads(threads)
+    if 3 in c["memory_blocks"]:  # timed: the machine's threads, like every timing
+        res["what_if_checkpoint"] = checkpoint_what_if(w, w.plan(3), res["full"])
+    res["plots"] = plots(res["rows"], res["_per_m"], res["full"], out)
+    res["claims"] = claims(res.pop("_per_m"))
+    if "what_if_checkpoint" in res:
+        wi = res["what_if_checkpoint"]
+        b0 = wi["rows"][0]
+        res["claims"].append(report.claim(
+            "memory", "what-if: frozen suffix recomputed in backward, worst block, 3 blocks",
+            wi["worst_recompute_peak_ratio"], note=f"(block 0 step ×{b0['time_x']:.2f} time)"))
+    res["markdown"] = markdown(res, w)
+    return res
+
+
+def measure_all(w: Workload, c: dict) -> dict:
     full = measure(w, w.full())
     gc.collect()
     rows, per_m = [dict(full, blocks=1, block=None)], {}
@@ -84,12 +109,47 @@ def run(prof: dict, device, out: Path, **_) -> dict:
                     "max_ufp": max(r["ufp"] for r in block_rows),
                     "paper_adam_ratio": PAPER_ADAM[M] / PAPER_ADAM[1] if M in PAPER_ADAM else (1 + 3 / M) / 4,
                     "plan": [list(b.layers) for b in plan.blocks]}
-    res = {"config": {**c, "n_params": w.n_params, "cfg": w.cfg.to_dict()}, "full": full, "rows": rows,
-           "per_blocks": {str(k): v for k, v in per_m.items()}}
-    res["plots"] = plots(rows, per_m, full, out)
-    res["claims"] = claims(per_m)
-    res["markdown"] = markdown(res, w)
-    return res
+    return {"config": {**c, "n_params": w.n_params, "cfg": w.cfg.to_dict()}, "full": full, "rows": rows,
+            "per_blocks": {str(k): v for k, v in per_m.items()}, "_per_m": per_m}
+
+
+def recompute_suffix(v, hi: int) -> None:
+    """What-if (not the product): the frozen layers after the active block run under
+    ``torch.utils.checkpoint`` and are recomputed in backward instead of keeping their activations."""
+    m, lo, n, embed = v.model, v.start, v.model.cfg.n_layer, v.embed
+
+    def loss_fn(b):
+        x, y = b
+        h = m.embed(x) if embed else x  # (B, T, C)
+        h = m.run_layers(h, lo, hi)
+        for i in range(hi, n):
+            h = checkpoint(m.h[str(i)], h, None, use_reentrant=False)
+        return m.loss(h, y)
+
+    v.loss_fn = loss_fn
+
+
+def checkpoint_what_if(w: Workload, plan, full: dict) -> dict:
+    """Peak memory and step time of each block at 3 blocks as the product runs it and with its frozen
+    suffix recomputed, side by side (round-robin timing, fastest step)."""
+    pairs = []
+    for blk in plan.blocks:
+        plain, ck = w.visit(f"b{blk.index}", blk), w.visit(f"b{blk.index} recompute", blk)
+        recompute_suffix(ck, blk.layers[1])
+        pairs.append((blk, plain, ck))
+    c = w.c
+    timing = round_robin([v for _, plain, ck in pairs for v in (plain, ck)], c["warmup"], max(2, c["steps"]),
+                         c["max_steps"], c["budget_s"] / 2)
+    rows = []
+    for blk, plain, ck in pairs:
+        a, b = plain.peak()["peak_bytes"], ck.peak()["peak_bytes"]
+        rows.append({"block": blk.index, "peak_ratio": a / full["peak_bytes"],
+                     "recompute_peak_ratio": b / full["peak_bytes"],
+                     "step_ms": 1e3 * best(plain.times), "recompute_step_ms": 1e3 * best(ck.times),
+                     "time_x": best(ck.times) / best(plain.times),
+                     "median_time_x": statistics.median(ck.times) / statistics.median(plain.times)})
+    return {"rows": rows, "timing": timing, "worst_peak_ratio": max(r["peak_ratio"] for r in rows),
+            "worst_recompute_peak_ratio": max(r["recompute_peak_ratio"] for r in rows)}
 
 
 def claims(per_m: dict) -> list[dict]:
@@ -150,7 +210,20 @@ def markdown(res: dict, w: Workload) -> str:
         "CPU); 'act+temp' = activations and temporaries at the peak; 'saved act' = what autograd saves in one "
         "forward. Analytic: fp32 weights, gradients and two AdamW moments from parameter counts (the paper's "
         "Figure 5 counts only these), activations from the layer structure.", "",
-        md_table_per(per), "", limit, "", report.md_table(rows, cols)])
+        md_table_per(per), "", limit, "", report.md_table(rows, cols), "", what_if_md(res)])
+
+
+def what_if_md(res: dict) -> str:
+    if "what_if_checkpoint" not in res:
+        return ""
+    wi = res["what_if_checkpoint"]
+    return "\n".join([
+        "What-if, not the product: at 3 blocks, each visit with the frozen layers after its block run under "
+        "`torch.utils.checkpoint` (activations recomputed in backward instead of kept):", "",
+        report.md_table(wi["rows"], [("block", "block", "d"), ("peak_ratio", "peak × full", ".2f"),
+                                     ("recompute_peak_ratio", "recompute: peak × full", ".2f"),
+                                     ("step_ms", "step ms", ".1f"), ("recompute_step_ms", "recompute: step ms", ".1f"),
+                                     ("time_x", "time ×", ".2f"), ("median_time_x", "time × (medians)", ".2f")])])
 
 
 def md_table_per(per: list[dict]) -> str:

@@ -2,13 +2,16 @@
 cores, under 10 minutes) and ``tiny`` (the smoke tests: every code path in seconds).
 
 ``compute`` sizes the step-level benchmarks (memory, iteration, utilization): a registry model with
-overrides, one batch, fp32 as in the paper (A.1). ``flows`` sizes the runs through ``flows.bcd``
-(validity, sampling, order, cost): ``--set``-style config keys shared by every run, per-optimizer
-learning rates, the full runs' step caps (``full_steps``; they run to the cap, ``bcd.patience=0``, and the
-report says whether their validation loss had flattened) and the BCD runs' cycle caps.
+overrides, one batch, fp32 as in the paper (A.1); ``steps`` timed round-robin rounds, then more (up to
+``max_steps`` and ``budget_s`` seconds) while a configuration's two fastest steps still disagree by 10%.
+``flows`` sizes the runs through ``flows.bcd`` (validity, sampling, order, cost): ``--set``-style config
+keys shared by every run, per-optimizer learning rates, the full runs' step caps (``full_steps``; they
+run to the cap, ``bcd.patience=0``, and the report says whether their validation loss had flattened) and
+the BCD runs' cycle caps.
 
 Quick compute model: gpt2-124m at quarter width and vocabulary (12 layers, d=192, V=12576): the same
-4-layer blocks and the same layers : tied-head parameter ratio (144 d^2 : V d = 2.2 : 1) as GPT-2 124M.
+12 layers and the same layers : tied-head parameter ratio (144 d^2 : V d = 2.2 : 1) as GPT-2 124M, so
+the product's parameter-balanced plan cuts it where it cuts GPT-2 124M.
 Quick flows model: ``tiny`` at d=64 on 150 kB of the built-in corpus (about 1200 training rows of 32
 tokens), so the full AdamW run's validation loss flattens within ~600 steps and one 80-step visit reads
 its whole sample (1280 rows > 0.9 x 1200): only then does the sample rate change what a visit trains on
@@ -22,7 +25,8 @@ PROFILES: dict[str, dict] = {
     "full": {
         "compute": {"model": "gpt2-124m", "overrides": {}, "batch_size": 8, "seq_len": 1024,
                     "precision": "fp32", "memory_blocks": [2, 3, 4, 5], "iteration_blocks": [3, 4, 5],
-                    "warmup": 3, "steps": 10, "matmul_sizes": [2048, 4096, 8192], "matmul_reps": 5},
+                    "warmup": 3, "steps": 10, "max_steps": 30, "budget_s": 300,
+                    "matmul_sizes": [2048, 4096, 8192], "matmul_reps": 5},
         "flows": {"sets": ["model.name=tiny", "data.seq_len=128", "data.vocab_size=2048",
                            "data.builtin_bytes=1500000", "data.val_fraction=0.05", "bcd.blocks=3",
                            "bcd.max_steps=200", "bcd.window=25", "bcd.patience=2", "bcd.min_delta=0.005",
@@ -35,8 +39,8 @@ PROFILES: dict[str, dict] = {
     "quick": {
         "compute": {"model": "gpt2-124m", "overrides": {"d_model": 192, "n_head": 3, "vocab_size": 12576},
                     "batch_size": 2, "seq_len": 128, "precision": "fp32", "memory_blocks": [2, 3, 4, 5],
-                    "iteration_blocks": [3, 4, 5], "warmup": 1, "steps": 3, "matmul_sizes": [512, 1024],
-                    "matmul_reps": 3},
+                    "iteration_blocks": [3, 4, 5], "warmup": 1, "steps": 4, "max_steps": 12, "budget_s": 60,
+                    "matmul_sizes": [512, 1024], "matmul_reps": 3},
         "flows": {"sets": ["model.name=tiny", "model.d_model=64", "model.n_head=4", "data.seq_len=32",
                            "data.vocab_size=512", "data.builtin_bytes=150000", "data.val_fraction=0.1",
                            "bcd.blocks=3", "bcd.max_steps=80", "bcd.window=20", "bcd.patience=2",
@@ -50,8 +54,8 @@ PROFILES: dict[str, dict] = {
     "tiny": {
         "compute": {"model": "tiny", "overrides": {"d_model": 32, "n_head": 2, "vocab_size": 320},
                     "batch_size": 2, "seq_len": 16, "precision": "fp32", "memory_blocks": [3],
-                    "iteration_blocks": [3], "warmup": 0, "steps": 1, "matmul_sizes": [128],
-                    "matmul_reps": 1},
+                    "iteration_blocks": [3], "warmup": 0, "steps": 1, "max_steps": 1, "budget_s": 0,
+                    "matmul_sizes": [128], "matmul_reps": 1},
         "flows": {"sets": ["model.name=tiny", "model.n_layer=2", "model.d_model=32", "model.n_head=2",
                            "data.seq_len=16", "data.vocab_size=300", "data.builtin_bytes=60000",
                            "bcd.blocks=2", "bcd.max_steps=3", "bcd.window=3", "bcd.patience=0",

@@ -17,7 +17,7 @@ import torch
 
 from benchmarks import report
 from benchmarks.common import Timed, Workload, best, round_robin, step_flops
-from benchmarks.iteration import prefix_timer
+from benchmarks.iteration import prefix_timer, quality
 
 
 def matmul_probe(n: int, device, precision: str) -> Timed:
@@ -39,7 +39,7 @@ def sweep(w: Workload, c: dict, threads: int) -> dict:
     # matmul probes repeat within a turn so a short product is timed as often as a long step
     for _ in range(c["matmul_reps"] - 1):
         items += probes
-    round_robin(items, c["warmup"], c["steps"])
+    timing = round_robin(items, c["warmup"], c["steps"], c["max_steps"], c["budget_s"])
     T, tok = c["seq_len"], w.tokens
     mm = [{"n": p.info["n"], "gflops": p.info["flops"] / p.best_s / 1e9} for p in probes]
     peak = max(m["gflops"] for m in mm)
@@ -56,7 +56,7 @@ def sweep(w: Workload, c: dict, threads: int) -> dict:
                      "tokens_per_s": tok / pre.best_s, "gflops": fl * tok / pre.best_s / 1e9,
                      "fraction": fl * tok / pre.best_s / 1e9 / peak})
     blk = [r for r in rows if r["kind"] == "block"]
-    return {"threads": threads, "matmul": mm, "peak_gflops": peak, "rows": rows,
+    return {"threads": threads, "matmul": mm, "peak_gflops": peak, "rows": rows, "timing": timing,
             "block_mean_fraction": statistics.fmean(r["fraction"] for r in blk) if blk else None,
             "full_fraction": rows[0]["fraction"]}
 
@@ -76,14 +76,15 @@ def run(prof: dict, device, out: Path, threads: int | None = None, **_) -> dict:
         report.claim("utilization", f"BCD step FLOP/s / measured matmul peak ({n} threads)",
                      main["block_mean_fraction"], paper="–", target="≥ 0.50",
                      passed=main["block_mean_fraction"] is not None and main["block_mean_fraction"] >= 0.5,
-                     note=f"(peak {main['peak_gflops']:.0f} GFLOP/s)"),
+                     note=f"(peak {main['peak_gflops']:.0f} GFLOP/s) {quality(main['timing'])}".strip()),
         report.claim("utilization", f"full step FLOP/s / matmul peak ({n} threads)", main["full_fraction"]),
     ]
     if len(sweeps) > 1:
         one = sweeps[0]
         res["claims"].append(report.claim("utilization", f"tokens/s, full step, {n} threads / 1 thread",
                                           main["rows"][0]["tokens_per_s"] / one["rows"][0]["tokens_per_s"],
-                                          paper="–", note=f"(matmul peak ×{main['peak_gflops'] / one['peak_gflops']:.2f})"))
+                                          paper="–",
+                                          note=f"(matmul peak ×{main['peak_gflops'] / one['peak_gflops']:.2f})"))
     res["plots"] = plots(sweeps, out)
     res["markdown"] = markdown(res, w)
     return res
@@ -93,10 +94,13 @@ def markdown(res: dict, w: Workload) -> str:
     c = res["config"]
     parts = ["## utilization: tokens/s and FLOP/s vs measured matmul throughput", "",
              f"{c['model']} ({c['n_params'] / 1e6:.2f}M), batch {c['batch_size']}×{c['seq_len']}, {c['precision']}; "
-             f"matmul probe sizes {c['matmul_sizes']} (peak = best size), round-robin with the steps, fastest repeat of each.", ""]
+             f"matmul probe sizes {c['matmul_sizes']} (peak = best size), round-robin with the steps, fastest repeat "
+             "of each.", ""]
     for s in res["sweeps"]:
         mm = ", ".join(f"{m['n']}: {m['gflops']:.1f}" for m in s["matmul"])
-        parts += [f"**{s['threads']} thread(s)**: matmul GFLOP/s {mm}; peak {s['peak_gflops']:.1f}", "",
+        t = s["timing"]
+        parts += [f"**{s['threads']} thread(s)**: matmul GFLOP/s {mm}; peak {s['peak_gflops']:.1f} ({t['rounds']} "
+                  f"rounds; fastest two steps within {t['spread']:.0%})", "",
                   report.md_table(s["rows"], [("name", "what", "s"), ("tokens_per_s", "tokens/s", ",.0f"),
                                               ("gflops", "GFLOP/s", ".1f"), ("fraction", "× matmul peak", ".2f")]), ""]
     return "\n".join(parts)

@@ -83,6 +83,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", help="registry name (models/config.py); default gpt2-124m, scaled down on CPU")
     for field in ("n-layer", "d-model", "n-head", "vocab-size", "batch-size", "seq-len"):
         ap.add_argument(f"--{field}", type=int)
+    ap.add_argument("--split", choices=("params", "layers"), default="params", help="bcd.split")
     ap.add_argument("--blocks", type=int, default=3, help="bcd.blocks")
     ap.add_argument("--steps", type=int, help="timed steps per configuration, after warmup")
     ap.add_argument("--warmup", type=int)
@@ -107,8 +108,9 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     whole = build_model(cfg)
     master = whole.state_dict()  # one set of weights for every configuration, kept on the CPU
-    names = [n for n, _ in whole.named_parameters()]
-    plan = make_plan(names, cfg.n_layer, args.blocks)
+    sizes = {n: p.numel() for n, p in whole.named_parameters()}
+    # the product's default plan (bcd.split=params) balances parameter counts; layers = even layer split
+    plan = make_plan(sizes if args.split == "params" else list(sizes), cfg.n_layer, args.blocks)
     B, T = args.batch_size, args.seq_len
     tokens = torch.randint(cfg.vocab_size, (B, T + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]  # (B, T)
@@ -118,7 +120,7 @@ def main(argv=None) -> dict:
           f"{info['device']} ({info['gpu'] or info['cpu']}, {info['threads']} threads)")
     check = check_tracker() if device.type == "cpu" else None
 
-    visits = [Visit("full", cfg, master, device, args, (0, cfg.n_layer), True, set(names), (x, y))]
+    visits = [Visit("full", cfg, master, device, args, (0, cfg.n_layer), True, set(sizes), (x, y))]
     for blk in plan.blocks:
         lo = blk.layers[0]
         # paper §3.2.2 pre-inference: the frozen prefix runs once, before the visit, off the clock
