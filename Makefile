@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/visit_vs_full.py
+	$(BIN)/python -m benchmarks run --quick
 
 clean:
 	rm -rf $(VENV) bcdflow-store

@@ -51,11 +51,15 @@ def stage_cost(seconds: float, gpus: int, usd_per_gpu_hour: float) -> float:
 
 
 def visit_spend(spend, record: dict) -> dict:
-    """Per-stage GPU-hours and USD of one visit record (``{stage}_seconds``), and their totals."""
+    """Per-stage GPU-hours and USD of one visit record (``{stage}_seconds``, ``seconds``), and their totals."""
     prices = catalog(spend)
     out: dict = {}
+    staged = sum(float(record.get(f"{s}_seconds") or 0.0) for s in STAGES)
+    # the visit's wall time outside its stages (orchestration, commit, store I/O) still holds the
+    # training machine: a rental bills wall clock, so it is charged to the train stage
+    other = max(0.0, float(record.get("seconds") or 0.0) - staged)
     for stage, (kind, gpus) in stage_plan(spend).items():
-        secs = float(record.get(f"{stage}_seconds") or 0.0)
+        secs = float(record.get(f"{stage}_seconds") or 0.0) + (other if stage == "train" else 0.0)
         out[f"gpu_hours_{stage}"] = secs * gpus / 3600.0
         out[f"spend_{stage}_usd"] = stage_cost(secs, gpus, prices[kind])
     out["gpu_hours"] = sum(out[f"gpu_hours_{s}"] for s in STAGES)
