@@ -16,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")  # headless; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tasks.report import _fmt, md_table  # noqa: E402,F401
+
 CLAIM_COLUMNS = [("benchmark", "benchmark"), ("figure", "figure"), ("measured", "measured here"),
                  ("paper", "paper"), ("target", "target"), ("verdict", "verdict")]
 
@@ -34,21 +36,8 @@ def claim(benchmark: str, figure: str, value, fmt: str = ".2f", paper: str = "â€
             "paper": paper, "target": target, "passed": passed, "verdict": verdict}
 
 
-def fmt(v, spec: str) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "â€“"
-    try:
-        return format(v, spec)
-    except (TypeError, ValueError):
-        return str(v)
-
-
-def md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """GitHub markdown: ``columns`` = (key, header, format); text left-aligned, numbers right."""
-    out = ["| " + " | ".join(h for _, h, _ in columns) + " |",
-           "| " + " | ".join("---" if f == "s" else "---:" for _, _, f in columns) + " |"]
-    out += ["| " + " | ".join(fmt(r.get(k), f) for k, _, f in columns) + " |" for r in rows]
-    return "\n".join(out)
+# one markdown table writer for the product's Prefect artifacts and this report
+fmt = _fmt
 
 
 def text_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

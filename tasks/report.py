@@ -42,7 +42,7 @@ def artifact_key(run_id: str, what: str) -> str:
 
 
 def _fmt(v, fmt: str) -> str:
-    if v is None:
+    if v is None or (isinstance(v, float) and v != v):  # None or NaN
         return "–"
     try:
         return format(v, fmt)
