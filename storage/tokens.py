@@ -15,6 +15,8 @@ tokenizing any text. Use::
 """
 from __future__ import annotations
 
+import threading
+
 import hashlib
 import json
 import os
@@ -121,6 +123,10 @@ def prepare_token_dataset(store: Store, *, files: str | list[str] | None = None,
     return ds_id
 
 
+_OPEN: dict[tuple[str, str], "TokenDataset"] = {}
+_OPEN_LOCK = threading.RLock()
+
+
 class TokenDataset:
     """A finished token dataset, read-only. Train rows are served from memory when the array is
     small enough (one read, then numpy fancy indexing), else by orthogonal Zarr reads."""
@@ -140,9 +146,18 @@ class TokenDataset:
 
     @classmethod
     def open(cls, store: Store, dataset_id: str) -> TokenDataset:
-        if not store.exists("datasets", dataset_id, "meta.json"):
-            raise DataError(f"dataset {dataset_id!r}: not found (no {store.url_of('datasets', dataset_id, 'meta.json')})")
-        return cls(store, dataset_id, store.read_json("datasets", dataset_id, "meta.json"))
+        """Datasets are immutable (content-addressed), so one process shares one instance per store and
+        id: every shard, train and eval task of a run reads and checksums the arrays once, not per task."""
+        key = (store.url, dataset_id)
+        with _OPEN_LOCK:
+            if key not in _OPEN:
+                if not store.exists("datasets", dataset_id, "meta.json"):
+                    raise DataError(f"dataset {dataset_id!r}: not found "
+                                    f"(no {store.url_of('datasets', dataset_id, 'meta.json')})")
+                if len(_OPEN) >= 2:
+                    _OPEN.pop(next(iter(_OPEN)))
+                _OPEN[key] = cls(store, dataset_id, store.read_json("datasets", dataset_id, "meta.json"))
+            return _OPEN[key]
 
     def __repr__(self) -> str:
         return f"TokenDataset({self.id!r}, n_train={self.n_train}, n_val={self.n_val}, seq_len={self.seq_len})"
@@ -151,8 +166,9 @@ class TokenDataset:
         """Rows ``idx`` of the train array, in the order given: int32 (len(idx), seq_len + 1)."""
         idx = np.asarray(idx, dtype=np.int64)
         if self.n_train * (self.seq_len + 1) * 4 <= self.MAX_CACHE_BYTES:
-            if self._train is None:
-                self._train = self._load_checked("train", self._train_arr)
+            with _OPEN_LOCK:
+                if self._train is None:
+                    self._train = self._load_checked("train", self._train_arr)
             return self._train[idx]
         return np.asarray(self._train_arr.oindex[idx, :], dtype=np.int32)
 

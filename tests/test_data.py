@@ -105,7 +105,8 @@ def test_zarr_round_trip_packs_the_token_stream(tmp_path, hf, stdlib_files, url)
     # rows come back in the order asked for, cached and through orthogonal Zarr reads alike
     idx = np.array([3, 0, 3, ds.n_train - 1])
     assert np.array_equal(ds.train_rows(idx), train[idx])
-    uncached = TokenDataset.open(store, ds.id)
+    assert TokenDataset.open(store, ds.id) is ds  # one instance per process: loaded and checked once
+    uncached = TokenDataset(store, ds.id, ds.meta)
     uncached.MAX_CACHE_BYTES = 0
     assert np.array_equal(uncached.train_rows(idx), train[idx]) and uncached._train is None
 
