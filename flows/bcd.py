@@ -32,7 +32,7 @@ from tasks.retry import retrying
 
 @flow(name="bcd-visit", flow_run_name="c{cycle}-b{block}")
 def visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
-          step_offset: int = 0, parent_mlflow_run: str | None = None, max_steps: int | None = None,
+          step_offset: int = 0, parent_mlflow_run: str | None = None,
           eval_every: int | None = None, spend_before: float = 0.0) -> dict:
     """One (cycle, block) visit: block ``block`` of version ``version`` trained to local convergence."""
     log = get_run_logger()
@@ -53,8 +53,8 @@ def visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dat
         preinfer_shard.map(cfg=unmapped(cfg), run_id=run_id, cycle=cycle, block=block, version=version,
                            dataset_id=dataset_id, shard=shards).result()
         preinfer_s = time.perf_counter() - t0
-    tr = train_block(cfg, run_id, cycle, block, version, dataset_id, max_steps=max_steps,
-                     step_offset=step_offset, mlflow_runs=tuple(r for r in (mlrun, parent_mlflow_run) if r),
+    tr = train_block(cfg, run_id, cycle, block, version, dataset_id, step_offset=step_offset,
+                     mlflow_runs=tuple(r for r in (mlrun, parent_mlflow_run) if r),
                      eval_every=eval_every)
     ev = evaluate(cfg, run_id, version, dataset_id, {block: tr["block_file"]})
     record = {
@@ -148,7 +148,7 @@ def stop_reason(cfg: RunConfig, visits: list[dict], n_blocks: int,
     return None
 
 
-def run_bcd(cfg: RunConfig, run_id: str, mode: str, max_steps: int | None = None,
+def run_bcd(cfg: RunConfig, run_id: str, mode: str,
             eval_every: int | None = None) -> dict:
     log = get_run_logger()
     dataset_id = prepare_data_task(cfg, cfg.open_store())
@@ -179,7 +179,7 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str, max_steps: int | None = None
                     break
                 todo.remove(b)
                 rec = visit_with_workers(cfg)(cfg, run_id, cycle, b, version, dataset_id, step_offset=steps,
-                            parent_mlflow_run=parent, max_steps=max_steps, eval_every=eval_every,
+                            parent_mlflow_run=parent, eval_every=eval_every,
                             spend_before=spend.total_spend(cfg.spend, visits))
                 visits.append(rec)
                 version, steps = rec["version"], steps + rec["steps"]
@@ -235,5 +235,5 @@ def full_train(config: RunParams = RunParams(), run_id: str | None = None) -> di
     """Full-parameter baseline with the same sampler and step loop as a one-block visit: the bcd_* fields are
     overridden (one block, one cycle, every row); it trains `train_steps` steps, validating every `train_eval_every`."""
     cfg = full_config(config.to_config())
-    return run_bcd(cfg, run_id or new_run_id("full"), "full", max_steps=cfg.train.steps,
+    return run_bcd(cfg, run_id or new_run_id("full"), "full",
                    eval_every=cfg.train.eval_every)

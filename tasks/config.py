@@ -231,9 +231,9 @@ class RunConfig(_Section):
         return OptimSpec(o.name, o.lr, o.weight_decay, o.momentum, grad_clip=o.grad_clip,
                          warmup_steps=o.warmup_steps)
 
-    def stop_rule(self, max_steps: int | None = None) -> StopRule:
+    def stop_rule(self) -> StopRule:
         b = self.bcd
-        return StopRule(max_steps or b.max_steps, b.patience, b.min_delta, b.window)
+        return StopRule(b.max_steps, b.patience, b.min_delta, b.window)
 
     def storage_options(self) -> dict:
         """fsspec options for the store URL (s3fs reads credentials from the AWS environment)."""

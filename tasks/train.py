@@ -42,7 +42,7 @@ def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> It
 
 
 def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
-                max_steps: int | None = None, step_offset: int = 0, mlflow_runs: tuple = (),
+                step_offset: int = 0, mlflow_runs: tuple = (),
                 eval_every: int | None = None) -> dict:
     store = cfg.open_store()
     ds = TokenDataset.open(store, dataset_id)
@@ -124,7 +124,7 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
     batches = prefetched(ranges, fetch, device)
     resumed_at = state.steps if state else 0  # run_steps advances the state it is given
     with preempt.training():
-        res = run_steps(loss_fn, params, batches, opt, spec, cfg.stop_rule(max_steps), on_window=on_window,
+        res = run_steps(loss_fn, params, batches, opt, spec, cfg.stop_rule(), on_window=on_window,
                         should_stop=preempt.requested, state=state, checkpoint=checkpoint,
                         ckpt_steps=cfg.checkpoint.every_steps, ckpt_seconds=cfg.checkpoint.every_seconds)
     if res.stopped_by == "interrupted":
