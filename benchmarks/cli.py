@@ -13,6 +13,7 @@ step counts and losses, and the tiny model's small ops stall at 2 threads on a s
 
     python -m benchmarks run --quick
     python -m benchmarks run --quick --only memory iteration --out /tmp/bench
+    python -m benchmarks run --only memory iteration --model gpt2-124m --batch-size 8 --seq-len 1024 --blocks 3
 """
 from __future__ import annotations
 
@@ -58,7 +59,32 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     run.add_argument("--threads", type=int, help="torch threads for the timed step benchmarks (default: all)")
     run.add_argument("--flow-threads", type=int, help="torch threads for the training runs (CPU default 1)")
+    step = run.add_argument_group("step benchmarks (memory, iteration, utilization): the model and batch, "
+                                  "overriding the size's")
+    step.add_argument("--model", help="registry name (models/config.py), e.g. gpt2-124m, G-1.6B, L-1.5B")
+    for field in ("n-layer", "d-model", "n-head", "n-kv-head", "vocab-size"):
+        step.add_argument(f"--{field}", type=int, help=f"model.{field.replace('-', '_')}")
+    step.add_argument("--batch-size", type=int)
+    step.add_argument("--seq-len", type=int)
+    step.add_argument("--precision", choices=("fp32", "bf16"))
+    step.add_argument("--blocks", type=int, nargs="+", help="bcd.blocks values to measure (default: the size's)")
     return ap
+
+
+def compute_profile(c: dict, args) -> dict:
+    """The size's step-benchmark settings with the command line's model, batch and block counts."""
+    c = dict(c)
+    if args.model:
+        c.update(model=args.model, overrides={})
+    over = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head", "n_kv_head", "vocab_size")
+            if getattr(args, k) is not None}
+    c["overrides"] = {**c["overrides"], **over}
+    for k in ("batch_size", "seq_len", "precision"):
+        if getattr(args, k) is not None:
+            c[k] = getattr(args, k)
+    if args.blocks:
+        c.update(memory_blocks=args.blocks, iteration_blocks=args.blocks)
+    return c
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,11 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import report
     from benchmarks.common import machine
     from benchmarks.profiles import profile
-    from tasks.weights import resolve_device
+    from core.context import resolve_device
 
     size = "tiny" if args.tiny or os.environ.get("BCDFLOW_BENCH_SIZE") == "tiny" else (
         "quick" if args.quick else "full")
     prof = profile(size)
+    prof = {**prof, "compute": compute_profile(prof["compute"], args)}
     device = resolve_device(args.device)
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from models import build_model
 from models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
-from tasks.weights import autocast
+from models.visit import autocast
 
 MB = 2**20
 
@@ -349,7 +349,7 @@ def ns(**kw) -> SimpleNamespace:
 class Workload:
     """One model, one set of master weights and one batch, from which every configuration is built.
 
-    Block plans come from the product (``tasks.run.plan_for``: the split ``bcd.split`` picks, by
+    Block plans come from the product (``RunConfig.plan``: the split ``bcd.split`` picks, by
     parameter count by default), so the benchmark measures the blocks a run would train."""
 
     def __init__(self, c: dict, device: torch.device, optim: str = "adamw", seed: int = 0):
@@ -374,15 +374,13 @@ class Workload:
         return self.x.numel()
 
     def plan(self, blocks: int):
-        from tasks.config import RunConfig
-        from tasks.run import plan_for
+        from core.config import RunConfig
 
         over = {k: v for k, v in self.c["overrides"].items() if k != "vocab_size"}
         run = RunConfig(model={"name": self.c["model"], **over},
                         data={"vocab_size": max(self.cfg.vocab_size, 260), "seq_len": self.c["seq_len"]},
                         bcd={"blocks": blocks})
-        _, plan = plan_for(run, self.cfg.vocab_size)
-        return plan
+        return run.plan(run.model_cfg(self.cfg.vocab_size))
 
     def full(self) -> Visit:
         return Visit("full", self.cfg, self.master, self.device, self.args, (0, self.cfg.n_layer), True,

@@ -1,7 +1,7 @@
 """Cost: the what-if spend of the runs above on the catalog's devices (paper §4.4, Tables 5-7, 12-14).
 
 Each run's GPU-hours are its measured stage seconds (pre-inference, training, evaluation) × GPUs, as the
-product's spend tracking records them (``tasks.spend``); here those seconds are this machine's, so the
+product's spend tracking records them (``core.spend``); here those seconds are this machine's, so the
 absolute dollars only say what the same hours would cost on each device. The ratio that carries over is
 BCD against full on the same device, to the same validation loss: GPU-hours to reach the full run's final
 loss (+ tol). Pricing BCD's hours on an RTX 4090 against full training's on an A100/A800 (Tables 6, 7,
@@ -17,7 +17,7 @@ from benchmarks.runs import RunBook, first_reach
 from benchmarks.training import pair
 
 try:  # the product's catalog (DESIGN §7)
-    from tasks.spend import DEFAULT_PRICES as CATALOG
+    from core.spend import DEFAULT_PRICES as CATALOG
 except ImportError:  # pragma: no cover - older trees
     CATALOG = {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}
 
@@ -66,7 +66,7 @@ def cost(book: RunBook, out: Path, **_) -> dict:
     res["markdown"] = "\n".join([
         "## cost: what-if spend on the catalog's devices (§4.4, Tables 5-7, 12-14)", "",
         "GPU-hours = this machine's measured stage seconds (pre-inference + training + evaluation, as "
-        "`tasks.spend` records them) priced at " + ", ".join(f"{k} ${v:g}/h" for k, v in prices.items())
+        "`core.spend` records them) priced at " + ", ".join(f"{k} ${v:g}/h" for k, v in prices.items())
         + ". Equal hours on every device: a what-if on price, not a speed model.", "",
         report.md_table(rows, [("run", "run", "s"), ("mode", "mode", "s"), ("steps", "steps", "d"),
                                ("gpu_hours", "GPU-h", ".6f")] + [(k, f"{k} $", ".6f") for k in prices]), "",

@@ -20,7 +20,7 @@ import torch
 from benchmarks import report
 from benchmarks.common import Timed, Workload, best, forward_flops, round_robin, step_flops
 from models import build_model
-from tasks.weights import autocast
+from models.visit import autocast
 
 # paper Tables 15/16: mean ms per iteration at 1/3, 1/4, 1/5 unfrozen
 PAPER_T15 = {"G-1.6B": (378.49, 331.7375, 305.52), "L-1.5B": (414.81, 331.81, 276.266)}

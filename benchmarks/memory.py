@@ -205,7 +205,7 @@ def markdown(res: dict, w: Workload) -> str:
         "## memory: peak per visit vs a full AdamW step (Tables 9, 11; Figure 5)", "",
         f"{c['model']} {w.cfg.n_layer} layers, d={w.cfg.d_model}, vocab={w.cfg.vocab_size} "
         f"({c['n_params'] / 1e6:.2f}M parameters), batch {c['batch_size']}×{c['seq_len']}, {c['precision']}, AdamW, "
-        "pre-inference on, blocks from the product's plan (`tasks.run.plan_for`). Measured peak = state before "
+        "pre-inference on, blocks from the product's plan (`RunConfig.plan`). Measured peak = state before "
         "the step + the most the step adds (CUDA allocator peak, or a dispatch-mode tracker of tensor storages on "
         "CPU); 'act+temp' = activations and temporaries at the peak; 'saved act' = what autograd saves in one "
         "forward. Analytic: fp32 weights, gradients and two AdamW moments from parameter counts (the paper's "

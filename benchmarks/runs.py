@@ -8,7 +8,7 @@ so benchmarks asking for the same run in one process get it once: the cyclic BCD
 
 Curves come from ``storage.runs.read_state``: one point per BCD visit (``step_end``, ``val_loss``), the
 full run's ``val_points`` in between, with cumulative tokens, seconds and GPU-hours from
-``tasks.spend.curve`` and analytic FLOPs (training steps, pre-inference, evaluation) added here.
+``core.spend.curve`` and analytic FLOPs (training steps, pre-inference, evaluation) added here.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class RunBook:
                 f"store={self.root / 'store'}", "tracking_uri=none", *extra]
 
     def get(self, label: str, mode: str, optim: str, extra: list[str] = ()) -> dict:
-        from tasks.config import load_config
+        from core.config import load_config
 
         sets = self.sets(optim, extra)
         key = json.dumps([mode, sets])
@@ -93,13 +93,13 @@ class RunBook:
 def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str], wall: float) -> dict:
     from models.config import ModelConfig
     from storage import runs
-    from tasks import spend
+    from core import spend
 
     store = cfg.open_store()
     state = runs.read_state(store, run_id)
     conf = runs.read_config(store, run_id)
-    visits = state["visits"]
-    curve = spend.curve(cfg.spend, visits)
+    curve = spend.curve(state.visits)
+    visits = [v.model_dump() for v in state.visits]
     mcfg = ModelConfig(**conf["model_resolved"])
     meta = meta_model(mcfg)
     blocks = conf["plan"]["blocks"]
@@ -126,7 +126,7 @@ def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str
         acc += total
         start = v["step_end"]
     return {"label": label, "run_id": run_id, "mode": mode, "optim": optim, "sets": sets,
-            "store": cfg.store, "stop_reason": state.get("stop_reason"), "visits": visits, "curve": curve,
+            "store": cfg.store, "stop_reason": state.stop_reason, "visits": visits, "curve": curve,
             "steps": curve[-1]["step"] if curve else 0, "final_val": visits[-1]["val_loss"] if visits else None,
             "best_val": min(p["val_loss"] for p in curve) if curve else None, "wall_seconds": wall,
             "flops": {k: sum(f[k] for f in flops_by_visit) for k in ("train", "preinfer", "eval")},

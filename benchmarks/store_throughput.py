@@ -51,7 +51,7 @@ import zarr
 
 from storage.activations import ActivationReader, create_group, write_shard
 from storage.store import Store
-from tasks.config import BcdSection
+from core.config import BcdSection
 
 MB = 2**20
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,9 @@ import json
 import os
 import sys
 
-EXIT_BAD_INPUT = 2
+from core.errors import BadInput, DamagedArtifact
+
+EXIT_BAD_INPUT, EXIT_FAILED = 2, 1
 
 DEMO = [
     "model.name=tiny", "data.seq_len=128", "data.vocab_size=2048", "bcd.blocks=3", "bcd.cycles=2",
@@ -32,10 +34,6 @@ def _env_defaults() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-class BadInput(Exception):
-    pass
 
 
 class RunFailed(Exception):
@@ -59,7 +57,7 @@ def _preflight(cfg) -> None:
 
 
 def _config(args, base: list[str] | None = None):
-    from tasks.config import load_config
+    from core.config import load_config
 
     sets = list(base or []) + list(args.set or [])
     if getattr(args, "store", None):
@@ -86,7 +84,7 @@ def cmd_resume(args) -> int:
     """Continue a run from its stored config: committed visits are skipped, complete shards reused, an
     interrupted visit continues from its last checkpoint, the MLflow run is continued."""
     from storage import runs
-    from tasks.config import RunConfig, parse_config
+    from core.config import RunConfig, parse_config
 
     store = _store(args.store, args)
     if runs.read_state(store, args.run_id) is None:
@@ -103,12 +101,10 @@ def cmd_resume(args) -> int:
 
 def _call(fn, cfg, run_id: str) -> dict:
     from flows.params import RunParams
-    from models.errors import ConfigError
-    from storage.errors import DataError
 
     try:
         return fn(config=RunParams.from_config(cfg), run_id=run_id)
-    except (ConfigError, DataError, SystemExit, KeyboardInterrupt):
+    except (BadInput, DamagedArtifact, SystemExit, KeyboardInterrupt):
         raise
     except Exception as e:
         raise RunFailed(run_id, cfg.store, e) from e
@@ -117,7 +113,7 @@ def _call(fn, cfg, run_id: str) -> dict:
 def _store(url: str, args=None):
     """The store named on the command line, with the s3 options of a stored run config where needed."""
     from storage.store import Store
-    from tasks.config import RunConfig
+    from core.config import RunConfig
 
     opts = {}
     if url.startswith("s3://") and getattr(args, "endpoint_url", None):
@@ -158,9 +154,9 @@ def status_dict(store_url: str, run_id: str, args=None) -> dict:
     cfg = runs.read_config(store, run_id)
     keep = ("cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
             "preinfer_seconds", "train_seconds", "tokens_per_s", "stopped_by")
-    return {"run_id": run_id, "version": state["version"], "status": state.get("status"),
-            "mode": state.get("mode"), "blocks": cfg["plan"]["blocks"],
-            "visits": [{k: v.get(k) for k in keep} for v in state["visits"]]}
+    return {"run_id": run_id, "version": state.version, "status": state.status,
+            "mode": state.mode, "blocks": cfg["plan"]["blocks"],
+            "visits": [v.model_dump(include=set(keep)) for v in state.visits]}
 
 
 def _status_table(store_url: str, run_id: str, args=None) -> str:
@@ -194,15 +190,15 @@ def cmd_compare(args) -> int:
 
 def cmd_export(args) -> int:
     from storage import runs
-    from tasks.export import export_version
+    from core.export import export_version
 
     store = _store(args.store, args)
     state = runs.read_state(store, args.run_id)
     if state is None:
         raise BadInput(f"run {args.run_id!r} not found in store {args.store}")
-    version = state["version"] if args.version is None else args.version
-    if not 0 <= version <= state["version"]:
-        raise BadInput(f"--version: run {args.run_id!r} has versions 0..{state['version']}, got {version}")
+    version = state.version if args.version is None else args.version
+    if not 0 <= version <= state.version:
+        raise BadInput(f"--version: run {args.run_id!r} has versions 0..{state.version}, got {version}")
     n = export_version(store, args.run_id, version, args.out_dir)
     print(f"exported run {args.run_id} version {version} ({n} tensors) to {args.out_dir}")
     return 0
@@ -253,23 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
     args = build_parser().parse_args(argv)
-    from models.errors import ConfigError
-    from storage.activations import ActivationError
-    from storage.checkpoints import CheckpointError
-    from storage.errors import DataError
-    from storage.trainckpt import TrainCheckpointError
-
     try:
         return args.fn(args)
-    except (BadInput, ConfigError, DataError) as e:
+    except BadInput as e:
         print(f"bcdflow: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except RunFailed as e:
+    except (DamagedArtifact, RunFailed) as e:
         print(f"bcdflow: error: {e}", file=sys.stderr)
-        return 1
-    except (CheckpointError, ActivationError, TrainCheckpointError) as e:
-        print(f"bcdflow: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from prefect import flow
 
+from core import spend
+from core.config import RunConfig, SpendSection
+from core.errors import BadInput
+from flows import artifacts
 from storage import runs
 from storage.store import Store
-from tasks import report, spend
-from tasks.config import RunConfig, SpendSection
+from tracking.report import md_table
 
 RUN_COLUMNS = [
     ("run_id", "run", "s"), ("mode", "mode", "s"), ("device", "device", "s"),
@@ -31,7 +34,7 @@ RUN_COLUMNS = [
 ]
 
 
-class CompareError(ValueError):
+class CompareError(BadInput):
     """A run that cannot be compared (missing, or without a committed visit)."""
 
 
@@ -39,16 +42,16 @@ def _run_summary(store: Store, run_id: str) -> dict:
     state = runs.read_state(store, run_id)
     if state is None:
         raise CompareError(f"run {run_id!r} not found in store {store.url}")
-    if not state["visits"]:
+    if not state.visits:
         raise CompareError(f"run {run_id!r} has no committed visit yet")
     cfg = runs.read_config(store, run_id)
     sp = SpendSection.model_validate(cfg.get("spend") or {})
-    visits = state["visits"]
-    pts = spend.curve(sp, visits)
+    visits = state.visits
+    pts = spend.curve(visits)
     kind, gpus = sp.train_device, sp.train_gpus
-    return {"run_id": run_id, "mode": state.get("mode"), "spend_cfg": sp, "curve": pts,
-            "device": f"{gpus}×{kind}", "stop_reason": state.get("stop_reason"),
-            "final_val_loss": visits[-1]["val_loss"], "best_val_loss": min(p["val_loss"] for p in pts),
+    return {"run_id": run_id, "mode": state.mode, "spend_cfg": sp, "curve": pts,
+            "device": f"{gpus}×{kind}", "stop_reason": state.stop_reason,
+            "final_val_loss": visits[-1].val_loss, "best_val_loss": min(p["val_loss"] for p in pts),
             "steps": pts[-1]["step"], "tokens": pts[-1]["tokens"], "wall_seconds": pts[-1]["seconds"],
             "gpu_hours": pts[-1]["gpu_hours"], "spend_usd": pts[-1]["spend_usd"]}
 
@@ -94,18 +97,18 @@ def markdown(result: dict) -> str:
     runs_ = result["runs"]
     parts = [f"### Runs against baseline `{result['baseline']}`\n\nBest common validation loss "
              f"L* = {result['target_val_loss']:.4f} (the lowest loss every run reaches); B-F × = steps to L* "
-             "over the baseline's (paper §4.2.3).\n", report.md_table(runs_, RUN_COLUMNS)]
+             "over the baseline's (paper §4.2.3).\n", md_table(runs_, RUN_COLUMNS)]
     what_if = [{"run_id": r["run_id"], "gpu_hours_to_target": r["gpu_hours_to_target"],
                 **{k: r["what_if_usd"][k] for k in kinds}} for r in runs_]
     parts += ["\n### What-if cost to reach L* on each device kind (USD)\n",
-              report.md_table(what_if, [("run_id", "run", "s"), ("gpu_hours_to_target", "GPU-h to L*", ".5f")]
+              md_table(what_if, [("run_id", "run", "s"), ("gpu_hours_to_target", "GPU-h to L*", ".5f")]
                               + [(k, f"{k} (${result['catalog'][k]:g}/h)", ".5f") for k in kinds])]
     parts.append("\n### Cost reduction against the baseline (like paper Tables 5-7)")
     for k in kinds:
         rows = [{**r, "reduction": None if r["reduction"] is None else 100 * r["reduction"]}
                 for r in result["cost_reduction"][k]]
         parts += [f"\nBaseline on **{k}**, every other run as it ran:\n",
-                  report.md_table(rows, [("run_id", "run", "s"), ("device", "N×GPU", "s"),
+                  md_table(rows, [("run_id", "run", "s"), ("device", "N×GPU", "s"),
                                          ("cost_usd", "cost $ to L*", ".5f"), ("reduction", "cost ↓ %", ".1f")])]
     return "\n".join(parts) + "\n"
 
@@ -115,6 +118,6 @@ def compare_runs(run_ids: list[str], store: str = "./bcdflow-store", s3_endpoint
     """Compare runs of one store by loss and cost; the table is published as a markdown artifact."""
     st = RunConfig(store=store, s3={"endpoint_url": s3_endpoint_url}).open_store()
     result = compare(st, run_ids)
-    report.publish_markdown(report.artifact_key("compare", "-".join(run_ids))[:200], result["markdown"],
+    artifacts.publish_markdown(artifacts.artifact_key("compare", "-".join(run_ids))[:200], result["markdown"],
                             description=f"bcdflow compare {' '.join(run_ids)}")
     return result

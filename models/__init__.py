@@ -2,6 +2,7 @@
 prefix/suffix execution and the step loop. No Prefect, MLflow or fsspec here (DESIGN §4)."""
 from models.config import REGISTRY, ModelConfig, get_config
 from models.plan import Block, Plan, make_plan
-from models.base import build_model
+from models.build import build_model, model_plan, param_sizes
 
-__all__ = ["REGISTRY", "ModelConfig", "get_config", "Block", "Plan", "make_plan", "build_model"]
+__all__ = ["REGISTRY", "ModelConfig", "get_config", "Block", "Plan", "make_plan", "build_model", "model_plan",
+           "param_sizes"]

@@ -102,25 +102,3 @@ class Decoder(nn.Module):
 
     def _init_buffers(self) -> None:
         """Recompute non-persistent buffers (after a meta-device build)."""
-
-
-def build_model(cfg: ModelConfig, layers: tuple[int, int] | None = None, embed: bool = True,
-                head: bool = True, device: str | torch.device = "cpu", init: bool = True) -> Decoder:
-    """Build the whole model or a part of it.
-
-    ``init=True`` draws fresh weights from the current torch RNG (seed it first); ``init=False``
-    allocates uninitialised storage for weights that are about to be loaded (no wasted init work).
-    """
-    from models.gpt import GPT
-    from models.llama import LLaMA
-
-    cls = {"gpt": GPT, "llama": LLaMA}[cfg.family]
-    if init:
-        model = cls(cfg, layers, embed, head).to(device)
-        model.init_weights()
-        return model
-    with torch.device("meta"):
-        model = cls(cfg, layers, embed, head)
-    model = model.to_empty(device=device)
-    model._init_buffers()
-    return model

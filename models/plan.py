@@ -120,3 +120,9 @@ def make_plan(param_names: Sequence[str] | Mapping[str, int], n_layer: int, bloc
             raise ValueError(f"parameter {name!r} belongs to no layer, embedding or head")
         owned[b].append(name)
     return Plan(n_layer, tuple(Block(i, (cuts[i], cuts[i + 1]), tuple(owned[i])) for i in range(M)))
+
+
+def block_tensors(model, plan: Plan, b: int) -> dict:
+    """Block ``b``'s tensors of ``model`` (whole or partial, global names): detached, contiguous, on the CPU."""
+    params = dict(model.named_parameters())
+    return {n: params[n].detach().to("cpu").contiguous() for n in plan[b].params}

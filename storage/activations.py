@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import zarr
 
+from core.errors import DamagedArtifact
+
 from .store import Store
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -41,7 +43,7 @@ _STORED = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
 _CHUNK_BYTES = 16 << 20  # ~16 MB per chunk object: large enough for object stores, small enough for batches
 
 
-class ActivationError(RuntimeError):
+class ActivationError(DamagedArtifact):
     """An activation group is missing, incomplete, malformed or fails its checksum."""
 
 

@@ -26,10 +26,12 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from core.errors import DamagedArtifact
+
 from .store import Store, sha256_bytes
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DamagedArtifact):
     """A manifest or block file is missing, malformed or fails its checksum."""
 
 

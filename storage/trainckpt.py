@@ -15,11 +15,13 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from core.errors import DamagedArtifact
+
 from .store import Store, sha256_bytes
 
 
-class TrainCheckpointError(RuntimeError):
-    pass
+class TrainCheckpointError(DamagedArtifact):
+    """A mid-visit checkpoint fails its checksum or does not load."""
 
 
 def _dir(visit_key: str) -> str:

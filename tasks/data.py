@@ -16,7 +16,7 @@ from prefect import task
 from storage.corpus import builtin_corpus_files, resolve_files
 from storage.store import Store
 from storage.tokens import prepare_token_dataset
-from tasks.config import RunConfig
+from core.config import RunConfig
 from tasks.retry import retrying
 
 

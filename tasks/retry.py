@@ -1,7 +1,7 @@
-"""Prefect retry policy for tasks that touch the store or a device: exponential backoff with jitter
-for transient faults (a flaky object store, a lost connection); bad input and corrupt checkpoints are
-never retried, since waiting cannot fix them. ``BCDFLOW_RETRY_BACKOFF`` (seconds, default 2) scales
-the delays: 2, 4, 8, ... s."""
+"""Prefect retry policy for tasks that touch the store or a device: exponential backoff with jitter for
+transient faults (a flaky object store, a lost connection). Bad input and damaged artifacts are never
+retried, since waiting cannot fix them (``core.errors``). ``BCDFLOW_RETRY_BACKOFF`` (seconds, default 2)
+scales the delays: 2, 4, 8, ... s."""
 from __future__ import annotations
 
 import os
@@ -9,13 +9,11 @@ import os
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from storage.checkpoints import CheckpointError
-from storage.trainckpt import TrainCheckpointError
+from core.errors import BadInput, DamagedArtifact
 
 
 def _transient(task, task_run, state) -> bool:
-    exc = state.data if isinstance(state.data, BaseException) else None
-    return not isinstance(exc, (ValueError, CheckpointError, TrainCheckpointError, SystemExit))
+    return not isinstance(state.data, (BadInput, DamagedArtifact, SystemExit, KeyboardInterrupt))
 
 
 def retrying(retries: int = 3) -> dict:

@@ -1,4 +1,4 @@
-"""Run-level tasks: create a run (version 0), check a resumed run's config, commit a visit.
+"""Run-level tasks: create a run (version 0) or check a resumed run's config, and commit a visit.
 
 The commit is the single atomic point of a visit (DESIGN §2.5): block file first (content-addressed,
 already written by training), then the new version manifest (copy-on-write), then the run state.
@@ -10,13 +10,14 @@ import time
 import torch
 from prefect import task
 
-from models import build_model, make_plan
+from core import failpoints
+from core.config import RunConfig
+from core.context import RunContext
+from models import build_model
 from models.errors import ConfigError
+from models.plan import block_tensors
 from storage import checkpoints, runs
-from storage.tokens import TokenDataset
-from tasks import failpoints
-from tasks.config import RunConfig
-from tasks.weights import block_tensors
+from storage.runs import RunState, VisitRecord
 from tasks.retry import retrying
 
 # keys that define what a run computes; a resumed run must match them exactly
@@ -31,28 +32,10 @@ def _pick(d: dict, dotted: str):
     return d
 
 
-def plan_for(cfg: RunConfig, vocab_size: int):
-    mcfg = cfg.model_cfg(vocab_size)
-    sizes = param_sizes(mcfg)
-    names = sizes if cfg.bcd.split == "params" else list(sizes)
-    return mcfg, make_plan(names, mcfg.n_layer, cfg.bcd.blocks, cfg.bcd.boundaries)
-
-
-def param_sizes(mcfg) -> dict[str, int]:
-    """Parameter name -> element count, from a meta-device model (no memory, no init)."""
-    from models.gpt import GPT
-    from models.llama import LLaMA
-
-    with torch.device("meta"):
-        model = {"gpt": GPT, "llama": LLaMA}[mcfg.family](mcfg)
-    return {n: p.numel() for n, p in model.named_parameters()}
-
-
-def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") -> dict:
+def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") -> RunState:
     """Create version 0 of a new run, or check an existing run's config and return its state."""
-    store = cfg.open_store()
-    ds = TokenDataset.open(store, dataset_id)
-    mcfg, plan = plan_for(cfg, ds.vocab_size)
+    ctx = RunContext.of(cfg, run_id, dataset_id)
+    store, mcfg, plan = ctx.store, ctx.model_cfg, ctx.plan
     resolved = {**cfg.model_dump(), "mode": mode, "dataset": dataset_id,
                 "model_resolved": mcfg.to_dict(), "plan": plan.to_dict()}
     resolved.pop("store", None)  # a run can move between stores; credentials never go in here
@@ -70,9 +53,8 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
               for b in plan.blocks}
     checkpoints.write_manifest(store, run_id, 0, blocks)
     runs.write_config(store, run_id, resolved)
-    state = {"run_id": run_id, "version": 0, "visits": [], "status": "running", "mode": mode,
-             "dataset": dataset_id, "created": time.time()}
-    runs.write_state(store, run_id, state)
+    state = RunState(run_id=run_id, mode=mode, dataset=dataset_id, created=time.time())
+    runs.write_state(store, state)
     return state
 
 
@@ -80,12 +62,19 @@ init_run_task = task(init_run, name="init-run", **retrying())
 
 
 @task(name="commit", **retrying())
-def commit_visit(cfg: RunConfig, run_id: str, base_version: int, block: int, block_file: dict,
-                 visit: dict) -> int:
-    """Publish version base+1 = version base with ``block`` replaced; append the visit to the state."""
+def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: dict) -> RunState:
+    """Publish version ``record.version`` = the version before it with ``record.block`` replaced by
+    ``block_file``, then append the record to the run state (the commit point)."""
     store = cfg.open_store()
     failpoints.hit("before-commit")
-    new_version = base_version + 1
-    checkpoints.commit_version(store, run_id, base_version, new_version, {block: block_file})
-    runs.append_visit(store, run_id, {**visit, "version": new_version})
-    return new_version
+    checkpoints.commit_version(store, run_id, record.version - 1, record.version, {record.block: block_file})
+    return runs.append_visit(store, run_id, record)
+
+
+@task(name="note-state", **retrying())
+def note_state(cfg: RunConfig, run_id: str, **fields) -> RunState:
+    """Set run-level fields of state.json (status, stop reason, MLflow run id)."""
+    store = cfg.open_store()
+    state = runs.read_state(store, run_id).model_copy(update=fields)
+    runs.write_state(store, state)
+    return state

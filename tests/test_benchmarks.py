@@ -72,14 +72,3 @@ def test_command_line(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "worst-block peak / full AdamW step" in r.stdout
     assert {"report.md", "results.json", "memory_breakdown.png"} <= {p.name for p in tmp_path.iterdir()}
-
-
-def test_visit_vs_full_script(tmp_path):
-    """The older script still runs on its own, on the shared helpers."""
-    out = tmp_path / "v.json"
-    r = subprocess.run([sys.executable, "benchmarks/visit_vs_full.py", "--model", "tiny", "--d-model", "32",
-                        "--n-head", "2", "--seq-len", "16", "--steps", "1", "--warmup", "0", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "mean block step / full step" in r.stdout
-    assert json.loads(out.read_text())["summary"]["mean_step_ratio"] > 0

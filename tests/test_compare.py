@@ -10,26 +10,26 @@ import pytest
 
 from storage import runs
 from storage.store import Store
-from tasks.report import artifact_key
+from flows.artifacts import artifact_key
 
 
-def own_curve(state: dict) -> list[tuple[int, float, float]]:
+def own_curve(state) -> list[tuple[int, float, float]]:
     """(step, val loss, tokens so far) straight from the visit records, written out independently."""
     out, tokens_before = [], 0.0
-    for v in state["visits"]:
-        start = v["step_end"] - v["steps"]
-        pts = {s: val for s, val in v.get("val_points") or []}
-        pts[v["step_end"]] = v["val_loss"]
+    for v in state.visits:
+        start = v.step_end - v.steps
+        pts = {s: val for s, val in v.val_points}
+        pts[v.step_end] = v.val_loss
         for s in sorted(pts):
-            out.append((s, pts[s], tokens_before + v["tokens"] * (s - start) / v["steps"]))
-        tokens_before += v["tokens"]
+            out.append((s, pts[s], tokens_before + v.tokens * (s - start) / v.steps))
+        tokens_before += v.tokens
     return out
 
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory, prefect_server):
     from flows.bcd import bcd_train, full_train
-    from tasks.config import load_config
+    from core.config import load_config
     from tests.conftest import TINY
 
     root = tmp_path_factory.mktemp("cmp")
@@ -59,16 +59,16 @@ def test_compare_multiplier_matches_the_recorded_curves(two_runs):
     for r in ("full", "bcd"):
         assert by_id[r]["steps_to_target"] == first[r][0]
         assert by_id[r]["tokens_to_target"] == pytest.approx(first[r][1])
-        assert by_id[r]["final_val_loss"] == states[r]["visits"][-1]["val_loss"]
+        assert by_id[r]["final_val_loss"] == states[r].visits[-1].val_loss
     assert res["baseline"] == "full" and by_id["full"]["bf_multiplier"] == 1.0
     assert by_id["bcd"]["bf_multiplier"] == pytest.approx(first["bcd"][0] / first["full"][0])
     assert by_id["bcd"]["tokens_multiplier"] == pytest.approx(first["bcd"][1] / first["full"][1])
 
     # totals from the records
     for r, st in states.items():
-        assert by_id[r]["spend_usd"] == pytest.approx(sum(v["spend_usd"] for v in st["visits"]))
-        assert by_id[r]["gpu_hours"] == pytest.approx(sum(v["gpu_hours"] for v in st["visits"]))
-        assert by_id[r]["wall_seconds"] == pytest.approx(sum(v["seconds"] for v in st["visits"]))
+        assert by_id[r]["spend_usd"] == pytest.approx(sum(v.spend_usd for v in st.visits))
+        assert by_id[r]["gpu_hours"] == pytest.approx(sum(v.gpu_hours for v in st.visits))
+        assert by_id[r]["wall_seconds"] == pytest.approx(sum(v.seconds for v in st.visits))
     assert by_id["full"]["device"] == "1×a100" and by_id["bcd"]["device"] == "1×rtx4090"
 
     # what-if: GPU-hours to L* priced on every kind of the merged catalog

@@ -40,7 +40,7 @@ def test_flat_params_round_trip_and_form_schema():
     from prefect.utilities.callables import parameter_schema
 
     from flows.bcd import bcd_train
-    from tasks.config import load_config
+    from core.config import load_config
 
     cfg = load_config(sets=TINY + ["data.files=/x/*.txt", "bcd.boundaries=[2, 4]", "spend.prices=[h100=2]",
                                    "spend.train_device=h100", "stop.target_val_loss=3.5"])
@@ -79,7 +79,7 @@ def test_deployment_run_on_a_worker_trains_like_the_cli(prefect_api_url, tmp_pat
     from prefect.deployments import run_deployment
 
     from flows.cli import main
-    from tasks.config import load_config
+    from core.config import load_config
 
     env = _env(tmp_path, prefect_api_url)
     with get_client(sync_client=True) as client:  # = prefect work-pool create bcdflow --type process
@@ -106,7 +106,7 @@ def test_deployment_run_on_a_worker_trains_like_the_cli(prefect_api_url, tmp_pat
     assert state.is_completed(), f"{state}\n{worker.stdout[-3000:]}\n{worker.stderr[-3000:]}"
     store = Store(cfg.store)
     st = runs.read_state(store, "dep")
-    assert st["status"] == "done" and st["version"] == 2 and st["stop_reason"] == "cycles"
+    assert st.status == "done" and st.version == 2 and st.stop_reason == "cycles"
 
     # the same config through the CLI, in-process: bitwise the same weights
     args = [a for s in sets for a in ("--set", s)]

@@ -12,7 +12,8 @@ import zarr
 from flows.cli import main
 from storage import activations, checkpoints
 from tasks.data import prepare_data
-from tasks.preinfer import acts_key, plan_shards, run_prefix
+from storage.runs import acts_key
+from tasks.preinfer import plan_shards, run_prefix
 from tasks.run import init_run
 
 
@@ -83,7 +84,7 @@ def test_flipped_byte_in_block_file_is_refused(tiny_cfg, capsys):
 def _worker(cfg_json: str, ds: str, shards: list[int]) -> None:
     import torch
 
-    from tasks.config import RunConfig
+    from core.config import RunConfig
 
     torch.set_num_threads(1)
     cfg = RunConfig.model_validate_json(cfg_json)

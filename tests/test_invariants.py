@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import tasks.train
+from core.context import RunContext
 from storage import runs
 from storage.checkpoints import commit_version, load_blocks, read_manifest
 from storage.store import Store
 from tasks.data import batch_ranges, prepare_data, sample_rows, visit_rows
 from tasks.preinfer import plan_shards, run_prefix
-from tasks.run import init_run, plan_for
+from tasks.run import init_run
 from tasks.train import train_visit
 
 _LAYER = re.compile(r"^h\.(\d+)\.")
@@ -43,7 +44,7 @@ def do_visit(cfg, run_id: str, ds_id: str, cycle: int, block: int, version: int)
             run_prefix(cfg, run_id, cycle, block, version, ds_id, s)
         assert plan_shards.fn(cfg, run_id, cycle, block, ds_id) == []  # all complete now
     out = train_visit(cfg, run_id, cycle, block, version, ds_id)
-    commit_version(Store(cfg.store), run_id, version, version + 1, {block: out["block_file"]})
+    commit_version(Store(cfg.store), run_id, version, version + 1, {block: out.block_file})
     return out
 
 
@@ -52,11 +53,12 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.models, self.opt_params, self.opts = [], [], []
-        real_load, real_opt = tasks.train.load_part, tasks.train.make_optimizer
+        real_load, real_opt = RunContext.load_part, tasks.train.make_optimizer
 
         def load_part(*args, **kwargs):
             model = real_load(*args, **kwargs)
-            self.models.append(model)
+            if kwargs.get("head"):  # the visit's model (the pre-inference prefix has no head)
+                self.models.append(model)
             return model
 
         def make_optimizer(params, spec):
@@ -65,7 +67,7 @@ class Spy:
             self.opts.append(opt)
             return opt
 
-        monkeypatch.setattr(tasks.train, "load_part", load_part)
+        monkeypatch.setattr(RunContext, "load_part", load_part)
         monkeypatch.setattr(tasks.train, "make_optimizer", make_optimizer)
 
 
@@ -81,7 +83,7 @@ def test_i1_a_visit_changes_only_its_block(tiny_cfg, monkeypatch, block, preinfe
     cfg = tiny_cfg(f"bcd.preinfer={str(preinfer).lower()}")
     ds_id = new_run(cfg)
     store = Store(cfg.store)
-    _, plan = plan_for(cfg, 512)
+    plan = cfg.plan(cfg.model_cfg(512))
     before = load_blocks(store, "r", 0)
     spy = Spy(monkeypatch)
 
@@ -112,7 +114,8 @@ def test_i1_a_visit_changes_only_its_block(tiny_cfg, monkeypatch, block, preinfe
 def test_i6_visit_holds_blocks_from_b_and_trains_block_b_only(tiny_cfg, monkeypatch, family):
     cfg = tiny_cfg(*(LLAMA if family == "tiny-llama" else ()), "bcd.preinfer=true")
     ds_id = new_run(cfg)
-    mcfg, plan = plan_for(cfg, 512)
+    mcfg = cfg.model_cfg(512)
+    plan = cfg.plan(mcfg)
     block = 1
     lo = plan[block].layers[0]
     spy = Spy(monkeypatch)
@@ -147,8 +150,8 @@ def flow_store(tmp_path_factory):
 def final_weights(cfg, run_id: str) -> dict[str, torch.Tensor]:
     store = Store(cfg.store)
     state = runs.read_state(store, run_id)
-    assert state["status"] == "done"
-    return load_blocks(store, run_id, state["version"])
+    assert state.status == "done"
+    return load_blocks(store, run_id, state.version)
 
 
 @pytest.mark.slow
@@ -165,7 +168,7 @@ def test_i2_preinference_on_and_off_give_the_same_weights(tiny_cfg, prefect_serv
     # the two runs really took the two paths: the prefix was pre-inferred for blocks 1 and 2 of one only
     for run_id, flag in (("pre-on", True), ("pre-off", False)):
         assert runs.read_config(store, run_id)["bcd"]["preinfer"] is flag
-        pre = [v["preinfer_seconds"] > 0 for v in runs.read_state(store, run_id)["visits"]]
+        pre = [v.preinfer_seconds > 0 for v in runs.read_state(store, run_id).visits]
         assert pre == [False, flag, flag], (run_id, pre)
     a, b = final_weights(on, "pre-on"), final_weights(off, "pre-off")
     assert a.keys() == b.keys()
@@ -173,7 +176,7 @@ def test_i2_preinference_on_and_off_give_the_same_weights(tiny_cfg, prefect_serv
     assert diff <= 1e-4, f"max abs diff {diff}"
     # not vacuous: every block moved away from version 0
     v0 = load_blocks(store, "pre-on", 0)
-    _, plan = plan_for(on, 512)
+    plan = on.plan(on.model_cfg(512))
     for blk in plan.blocks:
         assert any(not torch.equal(v0[n], a[n]) for n in blk.params), f"block {blk.index} never trained"
 
@@ -194,8 +197,8 @@ def test_i3_one_block_bcd_equals_full_training(tiny_cfg, prefect_server, flow_st
     v0 = load_blocks(Store(cfg.store), "bcd", 0)
     assert all(not torch.equal(v0[k], a[k]) for k in ("wte.weight", "h.0.attn.c_attn.weight", "ln_f.weight"))
     # the baseline evaluated mid-run (every 2 steps), and that did not perturb training
-    (full_visit,) = runs.read_state(Store(cfg.store), "full")["visits"]
-    assert len(full_visit["val_points"]) == 2
+    (full_visit,) = runs.read_state(Store(cfg.store), "full").visits
+    assert len(full_visit.val_points) == 2
 
 
 # -- per-visit sampling (paper §3.2.3) ------------------------------------------------------------

@@ -38,7 +38,7 @@ def _cli(api_url: str, *args: str, env: dict | None = None, timeout: int = 300) 
 
 def _final(store: Store, run_id: str) -> dict[str, torch.Tensor]:
     state = runs.read_state(store, run_id)
-    return checkpoints.load_blocks(store, run_id, state["version"])
+    return checkpoints.load_blocks(store, run_id, state.version)
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -63,15 +63,15 @@ def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, tmp_path
                   env={"BCDFLOW_FAILPOINTS": point})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     state = runs.read_state(Store(store), "k")
-    assert state is not None and state["status"] == "running"
+    assert state is not None and state.status == "running"
     done = _cli(prefect_api_url, "resume", "k", "--store", store)
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_same(_final(Store(store), "k"), reference)
-    visits = runs.read_state(Store(store), "k")["visits"]
-    assert [(v["cycle"], v["block"]) for v in visits] == [(0, 0), (0, 1), (0, 2)]
+    visits = runs.read_state(Store(store), "k").visits
+    assert [(v.cycle, v.block) for v in visits] == [(0, 0), (0, 1), (0, 2)]
     if point.startswith("train-checkpoint"):
         # killed right after the step-4 checkpoint of visit c0-b0: at most one interval lost
-        assert visits[0]["resumed_at"] == 4
+        assert visits[0].resumed_at == 4
 
 
 @pytest.mark.slow
@@ -97,13 +97,13 @@ def test_sigterm_checkpoints_within_10s_and_resume_continues(prefect_api_url, tm
     assert proc.returncode != 0
     assert pointer["step"] > first and pointer["step"] % 50, "SIGTERM wrote no checkpoint of its own"
     assert elapsed < 10, f"checkpoint and exit took {elapsed:.1f}s"
-    assert runs.read_state(s, "t")["version"] == 0
+    assert runs.read_state(s, "t").version == 0
 
     # resume continues from the SIGTERM checkpoint and ends where an uninterrupted run ends
     done = _cli(prefect_api_url, "resume", "t", "--store", store)
     assert done.returncode == 0, done.stderr[-3000:]
-    visits = runs.read_state(s, "t")["visits"]
-    assert visits[0]["resumed_at"] == pointer["step"]
+    visits = runs.read_state(s, "t").visits
+    assert visits[0].resumed_at == pointer["step"]
     ref_store = str(tmp_path / "ref")
     assert main(["train", *sets, "--store", ref_store, "--run-id", "t"]) == 0
     _assert_same(_final(s, "t"), _final(Store(ref_store), "t"))
@@ -117,7 +117,7 @@ def test_s3_run_matches_local_bitwise(prefect_server, s3_server, s3_bucket, tmp_
     store = Store(url, {"endpoint_url": s3_server.endpoint})
     _assert_same(_final(store, "ref"), reference)
     # credentials never reach the store
-    text = json.dumps(runs.read_config(store, "ref")) + json.dumps(runs.read_state(store, "ref"))
+    text = json.dumps(runs.read_config(store, "ref")) + runs.read_state(store, "ref").model_dump_json()
     assert "testing" not in text and "AWS_SECRET" not in text
 
 

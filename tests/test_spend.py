@@ -9,14 +9,20 @@ import pytest
 
 from models.errors import ConfigError
 from storage import runs
+from storage.runs import VisitRecord
 from storage.store import Store
-from tasks import spend
-from tasks.config import SpendSection, load_config
+from core import spend
+from core.config import SpendSection, load_config
 
 
-def _v(cycle, block, *, pre=0.0, train=0.0, ev=0.0, val=5.0, steps=10, **kw):
-    return {"cycle": cycle, "block": block, "preinfer_seconds": pre, "train_seconds": train,
-            "eval_seconds": ev, "val_loss": val, "steps": steps, **kw}
+def _v(sp, cycle, block, *, pre=0.0, train=0.0, ev=0.0, val=5.0, steps=10, seconds=None, **kw) -> VisitRecord:
+    """A visit record priced by ``sp`` as the visit flow prices it."""
+    seconds = pre + train + ev if seconds is None else seconds
+    cost = spend.visit_spend(sp, {"preinfer": pre, "train": train, "eval": ev}, seconds)
+    fields = {"version": 1, "step_end": steps, "stopped_by": "max_steps", "rows": 1, "tokens": 1, "first_loss": val,
+              "train_loss": val, "val_ppl": math.exp(val), "tokens_per_s": 1.0, **kw}
+    return VisitRecord(cycle=cycle, block=block, preinfer_seconds=pre, train_seconds=train, eval_seconds=ev,
+                       val_loss=val, steps=steps, seconds=seconds, **{**cost, **fields})
 
 
 def test_catalog_defaults_overrides_and_additions():
@@ -45,28 +51,29 @@ def test_bad_spend_config_names_the_key(bad, key):
 def test_stage_spend_is_seconds_times_gpus_times_price():
     sp = load_config(sets=["spend.prices=[h100=2.0]", "spend.preinfer_device=a100", "spend.preinfer_gpus=2",
                            "spend.train_device=rtx4090", "spend.eval_device=h100", "spend.eval_gpus=4"]).spend
-    out = spend.visit_spend(sp, _v(0, 1, pre=3600, train=1800, ev=360))
+    out = spend.visit_spend(sp, {"preinfer": 3600, "train": 1800, "eval": 360}, 3600 + 1800 + 360)
     assert out["spend_preinfer_usd"] == pytest.approx(1 * 2 * 1.20)
     assert out["spend_train_usd"] == pytest.approx(0.5 * 1 * 0.29)
     assert out["spend_eval_usd"] == pytest.approx(0.1 * 4 * 2.0)
     assert out["spend_usd"] == pytest.approx(2.4 + 0.145 + 0.8)
     assert out["gpu_hours_preinfer"] == pytest.approx(2.0)
     assert out["gpu_hours"] == pytest.approx(2.0 + 0.5 + 0.4)
-    # a recorded spend wins over recomputation (prices may change after the fact)
-    assert spend.visit_cost(sp, {**_v(0, 0, train=3600), "spend_usd": 7.0}) == 7.0
+    # the visit's wall time outside its stages is billed to the train machine
+    late = spend.visit_spend(sp, {"preinfer": 3600, "train": 1800, "eval": 360}, 3600 + 1800 + 360 + 1800)
+    assert late["spend_train_usd"] == pytest.approx(1.0 * 1 * 0.29)
 
 
 def test_budget_predicts_from_the_same_block_else_the_last_visit():
     sp = load_config(sets=["spend.prices=[x=3600]", "spend.train_device=x", "spend.budget_usd=10"]).spend
     # $1 per train-second: visits of block 0 cost 3, block 1 costs 1
-    visits = [_v(0, 0, train=3), _v(0, 1, train=1)]
-    assert spend.predicted_cost(sp, visits, 0) == pytest.approx(3)
-    assert spend.predicted_cost(sp, visits, 1) == pytest.approx(1)
-    assert spend.predicted_cost(sp, visits, 2) == pytest.approx(1)  # never visited: the last visit
-    assert spend.predicted_cost(sp, [], 0) == 0
+    visits = [_v(sp, 0, 0, train=3), _v(sp, 0, 1, train=1)]
+    assert spend.predicted_cost(visits, 0) == pytest.approx(3)
+    assert spend.predicted_cost(visits, 1) == pytest.approx(1)
+    assert spend.predicted_cost(visits, 2) == pytest.approx(1)  # never visited: the last visit
+    assert spend.predicted_cost([], 0) == 0
     # spent 4 of 10: block 0 (3) fits, and so does block 2 (1)
     assert spend.over_budget(sp, visits, 0) is None
-    visits.append(_v(0, 2, train=4.5))  # spent 8.5, 1.5 left
+    visits.append(_v(sp, 0, 2, train=4.5))  # spent 8.5, 1.5 left
     assert spend.over_budget(sp, visits, 1) is None          # predicted 1 <= 1.5
     assert "block 0" in spend.over_budget(sp, visits, 0)     # predicted 3 > 1.5
     assert spend.over_budget(SpendSection(), visits, 0) is None  # no budget, no limit
@@ -74,10 +81,10 @@ def test_budget_predicts_from_the_same_block_else_the_last_visit():
 
 def test_curve_is_cumulative_and_costs_intermediate_points_pro_rata():
     sp = load_config(sets=["spend.prices=[x=3600]", "spend.train_device=x"]).spend
-    visits = [_v(0, 0, train=10, steps=10, step_end=10, tokens=100, seconds=12, val=4.0),
-              _v(1, 0, train=20, steps=20, step_end=30, tokens=200, seconds=22, val=3.0,
+    visits = [_v(sp, 0, 0, train=10, steps=10, step_end=10, tokens=100, seconds=12, val=4.0),
+              _v(sp, 1, 0, train=20, steps=20, step_end=30, tokens=200, seconds=22, val=3.0,
                  val_points=[[15, 3.5], [30, 2.9]])]
-    pts = spend.curve(sp, visits)
+    pts = spend.curve(visits)
     assert [p["step"] for p in pts] == [10, 15, 30]
     assert [p["val_loss"] for p in pts] == [4.0, 3.5, 3.0]  # the visit's own val loss at its end
     assert pts[1]["tokens"] == pytest.approx(100 + 200 * 5 / 20)
@@ -94,16 +101,17 @@ def test_stop_rule_precedence():
     cfg = load_config(sets=["stop.target_val_loss=3.0", "spend.prices=[x=3600]", "spend.train_device=x",
                             "spend.budget_usd=5"])
     # cycle 0: best 4.0; cycle 1 (complete): no better than 4.0; spent 6 > budget
-    stale = [_v(0, 0, train=1, val=4.0), _v(0, 1, train=1, val=4.2),
-             _v(1, 0, train=2, val=4.1), _v(1, 1, train=2, val=4.05)]
+    sp = cfg.spend
+    stale = [_v(sp, 0, 0, train=1, val=4.0), _v(sp, 0, 1, train=1, val=4.2),
+             _v(sp, 1, 0, train=2, val=4.1), _v(sp, 1, 1, train=2, val=4.05)]
     assert stale_cycles(stale, 2) == 1
     assert stale_cycles(stale[:3], 2) == 0  # cycle 1 not finished yet
     assert stop_reason(cfg, stale, 2, next_block=0)[0] == "no_improvement"  # before budget
     # the target, once reached, wins over everything else
-    hit = stale[:-1] + [_v(1, 1, train=2, val=2.9)]
+    hit = stale[:-1] + [_v(sp, 1, 1, train=2, val=2.9)]
     assert stop_reason(cfg, hit, 2, next_block=0)[0] == "target_val_loss"
     # budget alone: improving, target not reached
-    improving = stale[:-1] + [_v(1, 1, train=2, val=3.5)]
+    improving = stale[:-1] + [_v(sp, 1, 1, train=2, val=3.5)]
     reason, detail = stop_reason(cfg, improving, 2, next_block=0)
     assert reason == "budget" and "$5 budget" in detail
     assert stop_reason(cfg, improving, 2) is None  # no next visit asked about: no budget check
@@ -128,26 +136,26 @@ def test_budget_stops_cleanly_and_resume_with_more_budget_finishes(tiny_cfg, pre
     assert out["stop_reason"] == "budget" and out["version"] == 1
     store = Store(cfg.store)
     state = runs.read_state(store, "b")
-    assert state["status"] == "done" and state["stop_reason"] == "budget" and len(state["visits"]) == 1
-    assert "block 1" in state["stop_detail"]
-    (v,) = state["visits"]
+    assert state.status == "done" and state.stop_reason == "budget" and len(state.visits) == 1
+    assert "block 1" in state.stop_detail
+    (v,) = state.visits
     # the train machine is billed for the visit's wall time outside the pre-inference and eval stages
-    train_wall = v["seconds"] - v["preinfer_seconds"] - v["eval_seconds"]
-    assert train_wall >= v["train_seconds"]
-    assert v["spend_train_usd"] == pytest.approx(train_wall * 2 * 1.20 / 3600)
-    assert v["spend_preinfer_usd"] == 0 and v["preinfer_seconds"] == 0  # block 0 needs no pre-inference
-    assert v["spend_eval_usd"] == pytest.approx(v["eval_seconds"] * 0.29 / 3600)
-    assert v["cum_spend_usd"] == pytest.approx(v["spend_usd"]) and v["spend_usd"] > 0
-    assert v["gpu_hours"] == pytest.approx((2 * train_wall + v["eval_seconds"]) / 3600)
+    train_wall = v.seconds - v.preinfer_seconds - v.eval_seconds
+    assert train_wall >= v.train_seconds
+    assert v.spend_train_usd == pytest.approx(train_wall * 2 * 1.20 / 3600)
+    assert v.spend_preinfer_usd == 0 and v.preinfer_seconds == 0  # block 0 needs no pre-inference
+    assert v.spend_eval_usd == pytest.approx(v.eval_seconds * 0.29 / 3600)
+    assert v.cum_spend_usd == pytest.approx(v.spend_usd) and v.spend_usd > 0
+    assert v.gpu_hours == pytest.approx((2 * train_wall + v.eval_seconds) / 3600)
 
     # the same run with room in the budget continues where it stopped
     more = tiny_cfg("spend.budget_usd=100", "spend.train_device=a100", "spend.train_gpus=2")
     out = bcd_train(config=more, run_id="b")
     assert out["stop_reason"] == "cycles" and out["version"] == 3
-    visits = runs.read_state(store, "b")["visits"]
-    assert [x["block"] for x in visits] == [0, 1, 2]
-    assert visits[1]["spend_preinfer_usd"] > 0  # block 1 pre-infers block 0's activations
-    cum = [x["cum_spend_usd"] for x in visits]
-    assert cum == pytest.approx(list(itertools.accumulate([x["spend_usd"] for x in visits])))
+    visits = runs.read_state(store, "b").visits
+    assert [x.block for x in visits] == [0, 1, 2]
+    assert visits[1].spend_preinfer_usd > 0  # block 1 pre-infers block 0's activations
+    cum = [x.cum_spend_usd for x in visits]
+    assert cum == pytest.approx(list(itertools.accumulate([x.spend_usd for x in visits])))
     assert math.isclose(out["spend_usd"], cum[-1])
 

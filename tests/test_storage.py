@@ -13,8 +13,8 @@ from storage.activations import (ActivationError, ActivationReader, complete_sha
                                  shard_complete, write_shard)
 from storage.checkpoints import (CheckpointError, commit_version, load_blocks, read_manifest, save_block,
                                  write_manifest)
-from storage.runs import (append_visit, list_runs, read_config, read_state, run_exists, write_config,
-                          write_state)
+from storage.runs import (RunStateError, VisitRecord, append_visit, list_runs, read_config, read_state,
+                          run_exists, write_config, write_state)
 from storage.store import Store
 
 
@@ -183,18 +183,19 @@ def test_run_state(store):
     assert read_state(store, "r") is None and not run_exists(store, "r") and list_runs(store) == []
     write_config(store, "r", {"model": "tiny", "n_blocks": 2})
     assert read_config(store, "r") == {"model": "tiny", "n_blocks": 2} and run_exists(store, "r")
-    visit = {"cycle": 0, "block": 0, "version": 1, "steps": 10, "train_loss": 3.2, "val_loss": 3.4,
-             "seconds": 1.5, "spend_usd": 0.01}
+    visit = VisitRecord(cycle=0, block=0, version=1, steps=10, step_end=10, stopped_by="max_steps", rows=80,
+                        tokens=640, first_loss=4.0, train_loss=3.2, val_loss=3.4, val_ppl=30.0, tokens_per_s=100.0,
+                        seconds=1.5, spend_usd=0.01)
     state = append_visit(store, "r", visit)
-    assert state["version"] == 1 and state["status"] == "running" and state["visits"] == [visit]
-    append_visit(store, "r", {**visit, "block": 1, "version": 2})
-    with pytest.raises(ValueError, match="not newer"):
-        append_visit(store, "r", {**visit, "version": 2})
+    assert state.version == 1 and state.status == "running" and state.visits == [visit]
+    append_visit(store, "r", visit.model_copy(update={"block": 1, "version": 2}))
+    with pytest.raises(RunStateError, match="another process committed"):
+        append_visit(store, "r", visit.model_copy(update={"version": 2}))
     state = read_state(store, "r")
-    assert state["version"] == 2 and [v["block"] for v in state["visits"]] == [0, 1]
-    write_state(store, "r", {**state, "status": "done"})
-    assert read_state(store, "r")["status"] == "done"
+    assert state.version == 2 and [v.block for v in state.visits] == [0, 1]
+    write_state(store, state.model_copy(update={"status": "done"}))
+    assert read_state(store, "r").status == "done"
     write_config(store, "s", {})
     assert list_runs(store) == ["r", "s"]
-    with pytest.raises(FileNotFoundError, match="runs/t/config.json"):
+    with pytest.raises(RunStateError, match="runs/t/config.json"):
         read_config(store, "t")

@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tasks.report import artifact_key
+from flows.artifacts import artifact_key
 
 
 def _prefect_artifacts(flow_run_id: str) -> dict[str, list[dict]]:
@@ -66,15 +66,15 @@ def test_mlflow_and_prefect_contents_of_a_tiny_run(tiny_cfg, prefect_server, tmp
     from storage.store import Store
 
     state = runs.read_state(Store(cfg.store), "t")
-    for v in state["visits"]:
-        assert by_version[v["version"]][1] == pytest.approx(v["spend_usd"])
+    for v in state.visits:
+        assert by_version[v.version][1] == pytest.approx(v.spend_usd)
 
     # parent: cycle-level validation loss and cumulative spend (step = cycle), totals, system metrics
     cyc = client.get_metric_history(pid, "cycle_val_loss")
     assert sorted(m.step for m in cyc) == [0, 1]
-    assert {m.step: m.value for m in cyc}[1] == pytest.approx(state["visits"][-1]["val_loss"])
+    assert {m.step: m.value for m in cyc}[1] == pytest.approx(state.visits[-1].val_loss)
     spend_by_cycle = {m.step: m.value for m in client.get_metric_history(pid, "cycle_cum_spend_usd")}
-    assert spend_by_cycle[1] == pytest.approx(state["visits"][-1]["cum_spend_usd"]) and spend_by_cycle[0] > 0
+    assert spend_by_cycle[1] == pytest.approx(state.visits[-1].cum_spend_usd) and spend_by_cycle[0] > 0
     assert parent.data.metrics["spend_usd"] == pytest.approx(out["spend_usd"])
     system = {k for k in parent.data.metrics if k.startswith("system/")}
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system, system
@@ -98,7 +98,7 @@ def test_mlflow_and_prefect_contents_of_a_tiny_run(tiny_cfg, prefect_server, tmp
     assert {t["key"] for t in tables} == {artifact_key("t", "visits")} and len(tables) == 5  # per visit + final
     rows = json.loads(tables[-1]["data"])
     assert [(r["cycle"], r["block"]) for r in rows] == [(c, b) for c in range(2) for b in range(2)]
-    assert rows[-1]["total $"] == pytest.approx(state["visits"][-1]["cum_spend_usd"], rel=1e-4)
+    assert rows[-1]["total $"] == pytest.approx(state.visits[-1].cum_spend_usd, rel=1e-4)
     (progress,) = arts["progress"]
     assert progress["key"] == artifact_key("t", "progress") and float(progress["data"]) == 100.0
 
@@ -112,7 +112,7 @@ def test_mlflow_and_prefect_contents_of_a_tiny_run(tiny_cfg, prefect_server, tmp
 
 
 def test_tracker_off_is_a_no_op(tmp_path):
-    from tasks.tracking import Tracker
+    from tracking.tracker import Tracker
 
     t = Tracker("none")
     assert t.start("x", system_metrics=True) is None

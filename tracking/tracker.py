@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -135,3 +136,27 @@ class Tracker:
             if mon is not None:
                 mon.finish()  # flush the last samples while the run is still RUNNING
             self.client.set_terminated(run_id, status=status)
+
+
+@dataclass(frozen=True)
+class TrackTarget:
+    """Where a visit logs its training curve: MLflow runs (the visit's own and its parent's) on one tracking
+    server, at global steps ``step_offset + local step``. A task takes one of these (or None: untracked)
+    instead of a URI, an experiment, run ids and an offset."""
+    uri: str
+    experiment: str
+    run_ids: tuple[str, ...]
+    step_offset: int = 0
+    _tracker: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def tracker(self) -> Tracker:
+        if not self._tracker:
+            self._tracker.append(Tracker(self.uri, self.experiment))
+        return self._tracker[0]
+
+    def series(self, key: str, points: list[tuple[int, float]]) -> None:
+        """(local step, value) points to every target run."""
+        pts = [(self.step_offset + s, v) for s, v in points]
+        for rid in self.run_ids:
+            self.tracker.metric_series(rid, {key: pts})

@@ -7,12 +7,14 @@ training, evaluation) runs on a configured kind and GPU count. The spend of a st
 
 so a visit record carries, per stage, its GPU-hours and USD, and the run's cumulative spend. The
 budget rule predicts the next visit's spend from the last visit of the same block (blocks differ in
-size and in pre-inference depth), else from the last visit. Pure functions over plain dicts: no
+size and in pre-inference depth), else from the last visit. Pure functions over visit records: no
 Prefect, no MLflow; ``spend`` is anything with the ``spend`` config section's attributes.
 """
 from __future__ import annotations
 
 import re
+
+from storage.runs import VisitRecord
 
 # paper §4.4.2: rental prices per GPU-hour
 DEFAULT_PRICES: dict[str, float] = {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}
@@ -50,16 +52,16 @@ def stage_cost(seconds: float, gpus: int, usd_per_gpu_hour: float) -> float:
     return seconds * gpus * usd_per_gpu_hour / 3600.0
 
 
-def visit_spend(spend, record: dict) -> dict:
-    """Per-stage GPU-hours and USD of one visit record (``{stage}_seconds``, ``seconds``), and their totals."""
+def visit_spend(spend, stage_seconds: dict[str, float], seconds: float) -> dict[str, float]:
+    """Per-stage GPU-hours and USD of one visit from its stages' wall seconds (``stage_seconds[stage]``) and
+    its whole wall time ``seconds``; the ``gpu_hours_*`` / ``spend_*`` fields of a :class:`VisitRecord`."""
     prices = catalog(spend)
-    out: dict = {}
-    staged = sum(float(record.get(f"{s}_seconds") or 0.0) for s in STAGES)
+    out: dict[str, float] = {}
     # the visit's wall time outside its stages (orchestration, commit, store I/O) still holds the
     # training machine: a rental bills wall clock, so it is charged to the train stage
-    other = max(0.0, float(record.get("seconds") or 0.0) - staged)
+    other = max(0.0, seconds - sum(stage_seconds.get(s, 0.0) for s in STAGES))
     for stage, (kind, gpus) in stage_plan(spend).items():
-        secs = float(record.get(f"{stage}_seconds") or 0.0) + (other if stage == "train" else 0.0)
+        secs = stage_seconds.get(stage, 0.0) + (other if stage == "train" else 0.0)
         out[f"gpu_hours_{stage}"] = secs * gpus / 3600.0
         out[f"spend_{stage}_usd"] = stage_cost(secs, gpus, prices[kind])
     out["gpu_hours"] = sum(out[f"gpu_hours_{s}"] for s in STAGES)
@@ -67,31 +69,24 @@ def visit_spend(spend, record: dict) -> dict:
     return out
 
 
-def visit_cost(spend, record: dict) -> float:
-    """A committed visit's USD: its recorded spend, or (older records) the spend of its seconds."""
-    if record.get("spend_usd") is not None:
-        return float(record["spend_usd"])
-    return visit_spend(spend, record)["spend_usd"]
+def total_spend(visits: list[VisitRecord]) -> float:
+    return sum(v.spend_usd for v in visits)
 
 
-def total_spend(spend, visits: list[dict]) -> float:
-    return sum(visit_cost(spend, v) for v in visits)
-
-
-def predicted_cost(spend, visits: list[dict], block: int) -> float:
+def predicted_cost(visits: list[VisitRecord], block: int) -> float:
     """The next visit of ``block`` costs what its last visit did; a first visit, what the last visit did."""
-    same = [v for v in visits if v["block"] == block]
+    same = [v for v in visits if v.block == block]
     last = same[-1] if same else (visits[-1] if visits else None)
-    return visit_cost(spend, last) if last is not None else 0.0
+    return last.spend_usd if last is not None else 0.0
 
 
-def over_budget(spend, visits: list[dict], block: int) -> str | None:
+def over_budget(spend, visits: list[VisitRecord], block: int) -> str | None:
     """Why a visit of ``block`` must not start under ``spend.budget_usd``, or None when it may."""
     if spend.budget_usd is None:
         return None
-    spent = total_spend(spend, visits)
+    spent = total_spend(visits)
     left = spend.budget_usd - spent
-    need = predicted_cost(spend, visits, block)
+    need = predicted_cost(visits, block)
     if left <= 0 or need > left:
         return (f"the next visit of block {block} is predicted at ${need:.4f} but only ${max(left, 0):.4f} "
                 f"of the ${spend.budget_usd:g} budget is left (spent ${spent:.4f})")
@@ -103,25 +98,20 @@ def cost_on(gpu_hours: float, kind: str, prices: dict[str, float]) -> float:
     return gpu_hours * prices[kind]
 
 
-def curve(spend, visits: list[dict]) -> list[dict]:
+def curve(visits: list[VisitRecord]) -> list[dict]:
     """The run's validation curve with cumulative steps, tokens, wall seconds, GPU-hours and USD at each
     point: one point per visit (its ``val_loss`` at ``step_end``), plus a visit's intermediate
     ``val_points`` (the baseline validates every ``train.eval_every`` steps), costed pro rata by step."""
     out: list[dict] = []
     acc = {"step": 0, "tokens": 0.0, "seconds": 0.0, "gpu_hours": 0.0, "spend_usd": 0.0}
     for v in visits:
-        steps = int(v["steps"])
-        end = int(v.get("step_end", acc["step"] + steps))
-        start = end - steps
-        cost = {"tokens": float(v.get("tokens") or 0), "seconds": float(v.get("seconds") or 0),
-                "gpu_hours": float(v.get("gpu_hours") if v.get("gpu_hours") is not None
-                                   else visit_spend(spend, v)["gpu_hours"]),
-                "spend_usd": visit_cost(spend, v)}
-        pts = {int(s): float(val) for s, val in v.get("val_points") or [] if start < int(s) < end}
-        pts[end] = float(v["val_loss"])
+        start = v.step_end - v.steps
+        cost = {"tokens": float(v.tokens), "seconds": v.seconds, "gpu_hours": v.gpu_hours, "spend_usd": v.spend_usd}
+        pts = {s: val for s, val in v.val_points if start < s < v.step_end}
+        pts[v.step_end] = v.val_loss
         for s in sorted(pts):
-            f = (s - start) / steps if steps else 1.0
-            out.append({"cycle": v["cycle"], "block": v["block"], "step": s, "val_loss": pts[s],
+            f = (s - start) / v.steps if v.steps else 1.0
+            out.append({"cycle": v.cycle, "block": v.block, "step": s, "val_loss": pts[s],
                         **{k: acc[k] + f * cost[k] for k in cost}})
-        acc = {"step": end, **{k: acc[k] + cost[k] for k in cost}}
+        acc = {"step": v.step_end, **{k: acc[k] + cost[k] for k in cost}}
     return out

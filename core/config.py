@@ -6,16 +6,18 @@ Every error names the key: ``bcd.sample_rate: must be in (0, 1], got 1.5``.
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from models import Plan, model_plan
 from models.config import REGISTRY, ModelConfig, get_config
 from models.errors import ConfigError
 from models.plan import layer_bounds
 from models.trainer import OptimSpec, StopRule
-from tasks.spend import DEFAULT_PRICES, parse_prices
+from core.spend import DEFAULT_PRICES, parse_prices
 
 ORDERS = ("cyclic", "reverse", "random", "greedy")
 
@@ -77,6 +79,9 @@ class BcdSection(_Section):
     preinfer: bool = True
     """Pre-compute the frozen prefix's activations to Zarr (paper §3.2.2)."""
     max_steps: int = Field(200, ge=1)
+    eval_every: int | None = Field(None, ge=1)
+    """Also validate every N steps within a visit (None = once, after the visit); the baseline sets it
+    from ``train.eval_every``."""
     patience: int = Field(3, ge=0)
     min_delta: float = Field(1e-3, ge=0)
     window: int = Field(20, ge=1)
@@ -123,7 +128,16 @@ class TrainSection(_Section):
     """Baseline: validation every N steps (BCD validates after each visit)."""
     eval_rows: int = Field(256, ge=1)
     device: str = "auto"
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; checked against the machine
+    that trains before anything runs."""
     precision: Literal["fp32", "bf16"] = "fp32"
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"unknown device {v!r} (choose from auto, cpu, cuda, cuda:N)")
+        return v
 
 
 class S3Section(_Section):
@@ -225,6 +239,10 @@ class RunConfig(_Section):
         over = self.model.model_dump(exclude={"name"})
         over["vocab_size"] = vocab_size or self.data.vocab_size
         return get_config(self.model.name, **over)
+
+    def plan(self, mcfg: ModelConfig) -> Plan:
+        """The block plan of this run's ``bcd`` section over model ``mcfg``."""
+        return model_plan(mcfg, self.bcd.blocks, self.bcd.boundaries, self.bcd.split)
 
     def optim_spec(self) -> OptimSpec:
         o = self.optim

@@ -1,0 +1,133 @@
+"""The run context: what every task of a run needs, built once per process (CONVENTIONS 12).
+
+    ctx = RunContext.of(cfg, run_id, dataset_id)    # the same object for every later call in this process
+    ctx.store, ctx.dataset, ctx.model_cfg, ctx.plan, ctx.device
+    model = ctx.load_part(ctx.manifest(v), layers=(lo, ctx.model_cfg.n_layer), embed=False, head=True)
+
+Tasks take plain, serializable inputs (the run config and ids: what Prefect records and Dask ships) and
+look their context up here, so no task rebuilds the store, dataset, plan or device. Each part is made on
+first use: a parent flow that only needs the plan never opens the token arrays or a device. A context
+pickles as its three inputs and is looked up again on arrival.
+"""
+from __future__ import annotations
+
+import threading
+from functools import cached_property
+
+import torch
+
+from core.config import RunConfig
+from core.errors import BadInput
+from models import Plan, build_model
+from models.base import Decoder
+from models.config import ModelConfig
+from storage import checkpoints, runs
+from storage.store import Store
+from storage.tokens import TokenDataset
+
+_CACHE: dict[tuple[str, str, str], "RunContext"] = {}
+_CACHE_LOCK = threading.Lock()
+_CACHE_SIZE = 4
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` = CUDA when present, else the CPU; a device this machine lacks is bad input."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise BadInput(f"train.device: unknown device {name!r} (choose from auto, cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise BadInput(f"train.device: {name!r} asked for, but this machine has no CUDA device "
+                           "(use train.device=cpu or auto)")
+        if dev.index is not None and dev.index >= n:
+            raise BadInput(f"train.device: {name!r} asked for, but this machine has {n} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise BadInput(f"train.device: unsupported device type {dev.type!r} (choose from auto, cpu, cuda, cuda:N)")
+    return dev
+
+
+class RunContext:
+    """One run's store, token dataset, model config, block plan and device, each built on first use."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, dataset_id: str):
+        self.cfg, self.run_id, self.dataset_id = cfg, run_id, dataset_id
+        self._lock = threading.Lock()
+        self._prefix: tuple[tuple, Decoder] | None = None
+
+    @classmethod
+    def of(cls, cfg: RunConfig, run_id: str, dataset_id: str) -> "RunContext":
+        """The process's context for this run (made on the first call, then shared)."""
+        key = (cfg.model_dump_json(), run_id, dataset_id)
+        with _CACHE_LOCK:
+            ctx = _CACHE.get(key)
+            if ctx is None:
+                if len(_CACHE) >= _CACHE_SIZE:
+                    _CACHE.pop(next(iter(_CACHE)))
+                ctx = _CACHE[key] = cls(cfg, run_id, dataset_id)
+            return ctx
+
+    def __reduce__(self):
+        return RunContext.of, (self.cfg, self.run_id, self.dataset_id)
+
+    def __repr__(self) -> str:
+        return f"RunContext({self.run_id!r}, dataset={self.dataset_id!r}, store={self.cfg.store!r})"
+
+    @cached_property
+    def store(self) -> Store:
+        return self.cfg.open_store()
+
+    @cached_property
+    def dataset(self) -> TokenDataset:
+        return TokenDataset.open(self.store, self.dataset_id)
+
+    @cached_property
+    def model_cfg(self) -> ModelConfig:
+        return self.cfg.model_cfg(self.dataset.vocab_size)
+
+    @cached_property
+    def plan(self) -> Plan:
+        return self.cfg.plan(self.model_cfg)
+
+    @cached_property
+    def device(self) -> torch.device:
+        return resolve_device(self.cfg.train.device)
+
+    # -- weights ------------------------------------------------------------------------------------
+    def manifest(self, version: int) -> dict:
+        return checkpoints.read_manifest(self.store, self.run_id, version)
+
+    def load_part(self, manifest: dict, layers: tuple[int, int], embed: bool, head: bool) -> Decoder:
+        """A part of the model with the weights of ``manifest``: only the tensors that part holds are read.
+
+        A visit to block b with pre-inference holds layers of blocks >= b and the head (invariant I6); the
+        tied GPT-2 head also needs ``wte.weight``, which block 0 owns, so that one tensor comes along frozen."""
+        model = build_model(self.model_cfg, layers=layers, embed=embed, head=head, device=self.device, init=False)
+        names = [n for n, _ in model.named_parameters()]
+        owners = sorted({self.plan.owner(n) for n in names})
+        tensors = checkpoints.load_from_manifest(self.store, self.run_id, manifest, owners, names=names,
+                                                 device=self.device)
+        model.load_state_dict(tensors, strict=True)
+        return model
+
+    def frozen_prefix(self, version: int, block: int) -> Decoder:
+        """Embeddings and layers before ``block`` of ``version``, in eval mode without grads; kept for the
+        next shard of the same visit (pre-inference shard tasks run in threads and share it)."""
+        key = (version, block)
+        with self._lock:
+            if self._prefix is None or self._prefix[0] != key:
+                self._prefix = None  # free the previous visit's prefix before loading this one
+                model = self.load_part(self.manifest(version), (0, self.plan[block].layers[0]), embed=True,
+                                       head=False)
+                self._prefix = (key, model.eval().requires_grad_(False))
+            return self._prefix[1]
+
+    # -- store keys -----------------------------------------------------------------------------------
+    def visit_key(self, cycle: int, block: int) -> str:
+        return runs.visit_key(self.run_id, cycle, block)
+
+    def acts_key(self, cycle: int, block: int) -> str:
+        return runs.acts_key(self.run_id, cycle, block)

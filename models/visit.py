@@ -1,0 +1,41 @@
+"""What a visit computes, as pure model code (paper §3.2.2, DESIGN §2 steps 2-3): the frozen prefix's
+forward pass (pre-inference) and the visit's loss. The train task, the pre-inference task and the
+benchmarks all call these, so they measure and run one computation.
+
+A visit to the block whose layers start at ``lo`` trains on either
+
+- token ids ``(B, T)``: the model holds the embeddings and every layer from 0; layers [0, lo) run
+  under ``no_grad`` (the frozen prefix is off the gradient path), or
+- pre-inferred hidden states ``(B, T, C)`` of layer ``lo``: the model holds layers >= lo and the head only.
+
+Either way the suffix (layers lo..n and the head) runs with autograd, so the loss reaches the active block.
+"""
+from __future__ import annotations
+
+import torch
+
+from models.base import Decoder
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast for the forward pass where asked; fp32 otherwise."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def prefix_hidden(model: Decoder, idx: torch.Tensor, lo: int) -> torch.Tensor:
+    """The frozen prefix: (B, T) token ids -> (B, T, C) hidden states entering layer ``lo``. No autograd."""
+    with torch.no_grad():
+        return model.run_layers(model.embed(idx), 0, lo)
+
+
+def visit_loss(model: Decoder, x: torch.Tensor, targets: torch.Tensor, lo: int, from_acts: bool) -> torch.Tensor:
+    """Mean next-token loss of a visit whose active block starts at layer ``lo``.
+
+    ``from_acts``: ``x`` is (B, T, C) pre-inferred hidden states of layer ``lo``; else (B, T) token ids."""
+    if from_acts:
+        h = x
+    elif lo == 0:
+        h = model.embed(x)  # block 0 owns the embeddings: on the gradient path
+    else:  # pre-inference off: the frozen prefix runs here
+        h = prefix_hidden(model, x, lo)
+    return model.loss(model.run_layers(h, lo, model.cfg.n_layer), targets)

@@ -1,0 +1,118 @@
+"""What a run reports besides its metrics: markdown tables and the figures logged to MLflow.
+
+Figures (matplotlib, Agg): training loss over steps with each visit's span coloured by block, validation
+loss against cumulative spend, spend by stage per visit. ``log_run_outputs`` logs them and (``log_model``)
+the exported final model to the run's MLflow run. Prefect's artifacts are ``flows/artifacts.py``.
+"""
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless workers; must precede pyplot
+import matplotlib.pyplot as plt  # noqa: E402
+
+from core import spend as spend_mod  # noqa: E402
+from storage.runs import VisitRecord  # noqa: E402
+
+def _fmt(v, fmt: str) -> str:
+    if v is None or (isinstance(v, float) and v != v):  # None or NaN
+        return "–"
+    try:
+        return format(v, fmt)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """A GitHub-markdown table of ``rows`` with ``columns`` = (key, header, format)."""
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
+             "| " + " | ".join("---" if f == "s" else "---:" for _, _, f in columns) + " |"]
+    lines += ["| " + " | ".join(_fmt(r.get(k), f) for k, _, f in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# -- figures ------------------------------------------------------------------------------------
+
+def _block_colors(visits: list[VisitRecord]) -> dict[int, tuple]:
+    cmap = plt.get_cmap("tab10")
+    return {b: cmap(i % 10) for i, b in enumerate(sorted({v.block for v in visits}))}
+
+
+def figures(visits: list[VisitRecord], train_loss: list[tuple[int, float]], out_dir: str) -> list[str]:
+    """Write the run's three figures as PNGs into ``out_dir``; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    colors = _block_colors(visits)
+    pts = spend_mod.curve(visits)
+    paths = []
+
+    # 1. training loss over global steps; each visit's span shaded in its block's colour
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    seen: set[int] = set()
+    for v in visits:
+        end, b = v.step_end, v.block
+        ax.axvspan(end - v.steps, end, color=colors[b], alpha=0.15, lw=0,
+                   label=None if b in seen else f"block {b}")
+        ax.axvline(end, color=colors[b], lw=0.6, alpha=0.6)
+        seen.add(b)
+    if train_loss:
+        ax.plot(*zip(*train_loss), color="black", lw=0.8, label="train loss")
+    if pts:
+        ax.plot([p["step"] for p in pts], [p["val_loss"] for p in pts], "o-", color="tab:red", ms=3,
+                lw=1, label="val loss")
+    ax.set(xlabel="step", ylabel="loss", title="Loss over steps (visits shaded by block)")
+    ax.legend(fontsize="small")
+    paths.append(_save(fig, out_dir, "loss_over_steps.png"))
+
+    # 2. validation loss against cumulative spend
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    if pts:
+        ax.plot([p["spend_usd"] for p in pts], [p["val_loss"] for p in pts], "-", color="gray", lw=0.8)
+        for p in pts:
+            ax.plot(p["spend_usd"], p["val_loss"], "o", color=colors[p["block"]], ms=4)
+    ax.set(xlabel="cumulative spend (USD)", ylabel="validation loss", title="Validation loss vs spend")
+    paths.append(_save(fig, out_dir, "val_loss_vs_spend.png"))
+
+    # 3. spend by stage, one stacked bar per visit
+    fig, ax = plt.subplots(figsize=(max(5, 0.5 * len(visits) + 2), 4.5))
+    labels = [f"c{v.cycle}-b{v.block}" for v in visits]
+    bottom = [0.0] * len(visits)
+    for stage, color in zip(spend_mod.STAGES, ("tab:blue", "tab:orange", "tab:green")):
+        vals = [getattr(v, f"spend_{stage}_usd") for v in visits]
+        ax.bar(labels, vals, bottom=bottom, color=color, label=stage)
+        bottom = [a + b for a, b in zip(bottom, vals)]
+    ax.set(xlabel="visit", ylabel="USD", title="Spend by stage")
+    ax.tick_params(axis="x", labelrotation=45)
+    ax.legend(fontsize="small")
+    paths.append(_save(fig, out_dir, "spend_by_stage.png"))
+    return paths
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# -- the run's MLflow outputs -------------------------------------------------------------------
+
+def log_run_outputs(cfg, run_id: str, mlflow_run: str, version: int) -> None:
+    """Log the figures and (``log_model``) the exported final model to the run's MLflow run."""
+    import tempfile
+
+    from core.export import export_version
+    from storage import runs
+    from tracking.tracker import Tracker
+
+    tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
+    store = cfg.open_store()
+    visits = runs.read_state(store, run_id).visits
+    with tempfile.TemporaryDirectory(prefix="bcdflow-report-") as tmp:
+        figures(visits, tracker.history(mlflow_run, "train_loss"), os.path.join(tmp, "figures"))
+        tracker.artifact(mlflow_run, os.path.join(tmp, "figures"), "figures")
+        if cfg.log_model:
+            export_version(store, run_id, version, os.path.join(tmp, "model"))
+            tracker.artifact(mlflow_run, os.path.join(tmp, "model"), "model")
