@@ -25,7 +25,7 @@ ORDERS = ("cyclic", "reverse", "random", "greedy")
 class _Section(BaseModel):
     # attribute docstrings become field descriptions: the Prefect UI form shows them
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
-                              coerce_numbers_to_str=True)
+                              coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
 class ModelSection(_Section):
@@ -225,6 +225,13 @@ class RunConfig(_Section):
     experiment: str = "bcdflow"
     log_model: bool = True
     """Log the final model (model.safetensors + config.json, as ``bcdflow export`` writes) to MLflow."""
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        from storage.store import check_url
+
+        return check_url(v)
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":

@@ -1,17 +1,18 @@
 """What a run shows its operators in Prefect: artifacts of the parent flow run.
 
 Keys are ``{run-id}-visits``, ``{run-id}-progress``, ``{run-id}-mlflow``, so the Artifacts page keeps one entry
-per run: a table of the committed visits (block, steps, losses, seconds, spend), a progress bar updated per
-visit, and a link to the run's MLflow page. An artifact that cannot be published is logged as a warning, never
+per run: a table of the committed visits (block, steps, losses, seconds, spend) and a progress bar, both updated
+in place after each visit (also across resumes), and a link to the run's MLflow page. An artifact that cannot be published is logged as a warning, never
 a reason to fail training.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 
 from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
-                               create_table_artifact, update_progress_artifact)
+                               create_table_artifact)
 
 from storage.runs import VisitRecord
 
@@ -46,37 +47,57 @@ def _publish(fn, *args, **kwargs):
         return None
 
 
-def publish_visits(run_id: str, visits: list[VisitRecord], stop_reason: str | None = None) -> None:
-    total = sum(v.spend_usd for v in visits)
-    desc = f"Visits of run `{run_id}`: {len(visits)} committed, ${total:.4f} spent"
-    if stop_reason:
-        desc += f"; stopped: {stop_reason}"
-    _publish(create_table_artifact, visit_table(visits), key=artifact_key(run_id, "visits"), description=desc)
+def _upsert(key: str, data, description: str, create) -> None:
+    """Update the artifact with this key in place (its latest version), or create it: one entry per run in
+    the Artifacts tab, however many visits and resumes it takes."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+    from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_latest_artifacts(
+            artifact_filter=ArtifactCollectionFilter(key=ArtifactCollectionFilterKey(any_=[key])), limit=1)
+        if found:
+            client.update_artifact(found[0].latest_id, ArtifactUpdate(data=data, description=description))
+            return
+    create(description)
 
 
-def publish_link(run_id: str, url: str | None, text: str) -> None:
-    if url:
-        _publish(create_link_artifact, url, link_text=text, key=artifact_key(run_id, "mlflow"),
-                 description=f"MLflow run of `{run_id}`")
+class RunArtifacts:
+    """The artifacts of one bcdflow run: its visits table, its progress bar and its MLflow link, each updated in
+    place. Keys are ``{run-id}-{store}-{what}`` with a short hash of the store's URL: a run id is unique within
+    its store, not across the stores that share one Prefect server."""
+
+    def __init__(self, run_id: str, store_url: str, total_visits: int):
+        self.run_id, self.total = run_id, max(total_visits, 1)
+        self.scope = hashlib.sha256(store_url.encode()).hexdigest()[:6]
+
+    def key(self, what: str) -> str:
+        return artifact_key(f"{self.run_id}-{self.scope}", what)
+
+    def link(self, url: str | None, text: str) -> None:
+        if url:
+            key, desc = self.key("mlflow"), f"MLflow run of `{self.run_id}`"
+            _publish(_upsert, key, f"[{text}]({url})", desc,
+                     lambda d: create_link_artifact(url, link_text=text, key=key, description=d))
+
+    def visits(self, visits: list[VisitRecord], stop_reason: str | None = None) -> None:
+        """The run's visits table, re-published in place after each visit."""
+        from prefect.artifacts import TableArtifact
+
+        desc = f"Visits of run `{self.run_id}`: {len(visits)} committed, ${sum(v.spend_usd for v in visits):.4f} spent"
+        if stop_reason:
+            desc += f"; stopped: {stop_reason}"
+        table, key = visit_table(visits), self.key("visits")
+        _publish(_upsert, key, TableArtifact(table=table).format(), desc,
+                 lambda d: create_table_artifact(table, key=key, description=d))
+
+    def progress(self, done: int, note: str | None = None, finished: bool = False) -> None:
+        """Committed visits out of the planned cycles x blocks."""
+        desc = f"Visits of run `{self.run_id}`: {done}/{self.total} committed" + (f"; {note}" if note else "")
+        value, key = 100.0 if finished else min(100.0, 100.0 * done / self.total), self.key("progress")
+        _publish(_upsert, key, value, desc, lambda d: create_progress_artifact(value, key=key, description=d))
 
 
 def publish_markdown(key: str, markdown: str, description: str | None = None) -> None:
     _publish(create_markdown_artifact, markdown, key=key, description=description)
-
-
-class Progress:
-    """A Prefect progress artifact: committed visits out of the planned cycles x blocks."""
-
-    def __init__(self, run_id: str, total: int, done: int = 0):
-        self.total = max(total, 1)
-        self.id = _publish(create_progress_artifact, self.percent(done), key=artifact_key(run_id, "progress"),
-                           description=f"Visits of run `{run_id}` committed ({done}/{total})")
-
-    def percent(self, done: int) -> float:
-        return min(100.0, 100.0 * done / self.total)
-
-    def update(self, done: int, note: str | None = None, finished: bool = False) -> None:
-        if self.id is None:
-            return
-        desc = f"{done}/{self.total} visits committed" + (f"; {note}" if note else "")
-        _publish(update_progress_artifact, self.id, 100.0 if finished else self.percent(done), description=desc)

@@ -14,15 +14,16 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, tags
+from prefect.runtime import flow_run
 
 from core import spend
 from core.config import RunConfig
-from core.context import RunContext
+from core.context import RunContext, resolve_device
 from flows import artifacts
 from flows.params import RunParams, new_run_id
 from flows.visit import prefect_tags, visit_with_workers
-from storage.runs import RunState, VisitRecord
+from storage.runs import RunState, VisitRecord, check_run_id
 from tasks.data import prepare_data_task
 from tasks.report import report_run
 from tasks.run import init_run_task, note_state
@@ -74,7 +75,12 @@ def stop_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int,
 
 def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     log = get_run_logger()
-    dataset_id = prepare_data_task(cfg, cfg.open_store())
+    log.info("bcdflow run %s (%s) on store %s", run_id, mode, cfg.store)
+    check_run_id(run_id)
+    store = cfg.open_store()
+    store.probe()  # one clear line (no retries) when the store cannot be used, before anything is written
+    resolve_device(cfg.train.device)
+    dataset_id = prepare_data_task(cfg, store)
     state: RunState = init_run_task(cfg, run_id, dataset_id, mode)
     n_blocks = len(RunContext.of(cfg, run_id, dataset_id).plan)
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
@@ -84,9 +90,10 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
                            resume_id=state.mlflow_run_id, system_metrics=True)
     if parent and not state.mlflow_run_id:
         state = note_state(cfg, run_id, mlflow_run_id=parent)
-    artifacts.publish_link(run_id, tracker.run_url(parent), f"MLflow run of {run_id}")
     visits = list(state.visits)
-    progress = artifacts.Progress(run_id, cfg.bcd.cycles * n_blocks, len(visits))
+    art = artifacts.RunArtifacts(run_id, store.url, cfg.bcd.cycles * n_blocks)
+    art.link(tracker.run_url(parent), f"MLflow run of {run_id}")
+    art.progress(len(visits))
     done = state.done_visits
     version, steps = state.version, state.steps
     t0 = time.perf_counter()
@@ -100,11 +107,12 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
                 if stop := stop_reason(cfg, visits, n_blocks, next_block=b):
                     break
                 todo.remove(b)
-                rec = visit_with_workers(cfg)(cfg, run_id, cycle, b, version, dataset_id)
+                with tags(f"run:{run_id}", f"cycle:{cycle}", f"block:{b}"):  # tell two runs' c0-b0 apart
+                    rec = visit_with_workers(cfg)(cfg, run_id, cycle, b, version, dataset_id)
                 visits.append(rec)
                 version, steps = rec.version, steps + rec.steps
-                progress.update(len(visits))
-                artifacts.publish_visits(run_id, visits)
+                art.progress(len(visits))
+                art.visits(visits)
                 if not todo:  # cycle-level curve on the parent run: step = cycle
                     tracker.metrics(parent, {"cycle_val_loss": rec.val_loss,
                                              "cycle_cum_spend_usd": rec.cum_spend_usd}, cycle)
@@ -117,17 +125,21 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     reason, detail = stop
     note_state(cfg, run_id, status="done", stop_reason=reason, stop_detail=detail)
     total_usd = spend.total_spend(visits)
-    tracker.tags(parent, {"bcdflow.stop_reason": reason, "bcdflow.stop_detail": detail})
-    tracker.metrics(parent, {"total_steps": steps, "wall_seconds": time.perf_counter() - t0,
-                             "spend_usd": total_usd, "gpu_hours": sum(v.gpu_hours for v in visits)}, version)
+    gpu_hours, wall = sum(v.gpu_hours for v in visits), time.perf_counter() - t0
+    tracker.summary(parent, {"stop_reason": reason, "stop_detail": detail, "version": version, "total_steps": steps,
+                             "wall_seconds": wall, "spend_usd": total_usd, "gpu_hours": gpu_hours,
+                             "val_loss": visits[-1].val_loss if visits else None},
+                    f"Run `{run_id}` ({mode}) stopped ({reason}: {detail}) at version {version} after {len(visits)} "
+                    f"visits: {steps} steps, val loss {visits[-1].val_loss if visits else float('nan'):.4f}, "
+                    f"${total_usd:.4f}, {gpu_hours:.4f} GPU-h (this session {wall:.0f} s).")
     if parent:
         try:
             report_run(cfg, run_id, parent, version)
         except Exception as e:  # the trained model is safe in the store (`bcdflow export`)
             log.warning("figures/model not logged to MLflow: %s: %s", type(e).__name__, e)
     tracker.end(parent)
-    progress.update(len(visits), note=f"stopped: {reason} ({detail})", finished=True)
-    artifacts.publish_visits(run_id, visits, stop_reason=reason)
+    art.progress(len(visits), note=f"stopped: {reason} ({detail})", finished=True)
+    art.visits(visits, stop_reason=reason)
     summary = {"run_id": run_id, "version": version, "steps": steps, "mlflow_run_id": parent,
                "val_loss": visits[-1].val_loss if visits else None, "spend_usd": total_usd,
                "stop_reason": reason}
@@ -136,10 +148,24 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     return summary
 
 
-@flow(name="bcd_train")
-def bcd_train(config: RunParams = RunParams(), run_id: str | None = None) -> dict:
-    """Train with block coordinate descent. An existing ``run_id`` resumes that run; none starts a new one."""
-    return run_bcd(config.to_config(), run_id or new_run_id("bcd"), "bcd")
+def _run_id(mode: str) -> str:
+    """This flow run's bcdflow run id: its ``run_id`` parameter, or one made from the flow run's scheduled start
+    and id, so the flow run's name (resolved first) and its body agree on it."""
+    return flow_run.get_parameters().get("run_id") or new_run_id(mode, flow_run.get_scheduled_start_time(),
+                                                                  flow_run.get_id())
+
+
+@flow(name="bcd_train", flow_run_name=lambda: _run_id("bcd"))
+def bcd_train(run_id: str | None = None, config: RunParams = RunParams()) -> dict:
+    """Train with block coordinate descent (paper Algorithm 1).
+
+    Args:
+        run_id: The bcdflow run id (letters, digits, _ . -). The id of an existing run resumes it with the same
+            settings; empty starts a new run, named like bcd-20250101-120000-1a2b (the flow run's name).
+        config: The run's settings, one field per config key (section.key -> section_key); the same keys and
+            defaults as `bcdflow train --set section.key=value`.
+    """
+    return run_bcd(config.to_config(), run_id or _run_id("bcd"), "bcd")
 
 
 def full_config(cfg: RunConfig) -> RunConfig:
@@ -151,8 +177,13 @@ def full_config(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"bcd": bcd})
 
 
-@flow(name="full_train")
-def full_train(config: RunParams = RunParams(), run_id: str | None = None) -> dict:
-    """Full-parameter baseline with the same sampler and step loop as a one-block visit: the bcd_* fields are
-    overridden (one block, one cycle, every row); it trains `train_steps` steps, validating every `train_eval_every`."""
-    return run_bcd(full_config(config.to_config()), run_id or new_run_id("full"), "full")
+@flow(name="full_train", flow_run_name=lambda: _run_id("full"))
+def full_train(run_id: str | None = None, config: RunParams = RunParams()) -> dict:
+    """Full-parameter baseline with the same sampler and step loop as a one-block visit.
+
+    Args:
+        run_id: The bcdflow run id; an existing one resumes that run, empty starts a new run (full-...).
+        config: The run's settings; the bcd_* fields are overridden (one block, one cycle, every row), and it
+            trains `train_steps` steps, validating every `train_eval_every`.
+    """
+    return run_bcd(full_config(config.to_config()), run_id or _run_id("full"), "full")

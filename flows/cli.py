@@ -6,19 +6,29 @@
     bcdflow export my-run ./out
     bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
 
-Bad input (unknown key or value, missing data file, empty corpus, ...) prints one line naming the
-key or file and exits with status 2, before anything is written to the store.
+What goes wrong is said in one line on stderr, never with a traceback (``--debug`` shows them):
+
+- bad input (an unknown key or value, a missing data file, an empty or binary corpus, an invalid run id, a
+  device this machine lacks, a store that cannot be reached): exit 2, checked before anything is written;
+- a damaged store (a truncated state.json, a missing config.json, manifest or block file, a corrupt shard or
+  checkpoint): exit 1, naming the object and what to do;
+- a fault during a run (the store stayed down through the retries): exit 1, with the line that resumes it;
+- Ctrl-C: the trainer checkpoints, exit 130 with the line that resumes it.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import logging
 import os
+import shutil
+import subprocess
 import sys
 
 from core.errors import BadInput, DamagedArtifact
 
-EXIT_BAD_INPUT, EXIT_FAILED = 2, 1
+EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
 DEMO = [
     "model.name=tiny", "data.seq_len=128", "data.vocab_size=2048", "bcd.blocks=3", "bcd.cycles=2",
@@ -33,27 +43,100 @@ def _env_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class RunFailed(Exception):
-    """A run stopped on a fault (store outage, preemption, crash): its committed work is safe."""
+    """A run stopped on a fault (store outage, crash): its committed work is safe and resuming continues it."""
 
     def __init__(self, run_id: str, store: str, cause: BaseException):
         first = (str(cause).strip().splitlines() or [""])[0]
         super().__init__(f"run {run_id} failed: {type(cause).__name__}: {first}\n"
-                         f"bcdflow: committed visits are safe; continue with: bcdflow resume {run_id} --store {store}")
+                         f"bcdflow: committed visits are safe; continue with: {_resume_line(run_id, store)}")
+
+
+def _resume_line(run_id: str, store: str) -> str:
+    return f"bcdflow resume {run_id} --store {store}"
+
+
+class _Interrupted(Exception):
+    def __init__(self, run_id: str, store: str):
+        super().__init__(f"interrupted; committed visits and the last checkpoint are safe; continue with: "
+                         f"{_resume_line(run_id, store)}")
+
+
+# -- console, signals, the temporary server --------------------------------------------------------
+
+class _NoTracebacks(logging.Filter):
+    """The console shows progress, not failures: Prefect's own failure reports (with tracebacks) are left to the
+    Prefect UI, and the CLI says what went wrong once, in one line. ``--debug`` keeps everything."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.name.startswith("prefect"):
+            return False
+        record.exc_info, record.exc_text = None, None  # a retry warning keeps its message, not its traceback
+        return True
+
+
+def _quiet_console(debug: bool) -> None:
+    import prefect.main  # noqa: F401 - configures Prefect's logging (its console handler sits on the root logger)
+
+    if debug:
+        return
+    for h in logging.getLogger().handlers:
+        if type(h).__name__ == "PrefectConsoleHandler" and not any(isinstance(f, _NoTracebacks) for f in h.filters):
+            h.addFilter(_NoTracebacks())
+
+
+def _detach_temporary_server() -> None:
+    """Run Prefect's temporary server (used when no PREFECT_API_URL is set) in its own session. Ctrl-C in a
+    terminal signals the whole foreground process group: the server would die with it and leave the run
+    retrying a dead API for minutes. Detached, it outlives the interrupt, so the run reports its state and
+    bcdflow exits within seconds; it still stops when bcdflow exits (Prefect's atexit hook)."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+
+    class _Detached(SubprocessASGIServer):
+        def _run_uvicorn_command(self):
+            popen = subprocess.Popen
+            subprocess.Popen = functools.partial(popen, start_new_session=True)
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                subprocess.Popen = popen
+
+    _Detached()  # registers itself as the process's temporary server (Prefect looks it up by port None)
+
+
+# -- checks before anything runs ---------------------------------------------------------------------
+
+def _check_run_id(run_id: str | None) -> None:
+    from storage.runs import check_run_id
+
+    if run_id is not None:
+        check_run_id(run_id)
 
 
 def _preflight(cfg) -> None:
-    """Checks that need the file system, done before any flow starts (nothing written on failure)."""
+    """Checks that need the machine, the file system or the store, done before any flow starts (nothing
+    written on failure)."""
+    from core.context import resolve_device
+    from storage.corpus import check_text_files
     from tasks.data import data_files
 
+    resolve_device(cfg.train.device)
     if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
         raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
     files = data_files(cfg) if cfg.data.files else None
-    if files is not None and sum(os.path.getsize(f) for f in files) == 0:
-        raise BadInput(f"data.files: corpus is empty (0 bytes in {len(files)} files)")
+    if files is not None:
+        if sum(os.path.getsize(f) for f in files) == 0:
+            raise BadInput(f"data.files: corpus is empty (0 bytes in {len(files)} files)")
+        check_text_files(files)
+    cfg.open_store().probe()
 
 
 def _config(args, base: list[str] | None = None):
@@ -67,58 +150,66 @@ def _config(args, base: list[str] | None = None):
     return cfg
 
 
-def _run(args, mode: str, base: list[str] | None = None) -> dict:
-    cfg = _config(args, base)
-    from flows.params import new_run_id
+def _store(url: str, args=None):
+    """The store named on the command line (with ``--endpoint-url`` for S3), checked before use."""
+    from core.config import RunConfig
+    from storage.store import Store, check_url
 
-    run_id = args.run_id or new_run_id(mode)
-    from flows.bcd import bcd_train, full_train
+    check_url(url)
+    opts = {}
+    if url.startswith("s3://") and getattr(args, "endpoint_url", None):
+        opts = RunConfig(store=url, s3={"endpoint_url": args.endpoint_url}).storage_options()
+    store = Store(url, opts)
+    store.probe()
+    return store
 
-    fn = full_train if mode == "full" else bcd_train
-    summary = _call(fn, cfg, run_id)
-    print(json.dumps(summary, indent=2))
-    return {"cfg": cfg, "run_id": run_id, "summary": summary}
 
-
-def cmd_resume(args) -> int:
-    """Continue a run from its stored config: committed visits are skipped, complete shards reused, an
-    interrupted visit continues from its last checkpoint, the MLflow run is continued."""
+def _existing_state(store, run_id: str):
     from storage import runs
-    from core.config import RunConfig, parse_config
 
-    store = _store(args.store, args)
-    if runs.read_state(store, args.run_id) is None:
-        raise BadInput(f"run {args.run_id!r} not found in store {args.store}")
-    stored = runs.read_config(store, args.run_id)
-    raw = {k: v for k, v in stored.items() if k in RunConfig.model_fields}
-    cfg = parse_config({**raw, "store": args.store})
-    from flows.bcd import bcd_train, full_train
+    state = runs.read_state(store, run_id)
+    if state is None:
+        raise BadInput(f"run {run_id!r} not found in store {store.url}")
+    return state
 
-    fn = full_train if stored.get("mode") == "full" else bcd_train
-    print(json.dumps(_call(fn, cfg, args.run_id), indent=2))
-    return 0
 
+def _check_continuable(store, run_id: str) -> None:
+    """A run that exists must be whole before it is continued: its config, its state and every file of its last
+    committed version (a finished run whose last manifest is gone is damaged, not done)."""
+    from storage import checkpoints, runs
+
+    state = runs.read_state(store, run_id)
+    if state is not None:
+        runs.read_config(store, run_id)
+        checkpoints.check_version(store, run_id, state.version)
+
+
+# -- commands --------------------------------------------------------------------------------------------
 
 def _call(fn, cfg, run_id: str) -> dict:
     from flows.params import RunParams
 
+    _detach_temporary_server()
     try:
         return fn(config=RunParams.from_config(cfg), run_id=run_id)
-    except (BadInput, DamagedArtifact, SystemExit, KeyboardInterrupt):
+    except (BadInput, DamagedArtifact, SystemExit):
         raise
+    except KeyboardInterrupt:
+        raise _Interrupted(run_id, cfg.store) from None
     except Exception as e:
         raise RunFailed(run_id, cfg.store, e) from e
 
 
-def _store(url: str, args=None):
-    """The store named on the command line, with the s3 options of a stored run config where needed."""
-    from storage.store import Store
-    from core.config import RunConfig
+def _run(args, mode: str, base: list[str] | None = None) -> dict:
+    cfg = _config(args, base)
+    from flows.bcd import bcd_train, full_train
+    from flows.params import new_run_id
 
-    opts = {}
-    if url.startswith("s3://") and getattr(args, "endpoint_url", None):
-        opts = RunConfig(store=url, s3={"endpoint_url": args.endpoint_url}).storage_options()
-    return Store(url, opts)
+    run_id = args.run_id or new_run_id(mode)
+    _check_continuable(cfg.open_store(), run_id)
+    summary = _call(full_train if mode == "full" else bcd_train, cfg, run_id)
+    print(json.dumps(summary, indent=2))
+    return {"cfg": cfg, "run_id": run_id, "summary": summary}
 
 
 def cmd_train(args) -> int:
@@ -131,10 +222,29 @@ def cmd_baseline(args) -> int:
     return 0
 
 
+def cmd_resume(args) -> int:
+    """Continue a run from its stored config: committed visits are skipped, complete shards reused, an
+    interrupted visit continues from its last checkpoint, the MLflow run is continued."""
+    from core.config import RunConfig, parse_config
+    from storage import runs
+
+    store = _store(args.store, args)
+    _existing_state(store, args.run_id)
+    _check_continuable(store, args.run_id)
+    stored = runs.read_config(store, args.run_id)
+    raw = {k: v for k, v in stored.items() if k in RunConfig.model_fields}
+    cfg = parse_config({**raw, "store": args.store})
+    _preflight(cfg)
+    from flows.bcd import bcd_train, full_train
+
+    print(json.dumps(_call(full_train if stored.get("mode") == "full" else bcd_train, cfg, args.run_id), indent=2))
+    return 0
+
+
 def cmd_demo(args) -> int:
     out = _run(args, "bcd", DEMO)
     cfg, run_id = out["cfg"], out["run_id"]
-    print(_status_table(cfg.store, run_id, args))
+    print(_status_table(status_dict(cfg.open_store(), run_id)))
     uri = cfg.resolved_tracking_uri()
     print(f"\nresults: store {cfg.store} run {run_id}")
     print(f"  bcdflow status {run_id} --store {cfg.store}")
@@ -144,24 +254,19 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def status_dict(store_url: str, run_id: str, args=None) -> dict:
+def status_dict(store, run_id: str) -> dict:
     from storage import runs
 
-    store = _store(store_url, args)
-    state = runs.read_state(store, run_id)
-    if state is None:
-        raise BadInput(f"run {run_id!r} not found in store {store_url}")
+    state = _existing_state(store, run_id)
     cfg = runs.read_config(store, run_id)
-    keep = ("cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
-            "preinfer_seconds", "train_seconds", "tokens_per_s", "stopped_by")
-    return {"run_id": run_id, "version": state.version, "status": state.status,
-            "mode": state.mode, "blocks": cfg["plan"]["blocks"],
-            "visits": [v.model_dump(include=set(keep)) for v in state.visits]}
+    keep = {"cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
+            "preinfer_seconds", "train_seconds", "tokens_per_s", "stopped_by"}
+    return {"run_id": run_id, "version": state.version, "status": state.status, "mode": state.mode,
+            "blocks": cfg["plan"]["blocks"], "visits": [v.model_dump(include=keep) for v in state.visits]}
 
 
-def _status_table(store_url: str, run_id: str, args=None) -> str:
-    st = status_dict(store_url, run_id, args)
-    lines = [f"run {run_id}: version {st['version']} ({st['status']}, {st['mode']})",
+def _status_table(st: dict) -> str:
+    lines = [f"run {st['run_id']}: version {st['version']} ({st['status']}, {st['mode']})",
              f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'train':>8} {'val':>8} {'secs':>7}"]
     for v in st["visits"]:
         lines.append(f"{v['cycle']:>5} {v['block']:>5} {v['version']:>4} {v['steps']:>6} "
@@ -170,42 +275,60 @@ def _status_table(store_url: str, run_id: str, args=None) -> str:
 
 
 def cmd_status(args) -> int:
-    if args.json:
-        print(json.dumps(status_dict(args.store, args.run_id, args), indent=2))
-    else:
-        print(_status_table(args.store, args.run_id, args))
+    st = status_dict(_store(args.store, args), args.run_id)
+    print(json.dumps(st, indent=2) if args.json else _status_table(st))
     return 0
 
 
 def cmd_compare(args) -> int:
-    from flows.compare import CompareError, compare
+    from flows.compare import compare
 
-    try:
-        result = compare(_store(args.store, args), args.run_ids)
-    except CompareError as e:
-        raise BadInput(str(e)) from None
+    result = compare(_store(args.store, args), args.run_ids)
     print(json.dumps(result, indent=2) if args.json else result["markdown"])
     return 0
 
 
+def _export_target(out_dir: str) -> str:
+    """An export goes to a new or empty directory whose parent can be created; never onto a file."""
+    out = os.path.abspath(os.path.expanduser(out_dir))
+    if os.path.isfile(out) or (os.path.exists(out) and not os.path.isdir(out)):
+        raise BadInput(f"export: {out_dir} exists and is not a directory")
+    if os.path.isdir(out) and os.listdir(out):
+        raise BadInput(f"export: {out_dir} exists and is not empty (choose a new directory)")
+    parent = os.path.dirname(out)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"export: cannot create {parent} ({e.strerror or e})") from None
+    if not os.access(parent, os.W_OK):
+        raise BadInput(f"export: cannot write in {parent} (permission denied)")
+    return out
+
+
 def cmd_export(args) -> int:
-    from storage import runs
     from core.export import export_version
 
+    out = _export_target(args.out_dir)
     store = _store(args.store, args)
-    state = runs.read_state(store, args.run_id)
-    if state is None:
-        raise BadInput(f"run {args.run_id!r} not found in store {args.store}")
+    state = _existing_state(store, args.run_id)
     version = state.version if args.version is None else args.version
     if not 0 <= version <= state.version:
         raise BadInput(f"--version: run {args.run_id!r} has versions 0..{state.version}, got {version}")
-    n = export_version(store, args.run_id, version, args.out_dir)
+    tmp = f"{out}.tmp-{os.getpid()}"  # written whole, then moved into place: never half an export
+    try:
+        n = export_version(store, args.run_id, version, tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"exported run {args.run_id} version {version} ({n} tensors) to {args.out_dir}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bcdflow", description="Block coordinate descent training on Prefect.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's failure reports")
+    p = argparse.ArgumentParser(prog="bcdflow", description="Block coordinate descent training on Prefect.",
+                                parents=[common])
     sub = p.add_subparsers(dest="command", required=True)
 
     def run_opts(sp):
@@ -217,30 +340,32 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, helptext in (("demo", cmd_demo, "tiny model on the built-in corpus, embedded defaults"),
                                ("train", cmd_train, "train with block coordinate descent"),
                                ("baseline", cmd_baseline, "full-parameter baseline")):
-        sp = sub.add_parser(name, help=helptext)
+        sp = sub.add_parser(name, help=helptext, parents=[common])
         run_opts(sp)
         sp.set_defaults(fn=fn)
-    def store_opts(sp):
-        sp.add_argument("run_id")
+
+    def store_opts(sp, one_run: bool = True):
+        if one_run:
+            sp.add_argument("run_id")
         sp.add_argument("--store", default="./bcdflow-store", help="store URL (default ./bcdflow-store)")
         sp.add_argument("--endpoint-url", help="S3-compatible endpoint for an s3:// store")
 
-    sp = sub.add_parser("resume", help="continue an interrupted run where it stopped")
+    sp = sub.add_parser("resume", help="continue an interrupted run where it stopped", parents=[common])
     store_opts(sp)
     sp.set_defaults(fn=cmd_resume)
-    sp = sub.add_parser("status", help="a run's blocks and visits")
+    sp = sub.add_parser("status", help="a run's blocks and visits", parents=[common])
     store_opts(sp)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_status)
-    sp = sub.add_parser("export", help="write model.safetensors + config.json of a version")
+    sp = sub.add_parser("export", help="write model.safetensors + config.json of a version", parents=[common])
     store_opts(sp)
     sp.add_argument("out_dir")
     sp.add_argument("--version", type=int)
     sp.set_defaults(fn=cmd_export)
-    sp = sub.add_parser("compare", help="loss and cost of runs against the first (B-F multiplier, what-if cost)")
+    sp = sub.add_parser("compare", help="loss and cost of runs against the first (B-F multiplier, what-if cost)",
+                        parents=[common])
     sp.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="the baseline first, then the others")
-    sp.add_argument("--store", default="./bcdflow-store", help="store URL (default ./bcdflow-store)")
-    sp.add_argument("--endpoint-url", help="S3-compatible endpoint for an s3:// store")
+    store_opts(sp, one_run=False)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_compare)
     return p
@@ -250,13 +375,27 @@ def main(argv: list[str] | None = None) -> int:
     _env_defaults()
     args = build_parser().parse_args(argv)
     try:
+        for run_id in [getattr(args, "run_id", None), *getattr(args, "run_ids", [])]:
+            _check_run_id(run_id)
+        _quiet_console(args.debug)
         return args.fn(args)
     except BadInput as e:
-        print(f"bcdflow: error: {e}", file=sys.stderr)
+        _say(e, args)
         return EXIT_BAD_INPUT
     except (DamagedArtifact, RunFailed) as e:
-        print(f"bcdflow: error: {e}", file=sys.stderr)
+        _say(e, args)
         return EXIT_FAILED
+    except (_Interrupted, KeyboardInterrupt) as e:
+        _say(e if isinstance(e, _Interrupted) else "interrupted", args)
+        return EXIT_INTERRUPTED
+
+
+def _say(err, args) -> None:
+    if getattr(args, "debug", False) and isinstance(err, BaseException):
+        import traceback
+
+        traceback.print_exception(err, file=sys.stderr)
+    print(f"bcdflow: error: {err}", file=sys.stderr)
 
 
 if __name__ == "__main__":

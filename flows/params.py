@@ -11,8 +11,8 @@ run reject the same input with the same message naming ``section.key``.
 from __future__ import annotations
 
 import copy
-import time
 import uuid
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, create_model, model_validator
@@ -93,6 +93,8 @@ RunParams = create_model("RunParams", __base__=_Flat, __doc__="A bcdflow run con
                          "config key (`section.key` -> `section_key`).", **_fields())
 
 
-def new_run_id(mode: str) -> str:
-    """``bcd-20250101-120000-1a2b``: sortable by start time, unique across machines."""
-    return f"{mode}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+def new_run_id(mode: str, when: datetime | None = None, salt: str | None = None) -> str:
+    """``bcd-20250101-120000-1a2b``: sortable by start time, unique across machines. Given a Prefect flow run's
+    scheduled start and id (``when``, ``salt``) it is reproducible, so the flow run's name and its body agree."""
+    stamp = (when or datetime.now(timezone.utc)).astimezone(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"{mode}-{stamp}-{(salt or uuid.uuid4().hex).replace('-', '')[:4]}"

@@ -23,6 +23,15 @@ from tasks.train import evaluate, train_block
 from tracking.tracker import TrackTarget, Tracker
 
 
+# per-visit figures logged on the parent run as series over versions (step = version)
+VISIT_SERIES = ("steps", "seconds", "preinfer_seconds", "train_seconds", "eval_seconds", "tokens_per_s", "gpu_hours",
+                "spend_usd")
+# a visit run's single values (its summary): tags bcdflow.<name>
+VISIT_SUMMARY = ("version", "steps", "stopped_by", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "seconds",
+                 "preinfer_seconds", "train_seconds", "eval_seconds", "gpu_hours", "spend_usd", "cum_spend_usd",
+                 *(f"spend_{s}_usd" for s in spend.STAGES))
+
+
 def prefect_tags() -> dict:
     """MLflow tags pointing back at the Prefect flow run that does the work."""
     tags = {"prefect.flow_run_id": flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
@@ -71,13 +80,16 @@ def visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dat
         eval_seconds=ev.seconds, seconds=seconds, **cost, cum_spend_usd=state.spend_usd + cost["spend_usd"])
     commit_visit(cfg, run_id, record, tr.block_file)
     store.rm(vkey)  # activations and mid-visit checkpoints are dead once committed
-    metrics = {k: getattr(record, k) for k in ("steps", "train_loss", "val_loss", "val_ppl", "tokens_per_s",
-                                               "preinfer_seconds", "train_seconds", "eval_seconds", "seconds",
-                                               "gpu_hours", "spend_usd", "cum_spend_usd",
-                                               *(f"spend_{s}_usd" for s in spend.STAGES))}
-    tracker.metrics(mlrun, metrics, record.version)
-    tracker.metrics(state.mlflow_run_id, {"val_loss": record.val_loss, "val_ppl": record.val_ppl,
-                                          "cum_spend_usd": record.cum_spend_usd}, record.step_end)
+    # curves: the validation loss at the global step, on the visit's run and the parent's; per-visit figures as
+    # series over versions on the parent; the visit's own single values as its run summary
+    curve = {"val_loss": record.val_loss, "val_ppl": record.val_ppl}
+    tracker.metrics(mlrun, curve, record.step_end)
+    tracker.metrics(state.mlflow_run_id, {**curve, "cum_spend_usd": record.cum_spend_usd}, record.step_end)
+    tracker.metrics(state.mlflow_run_id, {f"visit/{k}": getattr(record, k) for k in VISIT_SERIES}, record.version)
+    tracker.summary(mlrun, record.model_dump(include=set(VISIT_SUMMARY)),
+                    f"Visit c{cycle}-b{block} of run `{run_id}` committed version {record.version}: {record.steps} "
+                    f"steps ({record.stopped_by}), train loss {record.train_loss:.4f}, val loss {record.val_loss:.4f}, "
+                    f"{record.seconds:.1f} s, ${record.spend_usd:.4f}.")
     tracker.end(mlrun)
     log.info("visit c%d-b%d: %d steps (%s), train %.4f, val %.4f, %.1fs, $%.4f", cycle, block, record.steps,
              record.stopped_by, record.train_loss, record.val_loss, record.seconds, record.spend_usd)

@@ -55,10 +55,13 @@ def layer_bounds(n_layer: int, blocks: int | None = None, boundaries: Sequence[i
     block the head: the paper's "update one third of the parameters", §4.1); without, an even layer
     split with the remainder on the later blocks."""
     if boundaries:
-        if any(not 0 < int(c) < n_layer for c in boundaries):
+        cuts = [int(c) for c in boundaries]
+        if any(not 0 < c < n_layer for c in cuts):
             raise ConfigError(f"bcd.boundaries: cut points must lie strictly between 0 and n_layer={n_layer}, "
-                              f"got {list(boundaries)}")
-        return sorted(set([0, *map(int, boundaries), n_layer]))
+                              f"got {cuts}")
+        if any(a >= b for a, b in zip(cuts, cuts[1:])):
+            raise ConfigError(f"bcd.boundaries: cut points must be strictly increasing (no repeats), got {cuts}")
+        return [0, *cuts, n_layer]
     if blocks is None or not 1 <= blocks <= n_layer:
         raise ConfigError(f"bcd.blocks: must be between 1 and n_layer={n_layer}, got {blocks}")
     if layer_sizes is not None:

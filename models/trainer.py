@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from models.errors import ConfigError
+from models.errors import ConfigError, Diverged
 
 # paper §4.2.1 defaults
 PAPER_LR = {"adamw": 1e-4, "sgd": 0.1}
@@ -99,20 +99,35 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
               batches: Iterable, optimizer: torch.optim.Optimizer, spec: OptimSpec, stop: StopRule,
               on_window: Callable[[int, list[float]], None] | None = None,
               should_stop: Callable[[], bool] | None = None, state: LoopState | None = None,
-              checkpoint: Callable[[LoopState], None] | None = None, ckpt_steps: int = 0,
+              checkpoint: Callable[[LoopState, str], None] | None = None, ckpt_steps: int = 0,
               ckpt_seconds: float = 0.0) -> LoopResult:
     """Train ``params`` with ``optimizer`` on ``batches`` until the stop rule fires.
 
-    ``loss_fn(batch)`` runs the forward pass and returns a scalar loss. Losses are synced to the host
-    once per window (not every step) so a GPU never waits on ``.item()``. ``on_window(step, losses)``
+    ``loss_fn(batch)`` runs the forward pass and returns a scalar loss. Losses (and gradient norms) are
+    synced to the host once per window and before each checkpoint, not every step, so a GPU never waits
+    on ``.item()``; a non-finite loss or gradient norm then raises :class:`Diverged` naming the first bad
+    step, before any checkpoint of it can be written. ``on_window(step, losses)``
     receives each window's per-step losses (for tracking). ``state`` continues a loop from a
-    checkpoint (``batches`` must then start at batch ``state.steps``); ``checkpoint(state)`` is called
-    every ``ckpt_steps`` steps or ``ckpt_seconds`` seconds, and when ``should_stop()`` turns true
-    (SIGTERM), after which the loop ends with ``stopped_by="interrupted"``.
+    checkpoint (``batches`` must then start at batch ``state.steps``); ``checkpoint(state, why)`` is called
+    every ``ckpt_steps`` steps (``why="steps"``) or ``ckpt_seconds`` seconds (``"seconds"``), and when
+    ``should_stop()`` turns true (``"signal"``: SIGTERM or Ctrl-C), after which the loop ends with
+    ``stopped_by="interrupted"``.
     """
     st = state or LoopState()
     res = LoopResult(steps=st.steps, losses=list(st.losses), tokens=st.tokens)
     pending = [torch.tensor(v, dtype=torch.float32) for v in st.pending]
+    norms = [torch.zeros(()) for _ in st.pending]  # gradient norms of the pending steps (checked at sync)
+
+    def synced() -> list[float]:
+        """The pending window's losses on the host; raises Diverged at its first non-finite step."""
+        losses = torch.stack(pending).float().cpu()
+        grads = torch.stack(norms).float().cpu()
+        bad = ~(torch.isfinite(losses) & torch.isfinite(grads))
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise Diverged(res.steps - len(pending) + i + 1, float(losses[i]), float(grads[i]))
+        return losses.tolist()
+
     it: Iterator = iter(batches)
     t0 = last_ckpt = time.perf_counter()
     while res.steps < stop.max_steps:
@@ -125,14 +140,18 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
         loss = loss_fn(batch)
         loss.backward()
         if spec.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, spec.grad_clip, foreach=True)
+            norm = torch.nn.utils.clip_grad_norm_(params, spec.grad_clip, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
         optimizer.step()
         res.steps += 1
         res.tokens += _tokens(batch)
         pending.append(loss.detach())
+        norms.append(norm.detach())
         if len(pending) == stop.window or res.steps == stop.max_steps:
-            window = torch.stack(pending).float().cpu().tolist()
+            window = synced()
             pending.clear()
+            norms.clear()
             res.losses.extend(window)
             if on_window:
                 on_window(res.steps, window)
@@ -141,18 +160,20 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
                 break
         interrupted = bool(should_stop and should_stop())
         now = time.perf_counter()
-        if checkpoint and res.steps < stop.max_steps and (
-                interrupted or (ckpt_steps and res.steps % ckpt_steps == 0)
-                or (ckpt_seconds and now - last_ckpt >= ckpt_seconds)):
+        why = "signal" if interrupted else None
+        if res.steps < stop.max_steps and not why:  # the last step's state is the visit's result, not a checkpoint
+            why = ("steps" if ckpt_steps and res.steps % ckpt_steps == 0 else
+                   "seconds" if ckpt_seconds and now - last_ckpt >= ckpt_seconds else None)
+        if checkpoint and why:
             st.steps, st.tokens, st.losses = res.steps, res.tokens, list(res.losses)
-            st.pending = torch.stack(pending).float().cpu().tolist() if pending else []
-            checkpoint(st)
+            st.pending = synced() if pending else []  # never checkpoint a diverged step
+            checkpoint(st, why)
             last_ckpt = now
         if interrupted:
             res.stopped_by = "interrupted"
             break
     if pending and res.stopped_by != "interrupted":
-        res.losses.extend(torch.stack(pending).float().cpu().tolist())
+        res.losses.extend(synced())
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -96,17 +96,35 @@ def _manifest(version: int, blocks: dict[int, dict[str, Any]]) -> dict[str, Any]
 
 def read_manifest(store: Store, run_id: str, version: int) -> dict[str, Any]:
     key = _run_key(run_id, "versions", f"{version}.json")
-    if not store.exists(key):
-        raise CheckpointError(f"manifest {key} not found in {store.url}")
     try:
         manifest = store.read_json(key)
+    except FileNotFoundError:
+        raise CheckpointError(f"manifest {store.url_of(key)} of version {version} is missing: the weights of that "
+                              f"version are lost (export an earlier one with bcdflow export {run_id} OUT --version N, "
+                              "or start a new run)") from None
     except ValueError as e:
-        raise CheckpointError(f"manifest {key} is not valid JSON: {e}") from e
+        raise CheckpointError(f"manifest {store.url_of(key)} is damaged (not valid JSON: {e}); restore it, or export "
+                              f"an earlier version with bcdflow export {run_id} OUT --version N") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("blocks"), dict):
         raise CheckpointError(f"manifest {key} has no 'blocks' mapping")
     for b, e in manifest["blocks"].items():
         _check_entry(b, e)
     return manifest
+
+
+def check_version(store: Store, run_id: str, version: int) -> None:
+    """Raise CheckpointError unless version ``version``'s manifest and every block file it names are present
+    at their recorded sizes (cheap: one listing per file, no data read)."""
+    for b, entry in read_manifest(store, run_id, version)["blocks"].items():
+        key = _run_key(run_id, entry["file"])
+        try:
+            size = store.fs.size(store.path(key))
+        except FileNotFoundError:
+            size = None
+        if size != entry["bytes"]:
+            what = "missing" if size is None else f"{size} bytes, the manifest says {entry['bytes']}"
+            raise CheckpointError(f"block file {store.url_of(key)} (block {b} of version {version}) is {what}: the "
+                                  "run cannot continue from this version")
 
 
 def load_blocks(store: Store, run_id: str, version: int, blocks: list[int] | None = None,
@@ -163,5 +181,12 @@ def commit_version(store: Store, run_id: str, base_version: int, new_version: in
         if not store.exists(_run_key(run_id, _check_entry(b, entry)["file"])):
             raise CheckpointError(f"block file runs/{run_id}/{entry['file']} of changed block {b} was not written")
         blocks[int(b)] = entry
+    manifest = _manifest(new_version, blocks)
+    key = _run_key(run_id, "versions", f"{new_version}.json")
+    if store.exists(key):  # a manifest is never overwritten (DESIGN I7); a retried commit may find its own
+        if store.read_json(key) != manifest:
+            raise CheckpointError(f"manifest {store.url_of(key)} already exists with other blocks: another process "
+                                  f"committed version {new_version} of run {run_id!r}")
+        return manifest
     write_manifest(store, run_id, new_version, blocks)
-    return _manifest(new_version, blocks)
+    return manifest

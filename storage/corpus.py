@@ -82,6 +82,28 @@ def resolve_files(spec: str | Sequence[str]) -> list[str]:
     return sorted(found)
 
 
+def check_text_files(files: list[str]) -> None:
+    """Raise DataError (one line, naming the file) unless every text or json file is UTF-8: a binary file given as
+    corpus is refused here, before ``datasets`` reads it. Parquet files are binary by design and skipped."""
+    import codecs
+
+    for path in files:
+        if _BUILDERS.get(os.path.splitext(path)[1].lower()) == "parquet":
+            continue
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        try:
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    decoder.decode(block)
+                    offset += len(block)
+                decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            raise DataError(f"data.files: {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                            f"{offset + e.start}); give text, .json/.jsonl or .parquet files") from None
+        except OSError as e:
+            raise DataError(f"data.files: cannot read {path} ({e.strerror or e})") from None
+
+
 def _files_below(path: str) -> list[str]:
     if not os.path.isdir(path):
         return [path]

@@ -13,10 +13,26 @@ from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.utils import get_protocol
+
+from core.errors import BadInput
 
 
 def sha256_bytes(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def check_url(url: str) -> str:
+    """Raise BadInput (naming ``store``) unless fsspec can serve the URL's protocol here."""
+    protocol = get_protocol(url)
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise BadInput(f"store: {url!r} has an unknown protocol {protocol!r} (use a local path, memory:// or "
+                       "s3://bucket/prefix)") from None
+    except ImportError as e:
+        raise BadInput(f"store: protocol {protocol!r} of {url!r} needs a package that is not installed ({e})") from None
+    return url
 
 
 class Store:
@@ -25,7 +41,7 @@ class Store:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         if "://" not in url:
             url = os.path.abspath(os.path.expanduser(url))
-        self.url = url.rstrip("/")
+        self.url = check_url(url).rstrip("/")
         self.storage_options = dict(storage_options or {})
         if url.startswith(("s3://", "s3a://")):
             # other processes write shards and markers concurrently: never trust a cached listing
@@ -84,6 +100,41 @@ class Store:
         p = self.path(*parts)
         if self.fs.exists(p):
             self.fs.rm(p, recursive=True)
+
+    def probe(self) -> None:
+        """Fail fast, with one line that says which, when the store cannot be used: a local root that is not a
+        writable directory; an S3 bucket without credentials, unreachable, missing or denied. One request with
+        short timeouts and no retries (a run's own requests keep s3fs's retries for transient faults)."""
+        if self.is_local:
+            path = self.root
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise BadInput(f"store: {self.url} exists and is not a directory")
+            while not os.path.exists(path):
+                path = os.path.dirname(path)
+            if not os.access(path, os.W_OK):
+                raise BadInput(f"store: cannot create or write {self.url} (no write permission in {path})")
+            return
+        if get_protocol(self.url) not in ("s3", "s3a"):
+            return
+        import botocore.exceptions as bx
+
+        quick = {**self.storage_options, "skip_instance_cache": True,
+                 "config_kwargs": {"connect_timeout": 5, "read_timeout": 10, "retries": {"max_attempts": 1}}}
+        bucket = self.root.split("/", 1)[0]
+        endpoint = self.storage_options.get("endpoint_url") or "AWS S3"
+        try:
+            url_to_fs(self.url, **quick)[0].info(bucket)
+        except (bx.NoCredentialsError, bx.PartialCredentialsError):
+            raise BadInput(f"store: no AWS credentials for {self.url} (set AWS_ACCESS_KEY_ID and "
+                           "AWS_SECRET_ACCESS_KEY, or s3.profile)") from None
+        except bx.ProfileNotFound as e:
+            raise BadInput(f"s3.profile: {e}") from None
+        except (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError, ConnectionError) as e:
+            raise BadInput(f"store: cannot reach the S3 endpoint {endpoint} for {self.url} ({e})") from None
+        except FileNotFoundError:
+            raise BadInput(f"store: bucket {bucket!r} does not exist at {endpoint} (create it first)") from None
+        except PermissionError:
+            raise BadInput(f"store: access to bucket {bucket!r} at {endpoint} is denied for these credentials") from None
 
     # -- zarr ----------------------------------------------------------------------------
     def zarr_store(self, *parts: str, read_only: bool = False):

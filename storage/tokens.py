@@ -82,6 +82,7 @@ def prepare_token_dataset(store: Store, *, files: str | list[str] | None = None,
         raise DataError("data.files: give data.files or data.path, not both")
     if files is not None:
         files = corpus.resolve_files(files)
+        corpus.check_text_files(files)
     elif not path:
         files = corpus.builtin_corpus_files()
     args = dict(files=files, path=path, name=name, split=split, text_field=text_field)

@@ -20,10 +20,12 @@ from storage import checkpoints, runs
 from storage.runs import RunState, VisitRecord
 from tasks.retry import retrying
 
-# keys that define what a run computes; a resumed run must match them exactly
+# keys that define what a run computes; a resumed run must match them exactly. optim.lr is not among them:
+# a run that diverged continues with a lower learning rate (the stored config then records the new one).
 IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.split", "bcd.order", "bcd.sample_rate",
             "bcd.preinfer", "bcd.max_steps", "bcd.patience", "bcd.min_delta", "bcd.window",
-            "optim", "train.batch_size", "seed", "mode")
+            "optim.name", "optim.weight_decay", "optim.momentum", "optim.grad_clip", "optim.warmup_steps",
+            "train.batch_size", "seed", "mode")
 
 
 def _pick(d: dict, dotted: str):
@@ -46,6 +48,9 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
         if diff:
             raise ConfigError(f"run {run_id!r} exists with a different config: {', '.join(diff)} "
                               "differ (use a new --run-id)")
+        checkpoints.check_version(store, run_id, state.version)  # the weights to continue from are all there
+        if _pick(old, "optim.lr") != cfg.optim.lr:
+            runs.write_config(store, run_id, {**old, "optim": {**old["optim"], "lr": cfg.optim.lr}})
         return state
     torch.manual_seed(cfg.seed)
     model = build_model(mcfg)  # version 0: fresh weights from the run seed
@@ -67,6 +72,10 @@ def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: d
     ``block_file``, then append the record to the run state (the commit point)."""
     store = cfg.open_store()
     failpoints.hit("before-commit")
+    state = runs.read_state(store, run_id)
+    if state.version != record.version - 1:  # checked before the manifest is written (DESIGN I7)
+        raise runs.RunStateError(f"visit c{record.cycle}-b{record.block} was trained on version {record.version - 1}, "
+                                 f"but run {run_id!r} is at version {state.version}: another process committed")
     checkpoints.commit_version(store, run_id, record.version - 1, record.version, {record.block: block_file})
     return runs.append_visit(store, run_id, record)
 

@@ -23,6 +23,8 @@ from pydantic import BaseModel
 from core import failpoints, preempt
 from core.config import RunConfig
 from core.context import RunContext
+from core.errors import BadInput
+from models.errors import Diverged
 from models.trainer import LoopState, make_optimizer, run_steps
 from models.plan import block_tensors
 from models.visit import autocast, visit_loss
@@ -118,20 +120,28 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
                 if n in active:
                     p.copy_(saved[n])
         opt.load_state_dict(opt_state)
+        for g in opt.param_groups:  # a continued run may have lowered optim.lr (after a divergence)
+            g["lr"] = spec.base_lr
         state = LoopState.from_dict(pointer["meta"]["loop"])
 
-    def checkpoint(st: LoopState) -> None:
+    def checkpoint(st: LoopState, why: str) -> None:
         trainckpt.save(ctx.store, vkey, st.steps, {n: p for n, p in model.named_parameters() if n in active},
-                       opt.state_dict(), {"loop": st.to_dict(), "base_version": version})
+                       opt.state_dict(), {"loop": st.to_dict(), "base_version": version, "why": why})
         failpoints.hit("train-checkpoint")
 
     # the data cursor: a resumed loop skips the batches it already trained on
     resumed_at = state.steps if state else 0  # run_steps advances the state it is given
     ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, cycle, block), resumed_at, None)
-    with preempt.training():
-        res = run_steps(loss_fn, params, prefetched(ranges, fetch, device), opt, spec, cfg.stop_rule(),
-                        on_window=on_window, should_stop=preempt.requested, state=state, checkpoint=checkpoint,
-                        ckpt_steps=cfg.checkpoint.every_steps, ckpt_seconds=cfg.checkpoint.every_seconds)
+    try:
+        with preempt.training():
+            res = run_steps(loss_fn, params, prefetched(ranges, fetch, device), opt, spec, cfg.stop_rule(),
+                            on_window=on_window, should_stop=preempt.requested, state=state, checkpoint=checkpoint,
+                            ckpt_steps=cfg.checkpoint.every_steps, ckpt_seconds=cfg.checkpoint.every_seconds)
+    except Diverged as e:
+        hint = " (or bf16 overflowed: try train.precision=fp32)" if cfg.train.precision == "bf16" else ""
+        raise BadInput(f"visit c{cycle}-b{block} of run {run_id!r}: {e}; the learning rate optim.lr={spec.base_lr:g} "
+                       f"is likely too high{hint}. Nothing was committed; continue the run with a lower one: "
+                       f"bcdflow train --run-id {run_id} --set optim.lr=... (and the run's other settings)") from None
     if res.stopped_by == "interrupted":
         preempt.finish()  # hands SIGTERM on (Prefect reschedules) or exits 143
     return TrainResult(

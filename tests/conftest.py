@@ -2,8 +2,10 @@
 temporary server (its first database migration is slow on a fresh machine)."""
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+import threading
 
 _HOME = tempfile.mkdtemp(prefix="bcdflow-tests-")
 os.environ.update({
@@ -27,25 +29,32 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from core.config import RunConfig, load_config  # noqa: E402
+from tests.helpers import TINY  # noqa: E402
 
 torch.set_num_threads(1)
-
-# a tiny, fast run: ~400 KB of built-in corpus, 6 layers x 64 wide, a few steps per visit
-TINY = [
-    "model.name=tiny", "model.d_model=64", "model.n_head=4", "data.seq_len=32", "data.vocab_size=512",
-    "data.builtin_bytes=300000", "bcd.blocks=3", "bcd.cycles=1", "bcd.max_steps=6", "bcd.window=3",
-    "bcd.patience=0", "bcd.shard_rows=16", "optim.lr=0.003", "train.batch_size=8", "train.steps=6",
-    "train.eval_rows=32", "train.eval_every=3",
-]
 
 
 @pytest.fixture(scope="session")
 def prefect_server():
-    """One Prefect test server for the whole session; flow tests depend on this fixture."""
+    """One Prefect test server for the whole session; flow tests depend on this fixture.
+
+    Its start is bounded by wall clock: Prefect's own wait counts 0.1 s per health probe however long a probe
+    blocks, so a server that accepts connections but never answers would hold the session for hours."""
+    import _thread
+
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=None):
-        yield
+    limit = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]) + 30
+    started = threading.Event()
+    threading.Thread(target=lambda: started.wait(limit) or _thread.interrupt_main(), daemon=True).start()
+    harness = prefect_test_harness(server_startup_timeout=None)
+    try:
+        harness.__enter__()
+    except KeyboardInterrupt:
+        pytest.exit(f"the Prefect test server did not start within {limit:.0f} s", returncode=3)
+    started.set()
+    yield
+    harness.__exit__(None, None, None)
 
 
 @pytest.fixture
@@ -95,12 +104,16 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_DEFAULT_REGION="us-east-1")
-    srv = S3Server()
-    srv.start()
-    yield srv
-    srv.stop()
+    """moto's S3 for the session; its fake credentials are set only while it runs, then restored."""
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no request log on the test output
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                     "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            mp.setenv(k, v)
+        srv = S3Server()
+        srv.start()
+        yield srv
+        srv.stop()
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from flows.cli import main
-from tests.conftest import TINY
+from tests.helpers import TINY
 
 
 def _args(tmp_path, *extra: str) -> list[str]:
@@ -66,7 +66,8 @@ def test_train_status_export(prefect_server, tmp_path, capsys):
     assert parent[0].data.params["bcd.blocks"] == "3"
     hist = client.get_metric_history(parent[0].info.run_id, "train_loss")
     assert len(hist) == 36 and sorted(m.step for m in hist) == list(range(1, 37))
-    assert {"val_loss", "val_ppl", "tokens_per_s", "seconds"} <= set(children[0].data.metrics)
+    assert {"val_loss", "val_ppl"} <= set(children[0].data.metrics)
+    assert {"bcdflow.tokens_per_s", "bcdflow.seconds"} <= set(children[0].data.tags)  # single values: the summary
 
 
 @pytest.mark.slow

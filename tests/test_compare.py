@@ -30,7 +30,7 @@ def own_curve(state) -> list[tuple[int, float, float]]:
 def two_runs(tmp_path_factory, prefect_server):
     from flows.bcd import bcd_train, full_train
     from core.config import load_config
-    from tests.conftest import TINY
+    from tests.helpers import TINY
 
     root = tmp_path_factory.mktemp("cmp")
     sets = TINY + [f"store={root / 'store'}", "tracking_uri=none", "stop.patience_cycles=0"]

@@ -4,7 +4,9 @@ on a worker started here (`prefect worker start --run-once`), and find the train
 bitwise equal to the same config trained through the CLI."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,7 +18,7 @@ from flows.params import KEYS, RunParams
 from storage import runs
 from storage.checkpoints import load_blocks
 from storage.store import Store
-from tests.conftest import TINY
+from tests.helpers import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFECT = os.path.join(os.path.dirname(sys.executable), "prefect")
@@ -76,7 +78,6 @@ def _prefect(env, *args, timeout=180, cwd=REPO) -> subprocess.CompletedProcess:
 def test_deployment_run_on_a_worker_trains_like_the_cli(prefect_api_url, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.deployments import run_deployment
 
     from flows.cli import main
     from core.config import load_config
@@ -94,15 +95,24 @@ def test_deployment_run_on_a_worker_trains_like_the_cli(prefect_api_url, tmp_pat
         assert "bcd_blocks" in dep.parameter_openapi_schema["definitions"]["RunParams"]["properties"]
         assert client.read_deployment_by_name("full_train/baseline").entrypoint == "flows/bcd.py:full_train"
 
-    # a run as the UI form creates it: flat, JSON parameters
+    # a run as the README starts it from the command line: `config` as one JSON object of flat keys; a flat key
+    # given as its own --param is refused (the deployment has two parameters, run_id and config)
     sets = TINY + ["bcd.blocks=2", "tracking_uri=none"]
     cfg = load_config(sets=sets + [f"store={tmp_path / 'store'}"])
-    fr = run_deployment("bcd_train/bcd", timeout=0,
-                        parameters={"config": RunParams.from_config(cfg).model_dump(mode="json"), "run_id": "dep"})
+    config = {k: v for k, v in RunParams.from_config(cfg).model_dump(mode="json").items()
+              if v != RunParams().model_dump(mode="json")[k]}  # only what differs from the form's defaults
+    refused = subprocess.run([PREFECT, "deployment", "run", "bcd_train/bcd", "--param", "bcd_max_steps=3"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
+    started = _prefect(env, "deployment", "run", "bcd_train/bcd", "--param", "run_id=dep",
+                       "--param", f"config={json.dumps(config)}")
+    fr_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
     worker = _prefect(env, "worker", "start", "--pool", POOL, "--run-once", "--limit", "1", timeout=300)
 
     with get_client(sync_client=True) as client:
-        state = client.read_flow_run(fr.id).state
+        fr = client.read_flow_run(fr_id)
+        state = fr.state
+        assert fr.name == "dep" and list(dep.parameter_openapi_schema["properties"])[0] == "run_id"
     assert state.is_completed(), f"{state}\n{worker.stdout[-3000:]}\n{worker.stderr[-3000:]}"
     store = Store(cfg.store)
     st = runs.read_state(store, "dep")

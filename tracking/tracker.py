@@ -16,6 +16,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# the MLflow UI opens an experiment of this kind in its model-training view (not the GenAI one)
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+
 
 def _flat(d: dict, prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
@@ -45,9 +48,12 @@ class Tracker:
         if exp is None:
             if artifact_root is None and uri.startswith("sqlite:///"):
                 artifact_root = os.path.join(os.path.dirname(uri.removeprefix("sqlite:///")), "mlartifacts")
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_root)
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_root,
+                                                               tags={EXPERIMENT_KIND: MODEL_TRAINING})
         else:
             self.experiment_id = exp.experiment_id
+            if exp.tags.get(EXPERIMENT_KIND) is None:
+                self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
 
     def start(self, name: str, params: dict | None = None, tags: dict | None = None,
               parent: str | None = None, resume_id: str | None = None,
@@ -101,9 +107,16 @@ class Tracker:
             self.client.log_batch(run_id, metrics=items[i:i + 1000])
 
     def tags(self, run_id: str | None, tags: dict[str, Any]) -> None:
-        if self.enabled and run_id:
-            for k, v in tags.items():
-                self.client.set_tag(run_id, k, str(v))
+        if self.enabled and run_id and tags:
+            from mlflow.entities import RunTag
+
+            self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def summary(self, run_id: str | None, values: dict[str, Any], note: str) -> None:
+        """A run's single-valued results: tags ``bcdflow.<name>`` (columns of the runs table) and the run's
+        description (its page in the UI), not one-point metric charts."""
+        fmt = {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in values.items()}
+        self.tags(run_id, {**{f"bcdflow.{k}": v for k, v in fmt.items()}, "mlflow.note.content": note})
 
     def artifact(self, run_id: str | None, path: str, artifact_path: str | None = None) -> None:
         if self.enabled and run_id:

@@ -1,0 +1,9 @@
+"""What tests share besides fixtures (conftest.py): the tiny run config."""
+
+# a tiny, fast run: ~400 KB of built-in corpus, 6 layers x 64 wide, a few steps per visit
+TINY = [
+    "model.name=tiny", "model.d_model=64", "model.n_head=4", "data.seq_len=32", "data.vocab_size=512",
+    "data.builtin_bytes=300000", "bcd.blocks=3", "bcd.cycles=1", "bcd.max_steps=6", "bcd.window=3",
+    "bcd.patience=0", "bcd.shard_rows=16", "optim.lr=0.003", "train.batch_size=8", "train.steps=6",
+    "train.eval_rows=32", "train.eval_every=3",
+]

@@ -1,0 +1,200 @@
+"""Every bad input and every damaged store gets one line, the right exit and an unchanged store.
+
+Bad input exits 2 before anything is written; a damaged store exits 1 naming the object; neither prints a
+traceback, and neither suggests ``resume`` where resuming cannot help. The CLI runs in-process (``main``),
+so stderr here is exactly what bcdflow prints (Prefect's own console log goes to the real stderr).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from flows.cli import main
+from storage import checkpoints, runs
+from storage.store import Store
+from tests.helpers import TINY
+
+
+def _sets(*extra: str) -> list[str]:
+    return [a for s in [*TINY, "tracking_uri=none", *extra] for a in ("--set", s)]
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _tree(path) -> list[str]:
+    """Every file below ``path`` with its size: a store that is 'unchanged' has the same tree."""
+    out = []
+    for root, _, files in os.walk(path):
+        out += [f"{os.path.relpath(os.path.join(root, f), path)}:{os.path.getsize(os.path.join(root, f))}"
+                for f in files]
+    return sorted(out)
+
+
+# -- bad input: exit 2 before anything is written ------------------------------------------------------------
+
+BAD = [
+    (["train", "--set", "bcd.boundaries=[2, 1]"], "bcd.boundaries: cut points must be strictly increasing"),
+    (["train", "--set", "bcd.boundaries=[1, 1]"], "bcd.boundaries: cut points must be strictly increasing"),
+    (["train", "--set", "train.device=tpu9"], "train.device: unknown device 'tpu9'"),
+    (["train", "--set", "optim.lr=inf"], "optim.lr"),
+    (["train", "--store", "foo://x"], "store: 'foo://x' has an unknown protocol 'foo'"),
+    (["train", "--run-id", "../../etc"], "--run-id: '../../etc' is not a valid run id"),
+    (["train", "--run-id", "a/b"], "--run-id: 'a/b' is not a valid run id"),
+    (["train", "--run-id", ".."], "--run-id: '..' is not a valid run id"),
+    (["status", "../x"], "--run-id: '../x' is not a valid run id"),
+    (["resume", ".."], "--run-id: '..' is not a valid run id"),
+    (["export", "a/b", "/tmp/never"], "--run-id: 'a/b' is not a valid run id"),
+    (["compare", "ok", "a/b"], "--run-id: 'a/b' is not a valid run id"),
+    (["status", "r", "--store", "foo://x"], "store: 'foo://x' has an unknown protocol"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, args, message):
+    store = tmp_path / "store"
+    full = [args[0], *(_sets() if args[0] == "train" else []), *args[1:]]  # the case's --set last: it wins
+    if "--store" not in args:
+        full += ["--store", str(store)]
+    assert main(full) == 2
+    line = _one_line(capsys)
+    assert line.startswith("bcdflow: error: ") and message in line, line
+    assert "resume" not in line
+    assert not store.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_on_a_machine_without_it(tmp_path, capsys):
+    assert main(["train", *_sets("train.device=cuda"), "--store", str(tmp_path / "s")]) == 2
+    assert "train.device: 'cuda' asked for, but this machine has no CUDA device" in _one_line(capsys)
+    assert not (tmp_path / "s").exists()
+
+
+def test_binary_corpus(tmp_path, capsys):
+    (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 64)
+    assert main(["train", *_sets(f"data.files={tmp_path / 'blob.txt'}"), "--store", str(tmp_path / "s")]) == 2
+    line = _one_line(capsys)
+    assert "data.files:" in line and "blob.txt is not UTF-8 text" in line
+    assert not (tmp_path / "s").exists()
+
+
+def test_export_onto_a_file_or_an_uncreatable_path(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["export", "r", str(tmp_path / "afile"), "--store", str(tmp_path / "s")]) == 2
+    assert "export:" in _one_line(capsys) and (tmp_path / "afile").read_text() == "x"
+    assert main(["export", "r", str(tmp_path / "afile" / "sub" / "out"), "--store", str(tmp_path / "s")]) == 2
+    assert "export: cannot create" in _one_line(capsys)
+
+
+# -- S3: which of credentials, endpoint, bucket; quickly, with no resume hint ----------------------------------
+
+def test_s3_without_credentials(tmp_path, capsys, monkeypatch):
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup on a laptop
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    assert main(["train", *_sets("s3.endpoint_url=http://127.0.0.1:9"), "--store", "s3://bkt/x"]) == 2
+    line = _one_line(capsys)
+    assert "no AWS credentials" in line and "resume" not in line
+
+
+def test_s3_unreachable_or_missing_bucket(s3_server, tmp_path, capsys, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    assert main(["train", *_sets(f"s3.endpoint_url=http://127.0.0.1:{dead}"), "--store", "s3://bkt/x"]) == 2
+    line = _one_line(capsys)
+    assert "cannot reach the S3 endpoint" in line and "resume" not in line
+    assert main(["status", "r", "--store", "s3://no-such-bucket/x", "--endpoint-url", s3_server.endpoint]) == 2
+    assert "bucket 'no-such-bucket' does not exist" in _one_line(capsys)
+
+
+# -- a damaged store: exit 1, naming the object --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished(prefect_server, tmp_path_factory):
+    """A finished 3-visit run to damage (each test damages a copy)."""
+    root = tmp_path_factory.mktemp("finished") / "store"
+    assert main(["train", *_sets(), "--store", str(root), "--run-id", "r"]) == 0
+    return root
+
+
+@pytest.fixture
+def damaged(finished, tmp_path):
+    copy = tmp_path / "store"
+    shutil.copytree(finished, copy)
+    return copy
+
+
+def test_truncated_state(damaged, capsys):
+    state = damaged / "runs" / "r" / "state.json"
+    state.write_bytes(state.read_bytes()[:50])
+    before = _tree(damaged)
+    for args in (["status", "r"], ["resume", "r"], ["export", "r", str(damaged.parent / "out")]):
+        assert main([*args, "--store", str(damaged)]) == 1
+        line = _one_line(capsys)
+        assert "runs/r/state.json is damaged (not valid JSON" in line and "bcdflow resume" not in line, line
+    assert main(["train", *_sets(), "--store", str(damaged), "--run-id", "r"]) == 1
+    assert "state.json is damaged" in _one_line(capsys)
+    assert _tree(damaged) == before and not (damaged.parent / "out").exists()
+
+
+def test_missing_config(damaged, capsys):
+    (damaged / "runs" / "r" / "config.json").unlink()
+    before = _tree(damaged)
+    for args in (["status", "r"], ["resume", "r"]):
+        assert main([*args, "--store", str(damaged)]) == 1
+        assert "runs/r/config.json is missing" in _one_line(capsys)
+    assert _tree(damaged) == before
+
+
+def test_finished_run_whose_last_manifest_is_gone(damaged, capsys):
+    """resume must notice, not say "done"; export of that version names the manifest; an earlier one exports."""
+    (damaged / "runs" / "r" / "versions" / "3.json").unlink()
+    before = _tree(damaged)
+    assert main(["resume", "r", "--store", str(damaged)]) == 1
+    line = _one_line(capsys)
+    assert "runs/r/versions/3.json of version 3 is missing" in line and "bcdflow resume" not in line
+    assert main(["export", "r", str(damaged.parent / "out"), "--store", str(damaged)]) == 1
+    assert "versions/3.json" in _one_line(capsys) and not (damaged.parent / "out").exists()
+    assert _tree(damaged) == before
+    assert main(["export", "r", str(damaged.parent / "v2"), "--version", "2", "--store", str(damaged)]) == 0
+
+
+def test_missing_block_file(damaged, capsys):
+    entry = json.loads((damaged / "runs" / "r" / "versions" / "3.json").read_text())["blocks"]["2"]
+    (damaged / "runs" / "r" / entry["file"]).unlink()
+    assert main(["resume", "r", "--store", str(damaged)]) == 1
+    line = _one_line(capsys)
+    assert entry["file"] in line and "missing" in line
+
+
+# -- training that diverges ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_divergence_stops_the_visit_and_a_lower_lr_continues(prefect_server, tmp_path, capsys):
+    store = str(tmp_path / "store")
+    assert main(["train", *_sets("optim.lr=1e6"), "--store", store, "--run-id", "d"]) == 2
+    line = _one_line(capsys)
+    assert "visit c0-b0 of run 'd': training diverged at step" in line and "optim.lr=1e+06" in line
+    assert "bcdflow train --run-id d --set optim.lr=" in line
+    s = Store(store)
+    assert runs.read_state(s, "d").version == 0 and not s.exists("runs/d/versions/1.json")  # nothing committed
+
+    assert main(["train", *_sets("optim.lr=0.003"), "--store", store, "--run-id", "d"]) == 0
+    state = runs.read_state(s, "d")
+    assert state.status == "done" and state.version == 3
+    assert runs.read_config(s, "d")["optim"]["lr"] == 0.003  # resume continues with the new rate
+    final = checkpoints.load_blocks(s, "d", 3)
+    assert all(torch.isfinite(t).all() for t in final.values())

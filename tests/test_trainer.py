@@ -1,0 +1,134 @@
+"""The step loop (``models.trainer.run_steps``) on its own: the plateau rule, warmup, the checkpoint cadence
+(steps, seconds, a signal), interruption and a bitwise-equal continuation, and divergence detection.
+
+Scripted losses (``batch`` is the loss value, on a parameter it does not move) give exact control of the
+plateau rule; a small linear model with AdamW checks that a continued loop equals an uninterrupted one.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import types
+
+import pytest
+import torch
+
+import models.trainer
+from models.errors import Diverged
+from models.trainer import LoopState, OptimSpec, StopRule, make_optimizer, run_steps
+
+
+def scripted(values, **loop):
+    """Run the loop on losses ``values`` (one per step); returns the result and the checkpoints it wrote."""
+    w = torch.nn.Parameter(torch.zeros(1))
+    spec = loop.pop("spec", OptimSpec("sgd", lr=0.0, grad_clip=0.0))
+    saved: list[tuple[int, str]] = []
+    batches = (torch.tensor(v) for v in values)  # one "token" per step
+    res = run_steps(lambda v: (w * 0).sum() + v, [w], batches, make_optimizer([w], spec), spec,
+                    checkpoint=lambda st, why: saved.append((st.steps, why)), **loop)
+    return res, saved
+
+
+def test_plateau_stops_after_patience_windows_without_min_delta_improvement():
+    # window means 10, 9 (better by 1 >= 0.5), 8.8 (better by 0.2 < 0.5: bad 1), 8.7 (bad 2): stop
+    values = [10.0] * 5 + [9.0] * 5 + [8.8] * 5 + [8.7] * 5 + [1.0] * 20
+    res, _ = scripted(values, stop=StopRule(max_steps=40, patience=2, min_delta=0.5, window=5))
+    assert (res.stopped_by, res.steps) == ("plateau", 20)
+    assert res.losses == pytest.approx(values[:20])
+    # patience 0 switches the rule off: the step cap ends the loop
+    res, _ = scripted(values, stop=StopRule(max_steps=40, patience=0, min_delta=0.5, window=5))
+    assert (res.stopped_by, res.steps) == ("max_steps", 40)
+    # a real improvement resets the count
+    better = [10.0] * 5 + [9.0] * 5 + [8.8] * 5 + [7.0] * 5 + [6.9] * 5 + [6.8] * 5
+    res, _ = scripted(better, stop=StopRule(max_steps=30, patience=2, min_delta=0.5, window=5))
+    assert (res.stopped_by, res.steps) == ("plateau", 30)
+
+
+def test_warmup_ramps_the_learning_rate_linearly():
+    w = torch.nn.Parameter(torch.ones(2))
+    spec = OptimSpec("adamw", lr=0.1, warmup_steps=4)
+    opt = make_optimizer([w], spec)
+    seen = []
+
+    def loss_fn(_):
+        seen.append(opt.param_groups[0]["lr"])
+        return (w ** 2).sum()
+
+    run_steps(loss_fn, [w], itertools.repeat(torch.zeros(1)), opt, spec, StopRule(max_steps=7, window=7))
+    assert seen == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1, 0.1])
+
+
+def test_checkpoint_cadence_by_steps_never_at_the_last_step():
+    _, saved = scripted([1.0] * 10, stop=StopRule(max_steps=10, window=5), ckpt_steps=3)
+    assert saved == [(3, "steps"), (6, "steps"), (9, "steps")]
+
+
+def test_checkpoint_cadence_by_seconds(monkeypatch):
+    clock = itertools.count()  # every perf_counter() call is one second later
+    monkeypatch.setattr(models.trainer, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    _, saved = scripted([1.0] * 10, stop=StopRule(max_steps=10, window=5), ckpt_seconds=2.5)
+    assert saved == [(3, "seconds"), (6, "seconds"), (9, "seconds")]
+
+
+def _linear_run(state=None, stop_after=None, saved=None, start=0):
+    """A small regression with AdamW, batches by index; stops (as on a signal) after ``stop_after`` steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    data = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(12)]
+    spec = OptimSpec("adamw", lr=0.05, warmup_steps=3)
+    opt = make_optimizer(list(model.parameters()), spec)
+    if saved:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    calls = itertools.count(start + 1)
+    ckpts = []
+
+    def checkpoint(st, why):
+        ckpts.append({"why": why, "state": LoopState.from_dict(st.to_dict()),
+                      "model": {k: v.clone() for k, v in model.state_dict().items()},
+                      "opt": copy.deepcopy(opt.state_dict())})
+
+    res = run_steps(lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]), list(model.parameters()),
+                    iter(data[start:]), opt, spec, StopRule(max_steps=12, window=5), state=state,
+                    checkpoint=checkpoint, ckpt_steps=100,
+                    should_stop=(lambda: next(calls) >= stop_after) if stop_after else None)
+    return res, model, ckpts
+
+
+def test_interruption_checkpoints_once_and_the_continuation_is_bitwise_equal():
+    full, model_full, _ = _linear_run()
+    part, _, ckpts = _linear_run(stop_after=7)
+    assert (part.stopped_by, part.steps) == ("interrupted", 7)
+    (ck,) = ckpts
+    assert ck["why"] == "signal" and ck["state"].steps == 7 and len(ck["state"].pending) == 2  # mid-window
+    rest, model_rest, _ = _linear_run(state=ck["state"], saved=ck, start=7)
+    assert (rest.stopped_by, rest.steps) == ("max_steps", 12)
+    assert rest.losses == full.losses and rest.tokens == full.tokens
+    for a, b in zip(model_full.parameters(), model_rest.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_non_finite_loss_raises_diverged_before_it_is_checkpointed():
+    values = [1.0, 1.0, float("nan"), 1.0, 1.0, 1.0]
+    with pytest.raises(Diverged) as e:
+        scripted(values, stop=StopRule(max_steps=6, window=5), ckpt_steps=1)
+    assert e.value.step == 3 and "training diverged at step 3: loss nan" in str(e.value)
+    # the checkpoints of steps 1 and 2 were written; step 3's never was
+    saved: list = []
+    w = torch.nn.Parameter(torch.zeros(1))
+    spec = OptimSpec("sgd", lr=0.0, grad_clip=0.0)
+    with pytest.raises(Diverged):
+        run_steps(lambda v: (w * 0).sum() + v, [w], (torch.tensor(v) for v in values), make_optimizer([w], spec),
+                  spec, StopRule(max_steps=6, window=5), checkpoint=lambda st, why: saved.append(st.steps),
+                  ckpt_steps=1)
+    assert saved == [1, 2]
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_an_infinite_gradient_with_a_finite_loss_raises_diverged(clip):
+    w = torch.nn.Parameter(torch.zeros(3))  # d/dw sqrt(w) at 0 is inf; the loss itself is 0
+    spec = OptimSpec("sgd", lr=0.1, grad_clip=clip)
+    with pytest.raises(Diverged) as e:
+        run_steps(lambda _: w.sqrt().sum(), [w], itertools.repeat(torch.zeros(1)), make_optimizer([w], spec), spec,
+                  StopRule(max_steps=4, window=2))
+    assert e.value.step == 1 and e.value.loss == 0.0 and not torch.isfinite(torch.tensor(e.value.grad_norm))
