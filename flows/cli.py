@@ -4,6 +4,7 @@
     bcdflow train -c run.yaml --set bcd.blocks=4 --run-id my-run
     bcdflow status my-run --json
     bcdflow export my-run ./out
+    bcdflow export my-run ./hf-out --format hf --dtype bf16   # a transformers model directory
     bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
 
 Bad input (unknown key or value, missing data file, empty corpus, ...) prints one line naming the
@@ -51,6 +52,10 @@ def _preflight(cfg) -> None:
 
     if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
         raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
+    if cfg.model.from_hf:  # every shard, tensor and the tokenizer, before a flow starts
+        from core.hf import check_checkpoint
+
+        check_checkpoint(cfg)
     files = data_files(cfg) if cfg.data.files else None
     if files is not None and sum(os.path.getsize(f) for f in files) == 0:
         raise BadInput(f"data.files: corpus is empty (0 bytes in {len(files)} files)")
@@ -190,7 +195,7 @@ def cmd_compare(args) -> int:
 
 def cmd_export(args) -> int:
     from storage import runs
-    from core.export import export_version
+    from core.export import export_hf, export_version
 
     store = _store(args.store, args)
     state = runs.read_state(store, args.run_id)
@@ -199,8 +204,13 @@ def cmd_export(args) -> int:
     version = state.version if args.version is None else args.version
     if not 0 <= version <= state.version:
         raise BadInput(f"--version: run {args.run_id!r} has versions 0..{state.version}, got {version}")
-    n = export_version(store, args.run_id, version, args.out_dir)
-    print(f"exported run {args.run_id} version {version} ({n} tensors) to {args.out_dir}")
+    if args.format == "hf":
+        n = export_hf(store, args.run_id, version, args.out_dir, dtype=args.dtype)
+    elif args.dtype:
+        raise BadInput("--dtype: only with --format hf (the bcdflow format keeps the stored tensors as they are)")
+    else:
+        n = export_version(store, args.run_id, version, args.out_dir)
+    print(f"exported run {args.run_id} version {version} ({n} tensors, {args.format} format) to {args.out_dir}")
     return 0
 
 
@@ -236,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     store_opts(sp)
     sp.add_argument("out_dir")
     sp.add_argument("--version", type=int)
+    sp.add_argument("--format", choices=("bcdflow", "hf"), default="bcdflow",
+                    help="bcdflow (default) or hf: a directory transformers' from_pretrained loads")
+    sp.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                    help="tensor dtype of --format hf (default: the source checkpoint's, else fp32)")
     sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("compare", help="loss and cost of runs against the first (B-F multiplier, what-if cost)")
     sp.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="the baseline first, then the others")
