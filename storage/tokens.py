@@ -145,8 +145,10 @@ def prepare_token_dataset(store: Store, *, files: str | list[str] | None = None,
         counts["n_tokens"] = int(sum(len(ids) for ids, _ in examples))
     n_rows = len(rows)
     if n_rows < 2:
+        dropped = f"; {counts['n_dropped']} example(s) dropped: a row of {width} tokens ends inside their prompt" \
+            if counts.get("n_dropped") else ""
         raise DataError(f"data.seq_len: corpus too small for seq_len={seq_len} ({counts['n_tokens']} tokens make "
-                        f"{n_rows} row(s) of {width}; need 2, one train and one validation)")
+                        f"{n_rows} row(s) of {width}; need 2, one train and one validation{dropped})")
     n_val = min(n_rows - 1, max(1, round(n_rows * val_fraction)))
     cut = n_rows - n_val  # val = tail: text the model never trains on
     splits = {"train": rows[:cut], "val": rows[cut:]}
