@@ -274,7 +274,7 @@ def config_to_hf(cfg: ModelConfig, arch: str, dtype: str) -> dict:
         if not cfg.bias:
             raise ConfigError("--format hf: GPT2LMHeadModel always has biases; this run has model.bias=false")
         return {**out, "n_layer": cfg.n_layer, "n_embd": cfg.d_model, "n_head": cfg.n_head,
-                "n_inner": cfg.ffn_dim, "n_positions": cfg.n_ctx, "n_ctx": cfg.n_ctx,
+                "n_inner": cfg.d_ff, "n_positions": cfg.n_ctx, "n_ctx": cfg.n_ctx,
                 "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # our model has no dropout
     if cfg.qkv_bias != (arch == "Qwen2ForCausalLM"):
