@@ -18,8 +18,6 @@ import os
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-import torch
-
 from models import Plan, hf as hfmap
 from models.build import param_shapes
 from models.config import ModelConfig
@@ -136,6 +134,3 @@ def write_version0(store: Store, run_id: str, ck: Checkpoint, mcfg: ModelConfig,
         del tensors, raw  # the mapped views go with them: the next block starts from nothing
     return entries
 
-
-def hf_dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else hfmap.DTYPES[name]
