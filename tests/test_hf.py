@@ -354,3 +354,24 @@ def test_chat_data_uses_the_checkpoints_template(tmp_path, tok_dir):
     x, y = ds.train_pairs(np.array([0]))
     tok = ds.tokenizer()
     assert tok.decode(y[0][y[0] != -100].tolist(), skip_special_tokens=False) == "yes.<|im_end|>\n"
+
+
+@pytest.mark.parametrize("name,over", [("tiny", {}), ("tiny", {"tie_embeddings": False}),
+                                       ("tiny-llama", {}), ("tiny-llama", {"qkv_bias": True, "tie_embeddings": True}),
+                                       ("tiny-llama", {"rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0,
+                                                                        "high_freq_factor": 4.0,
+                                                                        "original_max_position_embeddings": 64}})])
+def test_config_to_hf_and_back_is_the_same_model(name, over):
+    from models import get_config
+    from models.build import param_shapes
+    from models.config import ModelConfig, count_params
+
+    cfg = get_config(name, **over)
+    back = hfmap.config_from_hf(hfmap.config_to_hf(cfg, hfmap.default_architecture(cfg), "float32"))
+    assert param_shapes(back) == param_shapes(cfg) and count_params(back) == count_params(cfg)
+    assert sum(torch.Size(s).numel() for s in param_shapes(cfg).values()) == count_params(cfg)
+    for field in ("family", "n_ctx", "norm_eps", "rope_theta", "rope_scaling", "tied", "qkv_bias", "ffn_dim",
+                  "kv_heads"):
+        assert getattr(back, field) == getattr(cfg, field), field
+    stored = json.loads(json.dumps(cfg.to_dict()))  # model_resolved as a run's config.json keeps it
+    assert ModelConfig.from_dict(stored) == cfg
