@@ -133,7 +133,7 @@ def prepare_token_dataset(store: Store, *, files: str | list[str] | None = None,
         rows = stream[: n_rows * width].reshape(n_rows, width)  # (N, T+1)
         counts = {"n_tokens": int(len(stream)), "n_docs": len(texts)}
     else:
-        rec = corpus.load_records(sft.FIELDS[format], **args_without_text(args), cache_dir=cache_dir)
+        rec = corpus.load_records(sft.FIELDS[format], **_without(args, "text_field"), cache_dir=cache_dir)
         if format == "prompt_completion":
             texts = rec["prompt"] + rec["completion"]  # what a trained tokenizer learns from
             tok, eos = _tokenizer(tokenizer_file, texts, vocab_size, eos_token)
@@ -173,8 +173,8 @@ def prepare_token_dataset(store: Store, *, files: str | list[str] | None = None,
     return ds_id
 
 
-def args_without_text(args: dict) -> dict:
-    return {k: v for k, v in args.items() if k != "text_field"}
+def _without(args: dict, key: str) -> dict:
+    return {k: v for k, v in args.items() if k != key}
 
 
 def _tokenizer(tokenizer_file: str | None, texts: list[str], vocab_size: int,

@@ -22,14 +22,12 @@ from core.context import RunContext
 from core.export import export_hf
 from flows.cli import main
 from models import hf as hfmap
-from models.build import build_model
 from models.errors import ConfigError
 from storage import checkpoints, runs
 from storage.errors import DataError
 from storage.hf import Checkpoint
 from tasks.data import prepare_data
 from tasks.run import init_run
-from tests.conftest import TINY
 from tests.hf_checkpoints import FAMILIES, ROWS, TEXT, VOCAB, load_clean, make_checkpoint, make_tokenizer
 
 
