@@ -37,6 +37,10 @@ class ModelSection(_Section):
     n_kv_head: int | None = None
     d_ff: int | None = None
     n_ctx: int | None = None
+    from_hf: str | None = None
+    """A Hugging Face checkpoint directory to fine-tune (config.json, model.safetensors or a sharded index,
+    tokenizer.json), or a hub id already in the local HF cache (nothing is downloaded). Sizes, context and
+    vocabulary come from its config.json, the tokenizer is its tokenizer.json; ``name`` is then ignored."""
 
     @field_validator("name")
     @classmethod
@@ -59,6 +63,10 @@ class DataSection(_Section):
     vocab_size: int = Field(2048, ge=260)
     tokenizer: str | None = None
     """A local tokenizer.json to use instead of training a byte-level BPE on the corpus."""
+    format: Literal["text", "prompt_completion", "chat"] = "text"
+    """``text``: documents (``text_field``); ``prompt_completion``: records with ``prompt`` and ``completion``
+    strings; ``chat``: records with a ``messages`` list rendered by the checkpoint's chat template. The
+    two supervised formats train on completion/assistant tokens only (prompt tokens are masked)."""
     val_fraction: float = Field(0.05, gt=0, lt=1)
     max_chars: int | None = None
     builtin_bytes: int = 1_500_000
@@ -235,15 +243,38 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
+        if self.model.from_hf:
+            sized = [k for k in ModelSection.model_fields if k not in ("name", "from_hf")
+                     and getattr(self.model, k) is not None]
+            if sized:
+                raise ValueError(f"model.{sized[0]}: cannot be set with model.from_hf (the checkpoint's "
+                                 "config.json decides the model)")
+        elif self.data.format == "chat":
+            raise ValueError("data.format: chat needs model.from_hf (a checkpoint whose tokenizer has a chat "
+                             "template)")
         mc = self.model_cfg()
         layer_bounds(mc.n_layer, self.bcd.blocks, self.bcd.boundaries)  # raises naming bcd.blocks/boundaries
         if self.data.seq_len > mc.n_ctx:
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's context n_ctx={mc.n_ctx}")
+        if self.model.from_hf:
+            from core.hf import hf_config
+            from models.hf import attention_window
+
+            window = attention_window(hf_config(self.model.from_hf))
+            if window is not None and self.data.seq_len > window:
+                raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the checkpoint's sliding attention "
+                                 f"window {window} (bcdflow trains full causal attention; use data.seq_len <= "
+                                 f"{window})")
         return self
 
     def model_cfg(self, vocab_size: int | None = None) -> ModelConfig:
-        """The resolved model config (vocab from the tokenizer when known)."""
-        over = self.model.model_dump(exclude={"name"})
+        """The resolved model config (vocab from the tokenizer when known). With ``model.from_hf`` it is the
+        checkpoint's (config.json), vocabulary = its embedding rows, whatever the tokenizer's size."""
+        if self.model.from_hf:
+            from core.hf import model_config
+
+            return model_config(self.model.from_hf)
+        over = self.model.model_dump(exclude={"name", "from_hf"})
         over["vocab_size"] = vocab_size or self.data.vocab_size
         return get_config(self.model.name, **over)
 

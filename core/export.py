@@ -1,19 +1,50 @@
 """Export one version of a run as a standalone model directory (``bcdflow export``, and the MLflow
-``model/`` artifact at the end of a run):
+``model/`` artifact at the end of a run). Two formats:
+
+``bcdflow`` (the default)::
 
     out_dir/model.safetensors   every block's tensors, merged (metadata: run_id, version)
     out_dir/config.json         run id, version, resolved model config, block plan, dataset id
     out_dir/tokenizer.json      the run's tokenizer, when the dataset has one
+
+``hf``: a directory ``transformers.AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``
+load as is::
+
+    out_dir/config.json                        the source checkpoint's (dtype updated), or one written for the
+                                               run's family (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM)
+    out_dir/model.safetensors                  HF names and layouts (models/hf.py), in the source dtype or --dtype;
+      or model-0000k-of-0000M.safetensors      one shard per block, with model.safetensors.index.json, above
+                                               ``max_shard_bytes`` (a block at a time in memory)
+    out_dir/tokenizer.json, tokenizer_config.json, chat_template.jinja, special_tokens_map.json,
+    generation_config.json                     the checkpoint's, kept in the store at init; for a run that did
+                                               not start from one, the dataset's tokenizer and a generated config
+
+``bcdflow export`` writes either into a temporary directory beside ``out_dir`` and renames it into place
+(``written_whole``), so a failure leaves nothing half-written; an existing file or non-empty directory is refused.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 
+import torch
 from safetensors.torch import save_file
 
+from core.errors import BadInput
+from models import hf as hfmap
+from models.build import param_shapes
+from models.config import ModelConfig
 from storage import checkpoints, runs
 from storage.store import Store
+
+FORMATS = ("bcdflow", "hf")
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+MAX_SHARD_BYTES = 2 << 30
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "generation_config.json")
 
 
 def export_version(store: Store, run_id: str, version: int, out_dir: str) -> int:
@@ -31,3 +62,106 @@ def export_version(store: Store, run_id: str, version: int, out_dir: str) -> int
         with open(os.path.join(out_dir, "tokenizer.json"), "wb") as f:
             f.write(store.read_bytes(tok))
     return len(tensors)
+
+
+@contextmanager
+def written_whole(out_dir: str):
+    """Yield a temporary directory beside ``out_dir`` and move it into place when the block succeeds, so a
+    failure leaves nothing half-written. ``out_dir`` must be new or an empty directory, never a file."""
+    out = os.path.abspath(os.path.expanduser(out_dir))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise BadInput(f"export: {out_dir} exists and is not a directory")
+    if os.path.isdir(out) and os.listdir(out):
+        raise BadInput(f"export: {out_dir} exists and is not empty (choose a new directory)")
+    parent = os.path.dirname(out)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    except OSError as e:
+        raise BadInput(f"export: cannot write in {parent} ({e.strerror or e})") from None
+    try:
+        yield tmp
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (checked above)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_hf(store: Store, run_id: str, version: int, out_dir: str, dtype: str | None = None,
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
+    """Write version ``version`` of ``run_id`` as a Hugging Face model directory; returns the tensor count.
+    ``dtype``: ``bf16``/``fp16``/``fp32`` (or torch's names); None = the source checkpoint's, fp32 otherwise."""
+    conf = runs.read_config(store, run_id)
+    mcfg = ModelConfig.from_dict(conf["model_resolved"])
+    src = conf.get("hf")
+    dtype = DTYPE_NAMES.get(dtype, dtype) or (src["dtype"] if src else "float32")
+    if dtype not in hfmap.DTYPES:
+        raise BadInput(f"--dtype: unknown dtype {dtype!r} (choose from {', '.join(DTYPE_NAMES)})")
+    config, files = _hf_config_and_files(store, run_id, conf, mcfg, dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    n = _write_weights(store, run_id, version, mcfg, conf["plan"], out_dir, hfmap.DTYPES[dtype], max_shard_bytes)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    for name, data in files.items():
+        with open(os.path.join(out_dir, name), "wb") as f:
+            f.write(data)
+    return n
+
+
+def _write_weights(store: Store, run_id: str, version: int, mcfg: ModelConfig, plan: dict, out: str,
+                   dtype: torch.dtype, max_shard_bytes: int) -> int:
+    """One model.safetensors, or above ``max_shard_bytes`` one shard per block plus the index."""
+    total = sum(torch.Size(s).numel() for s in param_shapes(mcfg).values()) * dtype.itemsize
+    blocks = [b["index"] for b in plan["blocks"]]
+    manifest = checkpoints.read_manifest(store, run_id, version)
+
+    def hf_block(b: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in checkpoints.load_from_manifest(store, run_id, manifest, [b]).items():
+            key, t = hfmap.to_hf(mcfg, name, t)
+            out[key] = t.to(dtype).contiguous()
+        return out
+
+    meta = {"format": "pt"}
+    if total <= max_shard_bytes or len(blocks) == 1:
+        tensors = {k: v for b in blocks for k, v in hf_block(b).items()}
+        save_file(tensors, os.path.join(out, "model.safetensors"), metadata=meta)
+        return len(tensors)
+    weight_map, n = {}, 0
+    for k, b in enumerate(blocks):
+        shard = f"model-{k + 1:05d}-of-{len(blocks):05d}.safetensors"
+        tensors = hf_block(b)
+        save_file(tensors, os.path.join(out, shard), metadata=meta)
+        weight_map.update({name: shard for name in tensors})
+        n += len(tensors)
+        del tensors
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    return n
+
+
+def _hf_config_and_files(store: Store, run_id: str, conf: dict, mcfg: ModelConfig,
+                         dtype: str) -> tuple[dict, dict[str, bytes]]:
+    """config.json and the tokenizer/generation files of the export."""
+    src = conf.get("hf")
+    if src:  # the source checkpoint's own files: the model is the same architecture, only trained
+        config = json.loads(store.read_bytes(runs.run_key(run_id, "hf", "config.json")))
+        for key in ("dtype", "torch_dtype"):
+            if key in config or key == "dtype":
+                config[key] = dtype
+        files = {name: store.read_bytes(runs.run_key(run_id, "hf", name)) for name in _TOKENIZER_FILES
+                 if store.exists(runs.run_key(run_id, "hf", name))}
+        return config, files
+    # a run that started from fresh weights: its family's natural architecture and the dataset's tokenizer
+    ds = conf["dataset"]
+    meta = store.read_json("datasets", ds, "meta.json")
+    tok_json = store.read_bytes("datasets", ds, "tokenizer.json")
+    from tokenizers import Tokenizer
+
+    eos = Tokenizer.from_str(tok_json.decode()).id_to_token(meta["eos_id"])
+    config = hfmap.config_to_hf(mcfg, hfmap.default_architecture(mcfg), dtype)
+    config.update({"bos_token_id": meta["eos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": None})
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos,
+                  "model_max_length": mcfg.n_ctx, "clean_up_tokenization_spaces": False}
+    return config, {"tokenizer.json": tok_json, "tokenizer_config.json": json.dumps(tok_config, indent=2).encode()}

@@ -4,6 +4,7 @@
     bcdflow train -c run.yaml --set bcd.blocks=4 --run-id my-run
     bcdflow status my-run --json
     bcdflow export my-run ./out
+    bcdflow export my-run ./hf-out --format hf --dtype bf16   # a transformers model directory
     bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
 
 What goes wrong is said in one line on stderr, never with a traceback (``--debug`` shows them):
@@ -22,7 +23,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 
@@ -131,6 +131,10 @@ def _preflight(cfg) -> None:
     resolve_device(cfg.train.device)
     if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
         raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
+    if cfg.model.from_hf:  # every shard, tensor and the tokenizer, before a flow starts
+        from core.hf import check_checkpoint
+
+        check_checkpoint(cfg)
     files = data_files(cfg) if cfg.data.files else None
     if files is not None:
         if sum(os.path.getsize(f) for f in files) == 0:
@@ -288,39 +292,20 @@ def cmd_compare(args) -> int:
     return 0
 
 
-def _export_target(out_dir: str) -> str:
-    """An export goes to a new or empty directory whose parent can be created; never onto a file."""
-    out = os.path.abspath(os.path.expanduser(out_dir))
-    if os.path.isfile(out) or (os.path.exists(out) and not os.path.isdir(out)):
-        raise BadInput(f"export: {out_dir} exists and is not a directory")
-    if os.path.isdir(out) and os.listdir(out):
-        raise BadInput(f"export: {out_dir} exists and is not empty (choose a new directory)")
-    parent = os.path.dirname(out)
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise BadInput(f"export: cannot create {parent} ({e.strerror or e})") from None
-    if not os.access(parent, os.W_OK):
-        raise BadInput(f"export: cannot write in {parent} (permission denied)")
-    return out
-
-
 def cmd_export(args) -> int:
-    from core.export import export_version
+    from core.export import export_hf, export_version, written_whole
 
-    out = _export_target(args.out_dir)
+    if args.dtype and args.format != "hf":
+        raise BadInput("--dtype: only with --format hf (the bcdflow format keeps the stored tensors as they are)")
     store = _store(args.store, args)
     state = _existing_state(store, args.run_id)
     version = state.version if args.version is None else args.version
     if not 0 <= version <= state.version:
         raise BadInput(f"--version: run {args.run_id!r} has versions 0..{state.version}, got {version}")
-    tmp = f"{out}.tmp-{os.getpid()}"  # written whole, then moved into place: never half an export
-    try:
-        n = export_version(store, args.run_id, version, tmp)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"exported run {args.run_id} version {version} ({n} tensors) to {args.out_dir}")
+    with written_whole(args.out_dir) as tmp:
+        n = (export_hf(store, args.run_id, version, tmp, dtype=args.dtype) if args.format == "hf"
+             else export_version(store, args.run_id, version, tmp))
+    print(f"exported run {args.run_id} version {version} ({n} tensors, {args.format} format) to {args.out_dir}")
     return 0
 
 
@@ -361,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     store_opts(sp)
     sp.add_argument("out_dir")
     sp.add_argument("--version", type=int)
+    sp.add_argument("--format", choices=("bcdflow", "hf"), default="bcdflow",
+                    help="bcdflow (default) or hf: a directory transformers' from_pretrained loads")
+    sp.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                    help="tensor dtype of --format hf (default: the source checkpoint's, else fp32)")
     sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("compare", help="loss and cost of runs against the first (B-F multiplier, what-if cost)",
                         parents=[common])

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -38,11 +39,16 @@ def build_model(cfg: ModelConfig, layers: tuple[int, int] | None = None, embed: 
     return model
 
 
-def param_sizes(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter name -> element count, from a meta-device model (no memory, no init)."""
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape, from a meta-device model (no memory, no init)."""
     with torch.device("meta"):
         model = FAMILIES[cfg.family](cfg)
-    return {n: p.numel() for n, p in model.named_parameters()}
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def param_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter name -> element count, from a meta-device model (no memory, no init)."""
+    return {n: math.prod(s) for n, s in param_shapes(cfg).items()}
 
 
 def model_plan(cfg: ModelConfig, blocks: int | None = None, boundaries: Sequence[int] | None = None,

@@ -15,6 +15,28 @@ FAMILIES = ("gpt", "llama")
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """LLaMA 3.1's RoPE frequency scaling (``rope_type: llama3``): wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``, those shorter than
+    ``original_max_position_embeddings / high_freq_factor`` are kept, and the band between is interpolated.
+    Frozen (not a dict) so ModelConfig stays hashable."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        if not self.factor > 0:
+            raise ConfigError(f"model.rope_scaling.factor: must be > 0, got {self.factor}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(f"model.rope_scaling: need 0 < low_freq_factor < high_freq_factor, got "
+                              f"{self.low_freq_factor} and {self.high_freq_factor}")
+        if int(self.original_max_position_embeddings) < 1:
+            raise ConfigError("model.rope_scaling.original_max_position_embeddings: must be >= 1, got "
+                              f"{self.original_max_position_embeddings}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str = "gpt"
     """``gpt`` (learned positions, LayerNorm, GELU MLP, tied head) or ``llama`` (RMSNorm, RoPE, SwiGLU)."""
@@ -34,10 +56,20 @@ class ModelConfig:
     """None = family default: tied for gpt, untied for llama."""
     bias: bool = True
     """Biases in linear layers and LayerNorm (gpt only; llama has none)."""
+    qkv_bias: bool = False
+    """Biases on the query/key/value projections only (llama family: Qwen2 has them)."""
+    rope_scaling: RopeScaling | None = None
+    """llama3 frequency scaling of the rotary embedding (LLaMA 3.1 and later); None = plain RoPE."""
 
     def __post_init__(self):
         def bad(key: str, msg: str):
             raise ConfigError(f"model.{key}: {msg}")
+
+        if isinstance(self.rope_scaling, dict):  # from to_dict() / a stored config.json
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.family != "llama" and (self.qkv_bias or self.rope_scaling is not None):
+            bad("qkv_bias" if self.qkv_bias else "rope_scaling",
+                "only for the llama family (gpt has learned positions and model.bias)")
 
         if self.family not in FAMILIES:
             bad("family", f"unknown family {self.family!r} (choose from {', '.join(FAMILIES)})")
@@ -80,6 +112,11 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Inverse of :meth:`to_dict` (a stored ``model_resolved``); fields it lacks keep their defaults."""
+        return cls(**d)
 
 
 def _gpt(n_layer, d_model, n_head, **kw) -> ModelConfig:
@@ -126,6 +163,8 @@ def count_params(cfg: ModelConfig) -> int:
         head = 2 * d if cfg.bias else d
     else:
         layer = d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d
+        if cfg.qkv_bias:
+            layer += d + 2 * kv
         emb = cfg.vocab_size * d
         head = d
     if not cfg.tied:

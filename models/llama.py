@@ -1,35 +1,66 @@
-"""LLaMA family: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, untied head."""
+"""LLaMA family: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, untied head.
+
+Also runs the close relatives that differ by a flag: q/k/v biases (``qkv_bias``, Qwen2), a tied head
+(LLaMA 3.2 1B/3B), LLaMA 3.1's scaled RoPE frequencies (``rope_scaling``).
+
+RoPE convention: the rotation pairs dimension ``j`` with ``j + head_dim/2`` ("rotate half", GPT-NeoX and
+Hugging Face ``transformers``), not the interleaved pairs ``(2j, 2j+1)`` of Meta's original code. The two
+are the same model up to a fixed permutation of the q/k output rows; we pick the one the checkpoints
+people fine-tune are stored in, so loading and exporting them is pure renaming (models/hf.py), q/k biases
+need no permutation either, and our forward is the very computation ``transformers`` runs (logits agree
+to float rounding). A Meta-format checkpoint would need the permutation instead; none is read here.
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from models.base import Decoder
-from models.config import ModelConfig
+from models.config import ModelConfig, RopeScaling
 
 
-def rope_tables(head_dim: int, n_ctx: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (n_ctx, head_dim/2) for rotary embeddings."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                     device=None) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) of the rotary embedding; with ``scaling``, LLaMA 3.1's rule:
+    low frequencies (wavelength above original_ctx/low_freq_factor) divided by ``factor``, high ones
+    (below original_ctx/high_freq_factor) kept, a linear blend in between."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv
+    ctx = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv
+    smooth = (ctx / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv / scaling.factor + smooth * inv
+    out = torch.where(wavelen > ctx / scaling.low_freq_factor, inv / scaling.factor, inv)
+    medium = (wavelen >= ctx / scaling.high_freq_factor) & (wavelen <= ctx / scaling.low_freq_factor)
+    return torch.where(medium, blended, out)
+
+
+def rope_tables(head_dim: int, n_ctx: int, theta: float, scaling: RopeScaling | None = None,
+                device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (n_ctx, head_dim/2) for rotary embeddings."""
+    inv = rope_frequencies(head_dim, theta, scaling, device)
     ang = torch.outer(torch.arange(n_ctx, device=device, dtype=torch.float32), inv)
     return ang.cos(), ang.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., ::2], x[..., 1::2]) of (B, nh, T, hd) by the position angle."""
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
+    """Rotate the halves (x[..., :hd/2], x[..., hd/2:]) of (B, nh, T, hd) by the position angle:
+    dimension j pairs with j + hd/2, both turned by angle pos * inv_freq[j]."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, nh, T, hd/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head, self.n_kv, self.hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.hd, bias=False)
-        self.wk = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
-        self.wv = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.hd, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * self.hd, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
@@ -82,7 +113,8 @@ class LLaMA(Decoder):
     def _init_buffers(self) -> None:
         # RoPE tables are derived, never stored in checkpoints
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.n_ctx, self.cfg.rope_theta, device=device)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.n_ctx, self.cfg.rope_theta, self.cfg.rope_scaling,
+                               device=device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -20,11 +20,14 @@ Usage::
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
 
 from core.errors import DamagedArtifact
 
@@ -62,16 +65,38 @@ def save_block(store: Store, run_id: str, tensors: dict[str, torch.Tensor]) -> d
     """Write one block's tensors as a content-addressed safetensors object and return its manifest entry.
 
     Identical tensors give identical bytes, hence the same object: an existing object of the right size is
-    not rewritten (resume after a crash, or an unchanged block)."""
+    not rewritten (resume after a crash, or an unchanged block). The bytes are streamed to a temporary file
+    and hashed from there (the same bytes ``safetensors.torch.save`` makes), so saving holds no second copy
+    of the block in memory: tensors that are views of a mapped checkpoint are never materialised at all."""
     if not tensors:
         raise CheckpointError("save_block got no tensors")
-    data = st_save(_to_cpu_contiguous(tensors))
-    sha = sha256_bytes(data)
-    rel = f"blocks/{sha[:32]}.safetensors"
-    path = store.path(_run_key(run_id, rel))
-    if not (store.fs.exists(path) and store.fs.size(path) == len(data)):
-        store.write_bytes(data, _run_key(run_id, rel))
-    return {"file": rel, "sha256": sha, "bytes": len(data)}
+    tensors = _to_cpu_contiguous(tensors)
+    # a local store gets the temporary file beside its final name (an atomic rename); others upload it
+    tmp_dir = store.path(_run_key(run_id, "blocks")) if store.is_local else None
+    if tmp_dir:
+        os.makedirs(tmp_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=tmp_dir)
+    try:
+        os.close(fd)
+        st_save_file(tensors, tmp)
+        h, size = hashlib.sha256(), 0
+        with open(tmp, "rb+") as f:
+            for chunk in iter(lambda: f.read(8 << 20), b""):
+                h.update(chunk)
+                size += len(chunk)
+            os.fsync(f.fileno())
+        sha = h.hexdigest()
+        rel = f"blocks/{sha[:32]}.safetensors"
+        path = store.path(_run_key(run_id, rel))
+        if not (store.fs.exists(path) and store.fs.size(path) == size):
+            if store.is_local:
+                os.replace(tmp, path)
+            else:
+                store.fs.put_file(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return {"file": rel, "sha256": sha, "bytes": size}
 
 
 def _check_entry(block: Any, entry: Any) -> dict[str, Any]:

@@ -124,9 +124,52 @@ def load_texts(files: list[str] | None = None, path: str | None = None, name: st
     ``datasets.load_dataset(path, name, split=split)``. ``cache_dir`` is the datasets cache
     (default: the user's ``~/.cache/huggingface``).
     """
+    texts: list[str] = []
+    for builder, ds, what in _datasets(files, path, name, split, cache_dir):
+        # the text builder always names its column "text"; text_field is for json/parquet
+        texts += _column(ds, "text" if builder == "text" else text_field, what)
+    key, where = _where(files, path, split)
+    texts = [t for t in texts if t and t.strip()]  # whitespace-only documents are empty too
+    if max_chars is not None:
+        texts = _truncate(texts, max_chars)
+    if not texts:
+        raise DataError(f"{key}: corpus is empty (0 characters in {where})")
+    return texts
+
+
+def load_records(fields: Sequence[str], files: list[str] | None = None, path: str | None = None,
+                 name: str | None = None, split: str = "train", cache_dir: str | None = None) -> dict[str, list]:
+    """Columns ``fields`` of json/jsonl/parquet records (or a ``datasets`` dataset), in file order: the
+    supervised fine-tuning formats (``data.format``), one example per record."""
+    out: dict[str, list] = {f: [] for f in fields}
+    for builder, ds, what in _datasets(files, path, name, split, cache_dir):
+        if builder == "text":
+            raise DataError(f"data.format: {what} are plain text; supervised fine-tuning records come from json, "
+                            "jsonl or parquet files")
+        for f in fields:
+            if f not in ds.column_names:
+                raise DataError(f"data.files: no field {f!r} in {what} (fields: {', '.join(ds.column_names)})")
+            col = list(ds[f])
+            if f != "messages" and not all(isinstance(v, str) for v in col):
+                raise DataError(f"data.files: field {f!r} in {what} must hold strings")
+            out[f] += col
+    if not out[fields[0]]:
+        key, where = _where(files, path, split)
+        raise DataError(f"{key}: no records in {where}")
+    return out
+
+
+def _where(files, path, split) -> tuple[str, str]:
+    if files:
+        return "data.files", f"{len(files)} file{'s' if len(files) != 1 else ''}"
+    return "data.path", f"dataset {path!r} split {split!r}"
+
+
+def _datasets(files, path, name, split, cache_dir):
+    """(builder, datasets.Dataset, description) per run of consecutive files with the same builder, or for
+    the one dataset ``path`` names."""
     import datasets  # heavy import, only when texts are really loaded (not on dataset reuse)
 
-    texts: list[str] = []
     if files:
         # one load per run of consecutive files with the same builder, so documents keep file order
         for builder, run in itertools.groupby(files, key=lambda f: _BUILDERS.get(os.path.splitext(f)[1].lower(), "text")):
@@ -138,27 +181,16 @@ def load_texts(files: list[str] | None = None, path: str | None = None, name: st
             except Exception as e:  # noqa: BLE001 - datasets raises many types; all mean "unreadable"
                 names = ", ".join(os.path.basename(f) for f in group[:3]) + (", ..." if len(group) > 3 else "")
                 raise DataError(f"data.files: cannot read {builder} file(s) {names}: {_reason(e)}") from e
-            # the text builder always names its column "text"; text_field is for json/parquet
-            texts += _column(ds, "text" if builder == "text" else text_field, f"{builder} files")
-        where = f"{len(files)} file{'s' if len(files) != 1 else ''}"
-        key = "data.files"
+            yield builder, ds, f"{builder} files"
     elif path:
         try:
             ds = datasets.load_dataset(path, name, split=split, cache_dir=cache_dir)
         except Exception as e:  # noqa: BLE001
             raise DataError(f"data.path: cannot load dataset {path!r} (name={name!r}, split={split!r}): "
                             f"{_reason(e)}") from e
-        texts = _column(ds, text_field, f"dataset {path!r}")
-        where, key = f"dataset {path!r} split {split!r}", "data.path"
+        yield "dataset", ds, f"dataset {path!r}"
     else:
         raise DataError("data.files: give data.files or data.path")
-
-    texts = [t for t in texts if t and t.strip()]  # whitespace-only documents are empty too
-    if max_chars is not None:
-        texts = _truncate(texts, max_chars)
-    if not texts:
-        raise DataError(f"{key}: corpus is empty (0 characters in {where})")
-    return texts
 
 
 def _column(ds, field: str, what: str) -> list[str]:
@@ -212,15 +244,20 @@ def check_vocab_size(vocab_size: int) -> None:
 
 def load_tokenizer(path: str) -> Tokenizer:
     """A user's ``tokenizer.json``; it must contain one of :data:`EOS_CANDIDATES`."""
+    tok = read_tokenizer(path)
+    eos_id(tok, key=f"data.tokenizer: {str(path)!r}")
+    return tok
+
+
+def read_tokenizer(path: str) -> Tokenizer:
+    """A ``tokenizer.json`` (a checkpoint's names its own end-of-text token, so no candidate is required)."""
     p = os.path.expanduser(str(path))
     if not os.path.isfile(p):
         raise DataError(f"data.tokenizer: no such file {str(path)!r}")
     try:
-        tok = Tokenizer.from_file(p)
+        return Tokenizer.from_file(p)
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
         raise DataError(f"data.tokenizer: {str(path)!r} is not a valid tokenizer.json ({_reason(e)})") from e
-    eos_id(tok, key=f"data.tokenizer: {str(path)!r}")
-    return tok
 
 
 def eos_id(tok: Tokenizer, key: str = "data.tokenizer") -> int:

@@ -30,13 +30,25 @@ def data_files(cfg: RunConfig) -> list[str] | None:
 
 
 def prepare_data(cfg: RunConfig, store: Store) -> str:
-    """Tokenize and pack the corpus once; later runs with the same inputs reuse it. Returns its id."""
+    """Tokenize and pack the corpus once; later runs with the same inputs reuse it. Returns its id.
+
+    With ``model.from_hf`` the checkpoint is checked in full first (this is the run's first write) and its
+    tokenizer, end-of-text token and chat template make the dataset."""
     d = cfg.data
     cache = os.environ.get("BCDFLOW_HF_CACHE") or os.path.join(tempfile.gettempdir(), "bcdflow-hf-cache")
+    tok = {"tokenizer_file": d.tokenizer}
+    if cfg.model.from_hf:
+        from core.hf import check_checkpoint, eos_token
+        from storage.corpus import read_tokenizer
+
+        ck = check_checkpoint(cfg)
+        tok = {"tokenizer_file": ck.tokenizer_json, "eos_token": eos_token(ck, read_tokenizer(ck.tokenizer_json)),
+               "chat_template": ck.chat_template if d.format == "chat" else None,
+               "special_tokens": ck.special_tokens if d.format == "chat" else None}
     return prepare_token_dataset(
         store, files=data_files(cfg), path=d.path if not d.files else None, name=d.name, split=d.split,
-        text_field=d.text_field, seq_len=d.seq_len, vocab_size=d.vocab_size, tokenizer_file=d.tokenizer,
-        val_fraction=d.val_fraction, max_chars=d.max_chars, cache_dir=cache)
+        text_field=d.text_field, seq_len=d.seq_len, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+        max_chars=d.max_chars, cache_dir=cache, format=d.format, **tok)
 
 
 prepare_data_task = task(prepare_data, name="prepare-data", **retrying())

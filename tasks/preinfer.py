@@ -39,13 +39,14 @@ def run_prefix(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int
     lo = shard * cfg.bcd.shard_rows
     rows = visit_rows(cfg, ctx.dataset.n_train, cycle, block)[lo:lo + cfg.bcd.shard_rows]
     prefix = ctx.frozen_prefix(version, block)
-    tokens = torch.from_numpy(ctx.dataset.train_rows(rows)).long()  # (n, T+1)
+    inputs, targets = ctx.dataset.train_pairs(rows)  # (n, T) each; masked targets are -100
     layer = ctx.plan[block].layers[0]
     with torch.inference_mode(), autocast(ctx.device, cfg.train.precision):
         hidden = [prefix_hidden(prefix, x.to(ctx.device), layer).float().cpu()  # (B, T, C)
-                  for x in tokens[:, :-1].split(cfg.train.batch_size)]
+                  for x in inputs.split(cfg.train.batch_size)]
+    # the targets go with the activations, mask included: the visit trains from this group alone
     marker = activations.write_shard(ctx.store, ctx.acts_key(cycle, block), shard, torch.cat(hidden),
-                                     tokens[:, 1:].int())
+                                     targets.int())
     failpoints.hit("preinfer-shard")
     return marker
 

@@ -1,5 +1,10 @@
 """Run-level tasks: create a run (version 0) or check a resumed run's config, and commit a visit.
 
+Version 0 is fresh weights from the run seed, or with ``model.from_hf`` the checkpoint converted block by
+block (core/hf.py); such a run also keeps a copy of the checkpoint's config and tokenizer files under
+``runs/{run_id}/hf/`` (so ``bcdflow export --format hf`` needs only the store) and its fingerprint, so a
+resume from a checkpoint that changed under the same path is refused.
+
 The commit is the single atomic point of a visit (DESIGN §2.5): block file first (content-addressed,
 already written by training), then the new version manifest (copy-on-write), then the run state.
 """
@@ -10,13 +15,14 @@ import time
 import torch
 from prefect import task
 
-from core import failpoints
+from core import failpoints, hf
 from core.config import RunConfig
 from core.context import RunContext
 from models import build_model
 from models.errors import ConfigError
 from models.plan import block_tensors
 from storage import checkpoints, runs
+from storage.hf import Checkpoint
 from storage.runs import RunState, VisitRecord
 from tasks.retry import retrying
 
@@ -25,7 +31,9 @@ from tasks.retry import retrying
 IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.split", "bcd.order", "bcd.sample_rate",
             "bcd.preinfer", "bcd.max_steps", "bcd.patience", "bcd.min_delta", "bcd.window",
             "optim.name", "optim.weight_decay", "optim.momentum", "optim.grad_clip", "optim.warmup_steps",
-            "train.batch_size", "seed", "mode")
+            "train.batch_size", "seed", "mode", "format", "hf.fingerprint")
+# the layout of a run's stored config and weights; 2: LLaMA rotates q/k by halves (the Hugging Face convention)
+RUN_FORMAT = 2
 
 
 def _pick(d: dict, dotted: str):
@@ -34,17 +42,38 @@ def _pick(d: dict, dotted: str):
     return d
 
 
+def _normalized(stored: dict) -> dict:
+    """A stored config with the fields a newer bcdflow added filled with their defaults, so a key that did not
+    exist when the run started does not count as a difference."""
+    try:
+        sections = RunConfig.model_validate({k: v for k, v in stored.items() if k in RunConfig.model_fields})
+    except ValueError:
+        return stored  # a field since removed: compared raw, so it shows up as a difference
+    return {**stored, **sections.model_dump(exclude={"store"})}
+
+
 def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") -> RunState:
     """Create version 0 of a new run, or check an existing run's config and return its state."""
     ctx = RunContext.of(cfg, run_id, dataset_id)
     store, mcfg, plan = ctx.store, ctx.model_cfg, ctx.plan
-    resolved = {**cfg.model_dump(), "mode": mode, "dataset": dataset_id,
+    resolved = {**cfg.model_dump(), "mode": mode, "dataset": dataset_id, "format": RUN_FORMAT,
                 "model_resolved": mcfg.to_dict(), "plan": plan.to_dict()}
     resolved.pop("store", None)  # a run can move between stores; credentials never go in here
+    ck = None
+    if cfg.model.from_hf:
+        ck = Checkpoint.open(cfg.model.from_hf)
+        resolved["hf"] = hf.record(ck, mcfg)
     state = runs.read_state(store, run_id)
     if state is not None:
-        old = runs.read_config(store, run_id)
+        old = _normalized(runs.read_config(store, run_id))
+        old.setdefault("format", 1)
         diff = [k for k in IDENTITY if _pick(old, k) != _pick(resolved, k)]
+        if "format" in diff:
+            raise ConfigError(f"run {run_id!r} was made by an older bcdflow (run format {old['format']}, this one "
+                              f"writes {RUN_FORMAT}: LLaMA rotary embeddings changed); start a new --run-id")
+        if diff == ["hf.fingerprint"]:
+            raise ConfigError(f"model.from_hf: the checkpoint at {ck.dir!r} changed since run {run_id!r} started "
+                              "from it (its files' fingerprint differs); use a new --run-id")
         if diff:
             raise ConfigError(f"run {run_id!r} exists with a different config: {', '.join(diff)} "
                               "differ (use a new --run-id)")
@@ -52,10 +81,15 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
         if _pick(old, "optim.lr") != cfg.optim.lr:
             runs.write_config(store, run_id, {**old, "optim": {**old["optim"], "lr": cfg.optim.lr}})
         return state
-    torch.manual_seed(cfg.seed)
-    model = build_model(mcfg)  # version 0: fresh weights from the run seed
-    blocks = {b.index: checkpoints.save_block(store, run_id, block_tensors(model, plan, b.index))
-              for b in plan.blocks}
+    if ck is not None:  # version 0: the checkpoint, one block at a time
+        blocks = hf.write_version0(store, run_id, ck, mcfg, plan)
+        for name, data in ck.sidecars().items():
+            store.write_bytes(data, runs.run_key(run_id, "hf", name))
+    else:
+        torch.manual_seed(cfg.seed)
+        model = build_model(mcfg)  # version 0: fresh weights from the run seed
+        blocks = {b.index: checkpoints.save_block(store, run_id, block_tensors(model, plan, b.index))
+                  for b in plan.blocks}
     checkpoints.write_manifest(store, run_id, 0, blocks)
     runs.write_config(store, run_id, resolved)
     state = RunState(run_id=run_id, mode=mode, dataset=dataset_id, created=time.time())

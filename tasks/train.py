@@ -29,7 +29,7 @@ from models.trainer import LoopState, make_optimizer, run_steps
 from models.plan import block_tensors
 from models.visit import autocast, visit_loss
 from storage import activations, checkpoints, trainckpt
-from storage.tokens import TokenDataset
+from storage.tokens import IGNORE, TokenDataset
 from tasks.data import batch_ranges, sample_rows, visit_rows
 from tasks.retry import retrying
 from tracking.tracker import TrackTarget
@@ -84,8 +84,7 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
         fetch = activations.ActivationReader(ctx.store, ctx.acts_key(cycle, block)).read  # (B, T, C), (B, T)
     else:
         def fetch(a: int, b: int):
-            t = torch.from_numpy(ds.train_rows(rows[a:b])).long()  # (B, T+1)
-            return t[:, :-1], t[:, 1:]
+            return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE)
 
     def loss_fn(batch):
         with autocast(device, cfg.train.precision):
@@ -156,16 +155,19 @@ train_block = task(train_visit, name="train-block", **retrying(2))
 
 @torch.no_grad()
 def evaluate_model(model, ds: TokenDataset, cfg: RunConfig, device) -> float:
-    """Token-weighted mean validation loss over the first ``train.eval_rows`` validation rows."""
-    val = torch.from_numpy(ds.val_rows()[: cfg.train.eval_rows]).long()
+    """Token-weighted mean validation loss over the first ``train.eval_rows`` validation rows; with a loss
+    mask (supervised formats) over the trained (completion) tokens only."""
+    inputs, targets = ds.val_pairs(cfg.train.eval_rows)
     total, count = 0.0, 0
-    for t in val.split(cfg.train.batch_size):
-        t = t.to(device)
+    for x, y in zip(inputs.split(cfg.train.batch_size), targets.split(cfg.train.batch_size)):
+        n = int((y != IGNORE).sum())
+        if n == 0:  # a batch without a trained token has no loss (cross-entropy of nothing is NaN)
+            continue
         with autocast(device, cfg.train.precision):
-            loss = model(t[:, :-1], t[:, 1:])
-        total += float(loss) * t[:, 1:].numel()
-        count += t[:, 1:].numel()
-    return total / count
+            loss = model(x.to(device), y.to(device))
+        total += float(loss) * n
+        count += n
+    return total / count if count else float("nan")
 
 
 def evaluate_version(cfg: RunConfig, run_id: str, base_version: int, dataset_id: str,
@@ -189,8 +191,8 @@ def greedy_block(cfg: RunConfig, run_id: str, version: int, dataset_id: str, cyc
     ctx = RunContext.of(cfg, run_id, dataset_id)
     model = ctx.load_part(ctx.manifest(version), (0, ctx.model_cfg.n_layer), True, True)
     probe = sample_rows(ctx.dataset.n_train, 1.0, cfg.seed, cycle, 10_000 + version)[: cfg.train.batch_size]
-    t = torch.from_numpy(ctx.dataset.train_rows(np.sort(probe))).long().to(ctx.device)
-    model(t[:, :-1], t[:, 1:]).backward()
+    x, y = ctx.dataset.train_pairs(np.sort(probe))
+    model(x.to(ctx.device), y.to(ctx.device)).backward()
     grads = dict(model.named_parameters())
     norms = {b: float(torch.sqrt(sum((grads[n].grad.float() ** 2).sum() for n in ctx.plan[b].params)))
              for b in candidates}

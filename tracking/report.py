@@ -100,10 +100,12 @@ def _save(fig, out_dir: str, name: str) -> str:
 # -- the run's MLflow outputs -------------------------------------------------------------------
 
 def log_run_outputs(cfg, run_id: str, mlflow_run: str, version: int) -> None:
-    """Log the figures and (``log_model``) the exported final model to the run's MLflow run."""
+    """Log the figures and (``log_model``) the exported final model to the run's MLflow run: a run that started
+    from a Hugging Face checkpoint logs the Hugging Face directory (``bcdflow export --format hf``), others
+    the bcdflow format."""
     import tempfile
 
-    from core.export import export_version
+    from core.export import export_hf, export_version
     from storage import runs
     from tracking.tracker import Tracker
 
@@ -114,5 +116,6 @@ def log_run_outputs(cfg, run_id: str, mlflow_run: str, version: int) -> None:
         figures(visits, tracker.history(mlflow_run, "train_loss"), os.path.join(tmp, "figures"))
         tracker.artifact(mlflow_run, os.path.join(tmp, "figures"), "figures")
         if cfg.log_model:
-            export_version(store, run_id, version, os.path.join(tmp, "model"))
+            export = export_hf if cfg.model.from_hf else export_version
+            export(store, run_id, version, os.path.join(tmp, "model"))
             tracker.artifact(mlflow_run, os.path.join(tmp, "model"), "model")
