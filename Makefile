@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 	PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600 \
 	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)   # the inner loop: everything but the end-to-end runs (a minute)
+	PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
+	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600 \
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks run --quick

@@ -215,6 +215,47 @@ class StopSection(_Section):
     """How much lower than the best so far a validation loss must be to count as an improvement."""
 
 
+class FleetSection(_Section):
+    """Where a run's work goes beyond this process (DESIGN §6). Unset, everything runs here (the default)."""
+    visit_pool: str | None = None
+    """A Prefect work pool of GPU machines: each visit runs as a run of the deployment ``bcd-visit/{visit_pool}``
+    (prefect.yaml), picked up by any worker on the pool, the store being all they share; None = each visit is
+    an in-process subflow."""
+    visit_retries: int = Field(2, ge=0)
+    """Resubmissions of a visit whose flow run crashed or failed for a machine reason (its worker killed, its
+    box gone); it continues from its mid-visit checkpoint. Bad input is never resubmitted."""
+    job_variables: str = "{}"
+    """Job variables of the visit runs, a JSON object (e.g. {"env": {"NCCL_DEBUG": "WARN"}}), merged over the
+    deployment's."""
+    poll_seconds: float = Field(5.0, gt=0)
+    """How often the parent polls a dispatched visit's state."""
+    preinfer: Literal["local", "dask"] = "local"
+    """Where a visit's pre-inference shards run: threads of the visit's process, or a Dask cluster
+    (prefect-dask; one worker per GPU, Dask resource GPU=1)."""
+    dask_address: str | None = None
+    """An existing Dask scheduler (tcp://host:8786); None = a LocalCluster of ``dask_workers`` processes."""
+    dask_workers: int = Field(2, ge=1)
+    lease_seconds: float = Field(60.0, ge=2)
+    """How long a run's (or a visit's) lease lasts without renewal (renewed every third of it): after a crash
+    elsewhere, the wait before another process may take the run over."""
+    reschedule_delay_s: float = Field(30.0, ge=0)
+    """A preempted visit (SIGTERM under a worker) is rescheduled this far ahead, so the worker of the machine
+    going away does not pick it up again."""
+
+    @field_validator("job_variables")
+    @classmethod
+    def _job_variables(cls, v: str) -> str:
+        import json
+
+        try:
+            parsed = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON ({e})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"must be a JSON object, got {v!r}")
+        return v
+
+
 class RunConfig(_Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
@@ -225,6 +266,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointSection = CheckpointSection()
     spend: SpendSection = SpendSection()
     stop: StopSection = StopSection()
+    fleet: FleetSection = FleetSection()
     seed: int = 0
     store: str = "./bcdflow-store"
     """Any fsspec URL: a local path, memory://, s3://bucket/prefix."""

@@ -64,15 +64,26 @@ def export_version(store: Store, run_id: str, version: int, out_dir: str) -> int
     return len(tensors)
 
 
-@contextmanager
-def written_whole(out_dir: str):
-    """Yield a temporary directory beside ``out_dir`` and move it into place when the block succeeds, so a
-    failure leaves nothing half-written. ``out_dir`` must be new or an empty directory, never a file."""
+def check_target(out_dir: str) -> str:
+    """The absolute export directory: new or empty, never a file, in a directory that can be created."""
     out = os.path.abspath(os.path.expanduser(out_dir))
     if os.path.exists(out) and not os.path.isdir(out):
         raise BadInput(f"export: {out_dir} exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out):
         raise BadInput(f"export: {out_dir} exists and is not empty (choose a new directory)")
+    parent = os.path.dirname(out)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise BadInput(f"export: cannot create {os.path.dirname(out)} ({parent} is not a writable directory)")
+    return out
+
+
+@contextmanager
+def written_whole(out_dir: str):
+    """Yield a temporary directory beside ``out_dir`` and move it into place when the block succeeds, so a
+    failure leaves nothing half-written."""
+    out = check_target(out_dir)
     parent = os.path.dirname(out)
     try:
         os.makedirs(parent, exist_ok=True)

@@ -1,8 +1,11 @@
 """Named crash points for the kill -9 tests (DESIGN I4): ``BCDFLOW_FAILPOINTS=name[:n],...`` makes the
 process SIGKILL itself at the n-th (default first) time it reaches ``hit(name)``. Unset: a dict lookup.
+With ``BCDFLOW_FAILPOINTS_ONCE=PATH`` only the first process to fire creates PATH and dies; the others (a Dask
+worker started in its place, the other workers) go on.
 
-Points: ``preinfer-shard`` (a shard written), ``train-checkpoint`` (a mid-visit checkpoint written),
-``before-commit`` (block file written, manifest and state not yet).
+Points: ``preinfer-computed`` (a shard computed, not yet written), ``preinfer-shard`` (a shard written),
+``train-checkpoint`` (a mid-visit checkpoint written), ``before-commit`` (block file written, manifest and
+state not yet).
 """
 from __future__ import annotations
 
@@ -23,5 +26,16 @@ def hit(name: str) -> None:
         if point == name:
             with _lock:
                 _counts[name] = _counts.get(name, 0) + 1
-                if _counts[name] == int(nth or 1):
+                if _counts[name] == int(nth or 1) and _first():
                     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _first() -> bool:
+    once = os.environ.get("BCDFLOW_FAILPOINTS_ONCE")
+    if not once:
+        return True
+    try:
+        os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True

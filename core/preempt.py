@@ -2,10 +2,10 @@
 and stops.
 
 While a training loop runs (``with training():``), handlers for SIGTERM and SIGINT are chained in front of
-whatever was installed (for SIGTERM, Prefect's own handler when a worker runs the flow with
-``PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR=reschedule``). They only raise a flag that the loop polls after each
-step; after the checkpoint, ``finish()`` hands SIGTERM on to the previous handler (or exits 143), and turns
-SIGINT into ``KeyboardInterrupt`` (the CLI exits 130 with the resume line). Outside training (pre-inference
+whatever was installed. They only raise a flag that the loop polls after each step. After the checkpoint the
+caller decides what happens next (``signal_received()``): a Ctrl-C becomes ``KeyboardInterrupt`` (the CLI exits
+130 with the resume line); a SIGTERM under a Prefect worker reschedules the flow run (tasks/preemption.py), and
+otherwise ``hand_on()`` gives it to the handler installed before (or exits 143). Outside training (pre-inference
 shards are atomic and reused) the previous handlers see the signals directly. Prefect runs sync flows and
 directly called tasks on the main thread, the only thread that may install signal handlers.
 """
@@ -49,16 +49,19 @@ def training():
     finally:
         if main:
             for sig in SIGNALS:
-                signal.signal(sig, _previous[sig])  # kept: finish() hands the signal on to it
+                signal.signal(sig, _previous[sig])  # kept: hand_on() passes the signal to it
 
 
-def finish() -> None:
-    """Call after the interruption checkpoint is written: hand the signal on."""
+def signal_received() -> int | None:
+    """The signal that stopped the loop (and clears it): SIGTERM or SIGINT."""
     global _signal
     sig, _signal = _signal, None
     _requested.clear()
-    if sig == signal.SIGINT:
-        raise KeyboardInterrupt
+    return sig
+
+
+def hand_on() -> None:
+    """SIGTERM, after the checkpoint, outside a worker: the handler installed before ours, or exit 143."""
     prev = _previous.get(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
     if callable(prev) and prev not in (signal.SIG_DFL, signal.SIG_IGN):
         prev(signal.SIGTERM, None)

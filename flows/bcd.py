@@ -22,7 +22,10 @@ from core.config import RunConfig
 from core.context import RunContext, resolve_device
 from flows import artifacts
 from flows.params import RunParams, new_run_id
-from flows.visit import prefect_tags, visit_with_workers
+from flows.fleet import dispatch_visit
+from flows.visit import prefect_tags, visit
+from storage import checkpoints, runs
+from storage.lease import Lease, this_process
 from storage.runs import RunState, VisitRecord, check_run_id
 from tasks.data import prepare_data_task
 from tasks.report import report_run
@@ -74,14 +77,26 @@ def stop_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int,
 
 
 def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
-    log = get_run_logger()
-    log.info("bcdflow run %s (%s) on store %s", run_id, mode, cfg.store)
+    """The run, holding its lease throughout (DESIGN I7): a second process on the same run id stops at once,
+    naming this one; if this one dies, the lease expires and another may take the run over."""
+    get_run_logger().info("bcdflow run %s (%s) on store %s", run_id, mode, cfg.store)
     check_run_id(run_id)
     store = cfg.open_store()
     store.probe()  # one clear line (no retries) when the store cannot be used, before anything is written
-    resolve_device(cfg.train.device)
-    dataset_id = prepare_data_task(cfg, store)
+    if not cfg.fleet.visit_pool:  # visits train here; with a pool, on the workers' devices
+        resolve_device(cfg.train.device)
+    dataset_id = prepare_data_task(cfg, store)  # shared and content-addressed: needs no lease (bad data: no run)
+    lease = Lease(store, runs.run_key(run_id), f"run {run_id!r}", ttl=cfg.fleet.lease_seconds,
+                  owner=this_process(flow_run.get_id()))
+    with lease.held():
+        return _run(cfg, store, lease, run_id, mode, dataset_id)
+
+
+def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id: str) -> dict:
+    log = get_run_logger()
     state: RunState = init_run_task(cfg, run_id, dataset_id, mode)
+    if dropped := checkpoints.drop_uncommitted(store, run_id, state.version):
+        log.warning("dropped manifests of versions %s: written by a commit that crashed before its state", dropped)
     n_blocks = len(RunContext.of(cfg, run_id, dataset_id).plan)
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
     parent = tracker.start(run_id, params={**cfg.model_dump(exclude={"store", "tracking_uri"}), "mode": mode},
@@ -107,8 +122,11 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
                 if stop := stop_reason(cfg, visits, n_blocks, next_block=b):
                     break
                 todo.remove(b)
-                with tags(f"run:{run_id}", f"cycle:{cycle}", f"block:{b}"):  # tell two runs' c0-b0 apart
-                    rec = visit_with_workers(cfg)(cfg, run_id, cycle, b, version, dataset_id)
+                if cfg.fleet.visit_pool:  # a run of the bcd-visit deployment on the GPU pool
+                    rec = dispatch_visit(cfg, run_id, cycle, b, version, dataset_id)
+                else:
+                    with tags(f"run:{run_id}", f"cycle:{cycle}", f"block:{b}"):  # tell two runs' c0-b0 apart
+                        rec = visit(run_id, cycle, b, version, dataset_id, RunParams.from_config(cfg))
                 visits.append(rec)
                 version, steps = rec.version, steps + rec.steps
                 art.progress(len(visits))
@@ -123,6 +141,7 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
         tracker.end(parent, "FAILED")
         raise
     reason, detail = stop
+    lease.check()
     note_state(cfg, run_id, status="done", stop_reason=reason, stop_detail=detail)
     total_usd = spend.total_spend(visits)
     gpu_hours, wall = sum(v.gpu_hours for v in visits), time.perf_counter() - t0

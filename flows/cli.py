@@ -6,6 +6,7 @@
     bcdflow export my-run ./out
     bcdflow export my-run ./hf-out --format hf --dtype bf16   # a transformers model directory
     bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
+    bcdflow worker --pool bcdflow-gpu         # a worker on a GPU box (visits as deployment runs, fleet.visit_pool)
 
 What goes wrong is said in one line on stderr, never with a traceback (``--debug`` shows them):
 
@@ -128,7 +129,13 @@ def _preflight(cfg) -> None:
     from storage.corpus import check_text_files
     from tasks.data import data_files
 
-    resolve_device(cfg.train.device)
+    if not cfg.fleet.visit_pool:  # with a pool, visits train on the workers' devices
+        resolve_device(cfg.train.device)
+    if cfg.fleet.preinfer == "dask":
+        try:
+            import prefect_dask  # noqa: F401
+        except ImportError:
+            raise BadInput("fleet.preinfer: dask needs the fleet extra (pip install -e '.[fleet]')") from None
     if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
         raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
     if cfg.model.from_hf:  # every shard, tensor and the tokenizer, before a flow starts
@@ -293,8 +300,9 @@ def cmd_compare(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from core.export import export_hf, export_version, written_whole
+    from core.export import check_target, export_hf, export_version, written_whole
 
+    check_target(args.out_dir)
     if args.dtype and args.format != "hf":
         raise BadInput("--dtype: only with --format hf (the bcdflow format keeps the stored tensors as they are)")
     store = _store(args.store, args)
@@ -307,6 +315,13 @@ def cmd_export(args) -> int:
              else export_version(store, args.run_id, version, tmp))
     print(f"exported run {args.run_id} version {version} ({n} tensors, {args.format} format) to {args.out_dir}")
     return 0
+
+
+def cmd_worker(args) -> int:
+    from flows.worker import run
+
+    extra = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
+    return run(args.pool, args.grace, extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,6 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     store_opts(sp, one_run=False)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_compare)
+    sp = sub.add_parser("worker", help="a Prefect process worker whose flow runs checkpoint on SIGTERM (spot GPUs)",
+                        parents=[common])
+    sp.add_argument("--pool", required=True, help="the work pool (e.g. bcdflow-gpu)")
+    sp.add_argument("--grace", type=float, default=60.0,
+                    help="seconds the flow runs get to checkpoint on SIGTERM before the worker stops (default 60)")
+    sp.add_argument("worker_args", nargs=argparse.REMAINDER, help="more `prefect worker start` options, after --")
+    sp.set_defaults(fn=cmd_worker)
     return p
 
 

@@ -1,27 +1,35 @@
 """One BCD visit as its own flow run (DESIGN §2; paper Algorithm 1, lines 5-9): block ``block`` of version
 ``version`` trained to local convergence while every other block is frozen.
 
-    sample -> pre-infer shards (paper §3.2.2) -> train block -> evaluate -> commit -> drop working objects
+    lease -> pre-infer shards (paper §3.2.2) -> train block -> evaluate -> commit -> drop working objects
 
-Everything else a visit needs (the global step so far, the spend so far, the parent's MLflow run) is read
-from the run's state.json, so a visit can be started from its ids alone, in-process or as a deployment run.
+The same flow runs in-process (a subflow of ``bcd_train``) or as a run of the ``bcd-visit`` deployment on a GPU
+work pool, picked up by any worker (DESIGN §6): its parameters are ids and the flat config form, and everything
+else a visit needs (the global step so far, the spend so far, the parent's MLflow run) is read from the run's
+state.json, the store being all that workers share. A visit holds a lease of its own, so two workers handed the
+same visit never train it at once; one that finds its visit committed already returns that record. What a
+failed visit leaves for its dispatcher is ``outcome.json``: bad input and damaged artifacts are final, anything
+else (a crash, a lost machine) is worth another try from the mid-visit checkpoint.
 """
 from __future__ import annotations
 
 import time
 
-from prefect import flow, get_run_logger, unmapped
+from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from core import spend
 from core.config import RunConfig
-from storage import runs
+from core.errors import BadInput, DamagedArtifact
+from flows.params import RunParams
+from storage import checkpoints, runs
+from storage.lease import Lease, LeaseHeld, this_process
 from storage.runs import RunStateError, VisitRecord
 from tasks.preinfer import plan_shards, preinfer_shard
 from tasks.run import commit_visit
 from tasks.train import evaluate, train_block
 from tracking.tracker import TrackTarget, Tracker
-
 
 # per-visit figures logged on the parent run as series over versions (step = version)
 VISIT_SERIES = ("steps", "seconds", "preinfer_seconds", "train_seconds", "eval_seconds", "tokens_per_s", "gpu_hours",
@@ -30,6 +38,7 @@ VISIT_SERIES = ("steps", "seconds", "preinfer_seconds", "train_seconds", "eval_s
 VISIT_SUMMARY = ("version", "steps", "stopped_by", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "seconds",
                  "preinfer_seconds", "train_seconds", "eval_seconds", "gpu_hours", "spend_usd", "cum_spend_usd",
                  *(f"spend_{s}_usd" for s in spend.STAGES))
+OUTCOME = "outcome.json"
 
 
 def prefect_tags() -> dict:
@@ -39,17 +48,57 @@ def prefect_tags() -> dict:
     return {k: v for k, v in tags.items() if v}
 
 
+def visit_lease(cfg: RunConfig, store, run_id: str, cycle: int, block: int) -> Lease:
+    return Lease(store, runs.visit_key(run_id, cycle, block), f"visit c{cycle}-b{block} of run {run_id!r}",
+                 ttl=cfg.fleet.lease_seconds, owner=this_process(flow_run.get_id(), flow_run.get_run_count()))
+
+
+def committed(state, cycle: int, block: int) -> VisitRecord | None:
+    return next((v for v in state.visits if (v.cycle, v.block) == (cycle, block)), None)
+
+
 @flow(name="bcd-visit", flow_run_name="c{cycle}-b{block}")
-def visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str) -> VisitRecord:
-    """One (cycle, block) visit on version ``version``; returns the committed visit record."""
-    log = get_run_logger()
+def visit(run_id: str, cycle: int, block: int, version: int, dataset_id: str,
+          config: RunParams = RunParams()) -> VisitRecord:
+    """One (cycle, block) visit of a BCD run on version ``version``; returns the committed visit record.
+
+    Args:
+        run_id: The bcdflow run.
+        cycle: The cycle of the visit.
+        block: The block it trains.
+        version: The version it trains on (the run's last committed version when it was planned).
+        dataset_id: The run's token dataset.
+        config: The run's settings (the flat form of `bcdflow train`).
+    """
+    cfg = config.to_config()
     store = cfg.open_store()
+    lease = visit_lease(cfg, store, run_id, cycle, block)
+    try:
+        with lease.held():
+            record = _visit(cfg, store, lease, run_id, cycle, block, version, dataset_id)
+        store.rm(runs.visit_key(run_id, cycle, block))  # activations, checkpoints, lease: dead once committed
+        return record
+    except (BadInput, DamagedArtifact) as e:  # final: the dispatcher must not resubmit it (LeaseHeld: the visit is busy)
+        kind = "busy" if isinstance(e, LeaseHeld) else "bad_input" if isinstance(e, BadInput) else "damaged"
+        store.write_json({"kind": kind, "message": str(e), "flow_run_id": flow_run.get_id()},
+                         runs.visit_key(run_id, cycle, block), OUTCOME)
+        raise
+
+
+def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: int, version: int,
+           dataset_id: str) -> VisitRecord:
+    log = get_run_logger()
     state = runs.read_state(store, run_id)
+    if state is not None and (done := committed(state, cycle, block)):
+        log.info("visit c%d-b%d of run %s is committed already (version %d)", cycle, block, run_id, done.version)
+        return done
     if state is None or state.version != version:
         raise RunStateError(f"visit c{cycle}-b{block} of run {run_id!r} was planned on version {version}, but the "
                             f"run is at version {state.version if state else 'none'}")
+    checkpoints.drop_uncommitted(store, run_id, version)  # a crashed earlier attempt's half-commit (we hold the lease)
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
     vkey = runs.visit_key(run_id, cycle, block)
+    store.rm(vkey, OUTCOME)
     # an interrupted visit continues its MLflow run instead of opening a second one
     known = store.read_json(vkey, "mlflow.json")["run_id"] if store.exists(vkey, "mlflow.json") else None
     mlrun = tracker.start(f"c{cycle}-b{block}", params={"cycle": cycle, "block": block, "base_version": version},
@@ -63,9 +112,7 @@ def visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dat
     t0 = time.perf_counter()
     preinfer_s = 0.0
     if cfg.bcd.preinfer and block > 0:  # paper §3.2.2
-        shards = plan_shards(cfg, run_id, cycle, block, dataset_id)
-        preinfer_shard.map(cfg=unmapped(cfg), run_id=run_id, cycle=cycle, block=block, version=version,
-                           dataset_id=dataset_id, shard=shards).result()
+        preinfer(cfg, run_id, cycle, block, version, dataset_id)
         preinfer_s = time.perf_counter() - t0
     tr = train_block(cfg, run_id, cycle, block, version, dataset_id, track=track)
     ev = evaluate(cfg, run_id, version, dataset_id, {block: tr.block_file})
@@ -78,8 +125,8 @@ def visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dat
         val_points=[(state.steps + s, v) for s, v in tr.val_points], tokens_per_s=tr.tokens / max(tr.seconds, 1e-9),
         peak_mem_bytes=tr.peak_mem_bytes, preinfer_seconds=preinfer_s, train_seconds=tr.seconds,
         eval_seconds=ev.seconds, seconds=seconds, **cost, cum_spend_usd=state.spend_usd + cost["spend_usd"])
+    lease.check()  # still ours: nobody took this visit over while it trained
     commit_visit(cfg, run_id, record, tr.block_file)
-    store.rm(vkey)  # activations and mid-visit checkpoints are dead once committed
     # curves: the validation loss at the global step, on the visit's run and the parent's; per-visit figures as
     # series over versions on the parent; the visit's own single values as its run summary
     curve = {"val_loss": record.val_loss, "val_ppl": record.val_ppl}
@@ -96,10 +143,38 @@ def visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dat
     return record
 
 
-def visit_with_workers(cfg: RunConfig):
-    """The visit flow with a task runner sized for pre-inference on this device."""
+def shard_runner(cfg: RunConfig):
+    """Where pre-inference shards run: threads of this process (1 on CPU, where torch already uses every core per
+    shard; 2 on a GPU, so one shard's I/O overlaps the next one's compute), or a Dask cluster (``fleet.preinfer``)."""
+    if cfg.fleet.preinfer == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        if cfg.fleet.dask_address:
+            return DaskTaskRunner(address=cfg.fleet.dask_address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": cfg.fleet.dask_workers, "threads_per_worker": 1,
+                                              "processes": True, "resources": {"GPU": 1}})
     import torch
-    from prefect.task_runners import ThreadPoolTaskRunner
 
     n = cfg.bcd.preinfer_workers or (2 if cfg.train.device != "cpu" and torch.cuda.is_available() else 1)
-    return visit.with_options(task_runner=ThreadPoolTaskRunner(max_workers=n))
+    return ThreadPoolTaskRunner(max_workers=n)
+
+
+def preinfer(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str) -> None:
+    """The visit's shards still to compute, each a task on the shard runner; complete ones are skipped (a
+    shard whose Dask worker dies is run again elsewhere, and costs only that shard)."""
+    shards = plan_shards(cfg, run_id, cycle, block, dataset_id)
+    if not shards:
+        return
+    runner = shard_runner(cfg)
+    params = {"cfg": cfg, "run_id": run_id, "cycle": cycle, "block": block, "version": version,
+              "dataset_id": dataset_id}
+    with runner:
+        if cfg.fleet.preinfer == "dask":
+            import dask
+
+            with dask.annotate(resources={"GPU": 1}):  # one shard per GPU worker at a time
+                futures = [runner.submit(preinfer_shard, {**params, "shard": s}) for s in shards]
+        else:
+            futures = [runner.submit(preinfer_shard, {**params, "shard": s}) for s in shards]
+        for f in futures:
+            f.result()

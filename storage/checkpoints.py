@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from typing import Any
@@ -106,12 +107,30 @@ def _check_entry(block: Any, entry: Any) -> dict[str, Any]:
 
 
 def write_manifest(store: Store, run_id: str, version: int, blocks: dict[int, dict[str, Any]]) -> None:
-    """Write ``runs/{run_id}/versions/{version}.json``; the pointer object, written after the block files."""
+    """Create ``runs/{run_id}/versions/{version}.json``, the pointer object, written after the block files. A
+    manifest is never overwritten (DESIGN I7): one that exists already is this very manifest (a retried write)
+    or the work of another writer, which is an error."""
     if not isinstance(version, int) or version < 0:
         raise CheckpointError(f"version must be an int >= 0, got {version!r}")
     if not blocks:
         raise CheckpointError(f"manifest of version {version} has no blocks")
-    store.write_json(_manifest(version, blocks), _run_key(run_id, "versions", f"{version}.json"))
+    manifest, key = _manifest(version, blocks), _run_key(run_id, "versions", f"{version}.json")
+    if not store.create(json.dumps(manifest, indent=2, sort_keys=True).encode(), key):
+        if store.read_json(key) != manifest:
+            raise CheckpointError(f"manifest {store.url_of(key)} already exists with other blocks: another process "
+                                  f"committed version {version} of run {run_id!r}")
+
+
+def drop_uncommitted(store: Store, run_id: str, version: int) -> list[int]:
+    """Remove manifests above ``version`` (the run state's): left by a writer that crashed between its manifest
+    and its state. Only the lease holder calls this (storage/lease.py), so no live writer's manifest goes."""
+    dropped = []
+    for name in store.listdir(_run_key(run_id, "versions")):
+        v = name.removesuffix(".json")
+        if v.isdigit() and int(v) > version:
+            store.rm(_run_key(run_id, "versions", name))
+            dropped.append(int(v))
+    return sorted(dropped)
 
 
 def _manifest(version: int, blocks: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -206,12 +225,5 @@ def commit_version(store: Store, run_id: str, base_version: int, new_version: in
         if not store.exists(_run_key(run_id, _check_entry(b, entry)["file"])):
             raise CheckpointError(f"block file runs/{run_id}/{entry['file']} of changed block {b} was not written")
         blocks[int(b)] = entry
-    manifest = _manifest(new_version, blocks)
-    key = _run_key(run_id, "versions", f"{new_version}.json")
-    if store.exists(key):  # a manifest is never overwritten (DESIGN I7); a retried commit may find its own
-        if store.read_json(key) != manifest:
-            raise CheckpointError(f"manifest {store.url_of(key)} already exists with other blocks: another process "
-                                  f"committed version {new_version} of run {run_id!r}")
-        return manifest
     write_manifest(store, run_id, new_version, blocks)
-    return manifest
+    return _manifest(new_version, blocks)

@@ -44,6 +44,7 @@ def run_prefix(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int
     with torch.inference_mode(), autocast(ctx.device, cfg.train.precision):
         hidden = [prefix_hidden(prefix, x.to(ctx.device), layer).float().cpu()  # (B, T, C)
                   for x in inputs.split(cfg.train.batch_size)]
+    failpoints.hit("preinfer-computed")
     # the targets go with the activations, mask included: the visit trains from this group alone
     marker = activations.write_shard(ctx.store, ctx.acts_key(cycle, block), shard, torch.cat(hidden),
                                      targets.int())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from prefect import task
 
@@ -85,16 +86,23 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
         blocks = hf.write_version0(store, run_id, ck, mcfg, plan)
         for name, data in ck.sidecars().items():
             store.write_bytes(data, runs.run_key(run_id, "hf", name))
-    else:
-        torch.manual_seed(cfg.seed)
-        model = build_model(mcfg)  # version 0: fresh weights from the run seed
-        blocks = {b.index: checkpoints.save_block(store, run_id, block_tensors(model, plan, b.index))
+    else:  # version 0: fresh weights, one block at a time (no process ever holds the whole model for this)
+        blocks = {b.index: checkpoints.save_block(store, run_id, initial_block(mcfg, plan, b.index, cfg.seed))
                   for b in plan.blocks}
     checkpoints.write_manifest(store, run_id, 0, blocks)
     runs.write_config(store, run_id, resolved)
     state = RunState(run_id=run_id, mode=mode, dataset=dataset_id, created=time.time())
     runs.write_state(store, state)
     return state
+
+
+def initial_block(mcfg, plan, b: int, seed: int) -> dict[str, torch.Tensor]:
+    """Block ``b``'s initial tensors: its part of the model built alone (embeddings with block 0, the head with
+    the last) and initialised from a generator seeded by (run seed, block)."""
+    blk, last = plan[b], len(plan) - 1
+    torch.manual_seed(int(np.random.SeedSequence([seed, b]).generate_state(1)[0]))
+    part = build_model(mcfg, layers=blk.layers, embed=b == 0, head=b == last)
+    return block_tensors(part, plan, b)
 
 
 init_run_task = task(init_run, name="init-run", **retrying())

@@ -31,6 +31,7 @@ from models.visit import autocast, visit_loss
 from storage import activations, checkpoints, trainckpt
 from storage.tokens import IGNORE, TokenDataset
 from tasks.data import batch_ranges, sample_rows, visit_rows
+from tasks import preemption
 from tasks.retry import retrying
 from tracking.tracker import TrackTarget
 
@@ -141,8 +142,8 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
         raise BadInput(f"visit c{cycle}-b{block} of run {run_id!r}: {e}; the learning rate optim.lr={spec.base_lr:g} "
                        f"is likely too high{hint}. Nothing was committed; continue the run with a lower one: "
                        f"bcdflow train --run-id {run_id} --set optim.lr=... (and the run's other settings)") from None
-    if res.stopped_by == "interrupted":
-        preempt.finish()  # hands SIGTERM on (Prefect reschedules) or exits 143
+    if res.stopped_by == "interrupted":  # SIGTERM or Ctrl-C: the checkpoint is written
+        preemption.after_checkpoint(cfg.fleet.reschedule_delay_s)
     return TrainResult(
         steps=res.steps, first_loss=res.losses[0], train_loss=res.final_loss, stopped_by=res.stopped_by,
         seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows), val_points=val_points,

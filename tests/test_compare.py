@@ -13,16 +13,18 @@ from storage.store import Store
 from flows.artifacts import artifact_key
 
 
-def own_curve(state) -> list[tuple[int, float, float]]:
-    """(step, val loss, tokens so far) straight from the visit records, written out independently."""
-    out, tokens_before = [], 0.0
+def own_curve(state) -> list[tuple[int, float, float, float, float]]:
+    """(step, val loss, tokens, GPU-hours, USD so far) straight from the visit records, written out independently:
+    a visit's intermediate validation points are costed pro rata by step."""
+    out, before = [], [0.0, 0.0, 0.0]
     for v in state.visits:
         start = v.step_end - v.steps
         pts = {s: val for s, val in v.val_points}
         pts[v.step_end] = v.val_loss
         for s in sorted(pts):
-            out.append((s, pts[s], tokens_before + v.tokens * (s - start) / v.steps))
-        tokens_before += v.tokens
+            f = (s - start) / v.steps
+            out.append((s, pts[s], before[0] + v.tokens * f, before[1] + v.gpu_hours * f, before[2] + v.spend_usd * f))
+        before = [before[0] + v.tokens, before[1] + v.gpu_hours, before[2] + v.spend_usd]
     return out
 
 
@@ -52,9 +54,9 @@ def test_compare_multiplier_matches_the_recorded_curves(two_runs):
     curves = {r: own_curve(s) for r, s in states.items()}
     assert len(curves["full"]) == 4 and len(curves["bcd"]) == 4  # val every 3 of 12 steps; 4 visits
 
-    target = max(min(val for _, val, _ in c) for c in curves.values())
+    target = max(min(p[1] for p in c) for c in curves.values())
     assert res["target_val_loss"] == pytest.approx(target)
-    first = {r: next((s, tok) for s, val, tok in c if val <= target) for r, c in curves.items()}
+    first = {r: next((p[0], p[2], p[3], p[4]) for p in c if p[1] <= target) for r, c in curves.items()}
     by_id = {r["run_id"]: r for r in res["runs"]}
     for r in ("full", "bcd"):
         assert by_id[r]["steps_to_target"] == first[r][0]
@@ -73,15 +75,15 @@ def test_compare_multiplier_matches_the_recorded_curves(two_runs):
 
     # what-if: GPU-hours to L* priced on every kind of the merged catalog
     assert res["catalog"] == {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20, "x": 0.5}
-    for r in by_id.values():
+    for r in ("full", "bcd"):
+        assert by_id[r]["spend_to_target_usd"] == pytest.approx(first[r][3])
         for kind, price in res["catalog"].items():
-            assert r["what_if_usd"][kind] == pytest.approx(r["gpu_hours_to_target"] * price)
+            assert by_id[r]["what_if_usd"][kind] == pytest.approx(first[r][2] * price)
     # Tables 5-7: BCD as it ran against the baseline priced on each kind
-    for kind in res["catalog"]:
+    for kind, price in res["catalog"].items():
         base_row, bcd_row = res["cost_reduction"][kind]
         assert base_row["run_id"] == "full" and base_row["reduction"] == 0
-        assert bcd_row["reduction"] == pytest.approx(1 - by_id["bcd"]["spend_to_target_usd"]
-                                                     / by_id["full"]["what_if_usd"][kind])
+        assert bcd_row["reduction"] == pytest.approx(1 - first["bcd"][3] / (first["full"][2] * price))
     md = res["markdown"]
     assert "B-F ×" in md and "| full |" in md and "Baseline on **a100**" in md
 
@@ -89,12 +91,14 @@ def test_compare_multiplier_matches_the_recorded_curves(two_runs):
 @pytest.mark.slow
 def test_compare_cli_and_flow_artifact(two_runs, capsys):
     from flows.cli import main
-    from flows.compare import compare, compare_runs
+    from flows.compare import compare_runs
 
     assert main(["compare", "full", "bcd", "--store", two_runs, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed["runs"][1]["bf_multiplier"] == pytest.approx(
-        compare(Store(two_runs), ["full", "bcd"])["runs"][1]["bf_multiplier"])
+    curves = {r: own_curve(runs.read_state(Store(two_runs), r)) for r in ("full", "bcd")}
+    target = max(min(p[1] for p in c) for c in curves.values())
+    steps = {r: next(p[0] for p in c if p[1] <= target) for r, c in curves.items()}
+    assert printed["runs"][1]["bf_multiplier"] == pytest.approx(steps["bcd"] / steps["full"])
     assert main(["compare", "bcd", "full", "--store", two_runs]) == 0  # BCD as the baseline
     assert "against baseline `bcd`" in capsys.readouterr().out
 

@@ -22,6 +22,7 @@ from tests.helpers import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFECT = os.path.join(os.path.dirname(sys.executable), "prefect")
+BCDFLOW = os.path.join(os.path.dirname(sys.executable), "bcdflow")
 POOL = "bcdflow"
 
 
@@ -32,9 +33,13 @@ def test_prefect_yaml_declares_the_deployments():
     assert deps["bcd"]["entrypoint"] == "flows/bcd.py:bcd_train"
     assert deps["baseline"]["entrypoint"] == "flows/bcd.py:full_train"
     pool = spec["definitions"]["work_pools"]["process"]
-    for d in deps.values():  # one shared pool definition (a YAML anchor), SIGTERM -> reschedule
-        assert d["work_pool"] == pool
-    assert pool["job_variables"]["env"]["PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR"] == "reschedule"
+    for name in ("bcd", "baseline", "compare"):  # one shared pool definition (a YAML anchor)
+        assert deps[name]["work_pool"] == pool
+    # the GPU pool's visit deployment is named after its pool (flows/fleet.py looks it up as bcd-visit/<pool>)
+    gpu = spec["definitions"]["work_pools"]["gpu"]
+    assert deps[gpu["name"]]["entrypoint"] == "flows/visit.py:visit" and deps[gpu["name"]]["work_pool"] == gpu
+    # workers load the flows from their own copy of the code (bcdflow worker / the image set BCDFLOW_HOME)
+    assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $BCDFLOW_HOME }}"}}]
     assert deps["bcd"]["schedules"][0] == spec["definitions"]["schedules"]["nightly"]
 
 
@@ -85,12 +90,15 @@ def test_deployment_run_on_a_worker_trains_like_the_cli(prefect_api_url, tmp_pat
     env = _env(tmp_path, prefect_api_url)
     with get_client(sync_client=True) as client:  # = prefect work-pool create bcdflow --type process
         client.create_work_pool(WorkPoolCreate(name=POOL, type="process"))
+        client.create_work_pool(WorkPoolCreate(name="bcdflow-gpu", type="process"))
     _prefect(env, "--no-prompt", "deploy", "--all")
 
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name("bcd_train/bcd")
         assert dep.work_pool_name == POOL
-        assert dep.job_variables["env"]["PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR"] == "reschedule"
+        assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory":
+                                   {"directory": "{{ $BCDFLOW_HOME }}"}}]  # read on each worker, not baked in
+        assert client.read_deployment_by_name("bcd-visit/bcdflow-gpu").work_pool_name == "bcdflow-gpu"
         assert [s.active for s in dep.schedules] == [False]
         assert "bcd_blocks" in dep.parameter_openapi_schema["definitions"]["RunParams"]["properties"]
         assert client.read_deployment_by_name("full_train/baseline").entrypoint == "flows/bcd.py:full_train"
@@ -107,12 +115,14 @@ def test_deployment_run_on_a_worker_trains_like_the_cli(prefect_api_url, tmp_pat
     started = _prefect(env, "deployment", "run", "bcd_train/bcd", "--param", "run_id=dep",
                        "--param", f"config={json.dumps(config)}")
     fr_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
-    worker = _prefect(env, "worker", "start", "--pool", POOL, "--run-once", "--limit", "1", timeout=300)
+    worker = subprocess.run([BCDFLOW, "worker", "--pool", POOL, "--", "--run-once", "--limit", "1"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)  # from anywhere: its own code
 
     with get_client(sync_client=True) as client:
         fr = client.read_flow_run(fr_id)
         state = fr.state
-        assert fr.name == "dep" and list(dep.parameter_openapi_schema["properties"])[0] == "run_id"
+        assert fr.name == "dep" and list(dep.parameter_openapi_schema["properties"])[0] == "run_id", \
+            f"{state}\n{worker.stdout[-3000:]}\n{worker.stderr[-3000:]}"
     assert state.is_completed(), f"{state}\n{worker.stdout[-3000:]}\n{worker.stderr[-3000:]}"
     store = Store(cfg.store)
     st = runs.read_state(store, "dep")
@@ -123,3 +133,19 @@ def test_deployment_run_on_a_worker_trains_like_the_cli(prefect_api_url, tmp_pat
     assert main(["train", *args, "--store", str(tmp_path / "store"), "--run-id", "cli"]) == 0
     a, b = load_blocks(store, "dep", 2), load_blocks(store, "cli", 2)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dockerfile_copies_every_package_and_installs_the_fleet_extras():
+    """The worker image builds from the repository (CI has no Docker engine to build it): every package the
+    project installs is copied into it, every file it copies exists, and it runs the SIGTERM-safe worker."""
+    import tomllib
+
+    text = open(os.path.join(REPO, "Dockerfile")).read()
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        packages = tomllib.load(f)["tool"]["setuptools"]["packages"]
+    copied = [line.split()[1:-1] for line in text.splitlines() if line.startswith("COPY ")]
+    sources = {src for srcs in copied for src in srcs}
+    assert set(packages) <= sources, set(packages) - sources
+    assert all(os.path.exists(os.path.join(REPO, s)) for s in sources), sources
+    assert "torch==2.13.0" in text and '".[fleet,gpu]"' in text and "-c constraints.txt" in text
+    assert 'ENTRYPOINT ["bcdflow", "worker"]' in text and "BCDFLOW_HOME=/opt/bcdflow" in text

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from core.config import load_config
 from core.context import RunContext
-from core.export import export_hf
+from core.export import export_hf, written_whole
 from flows.cli import main
 from models import hf as hfmap
 from models.errors import ConfigError
@@ -146,8 +146,9 @@ def test_export_refuses_a_non_empty_directory_and_leaves_nothing_behind(tmp_path
     ctx = start_run(run_cfg(tmp_path, ck, corpus))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    with pytest.raises(Exception, match="not an empty directory"):
-        export_hf(ctx.store, "r", 0, str(tmp_path / "full"))
+    with pytest.raises(Exception, match="exists and is not empty"):
+        with written_whole(str(tmp_path / "full")) as tmp:
+            export_hf(ctx.store, "r", 0, tmp)
     assert os.listdir(tmp_path / "full") == ["keep.txt"]
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 

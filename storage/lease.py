@@ -1,0 +1,177 @@
+"""One writer per run, and per visit (DESIGN I7): a lease object in the store names the process that owns it.
+
+    {key}/lease/{epoch:012d}.json    {"epoch", "token", "owner": {host, pid, started, flow_run_id}, "expires": t}
+
+Acquiring makes epoch n + 1 with an exclusive create (``Store.create``: a hard link on a local disk, a conditional
+PUT on S3), so of two processes taking a lease at once exactly one succeeds, and it is then kept alive by
+rewriting its own epoch object every ``ttl / 3`` seconds. The current lease is the highest epoch. A lease is
+held while it has not expired; it is free when it has (its owner died or stopped renewing), or at once when its
+owner is a process on this machine that no longer exists (a ``kill -9`` here need not wait out the ttl).
+A holder that finds a higher epoch than its own has lost the lease (it was too slow to renew) and must stop
+before it commits anything.
+
+    lease = Lease(store, "runs/r1", "run r1", ttl=60, owner={"flow_run_id": ...})
+    with lease.held():          # LeaseHeld (bad input: one line naming the owner) if another process has it
+        ...; lease.check()      # LeaseLost before a commit if another process took over
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any
+
+import psutil
+
+from core.errors import BadInput, DamagedArtifact
+
+from .store import Store
+
+
+class LeaseHeld(BadInput):
+    """Another live process holds the lease: the message names it (host, pid, flow run) and when it expires."""
+
+    def __init__(self, what: str, lease: dict):
+        self.lease = lease
+        o = lease.get("owner", {})
+        until = datetime.fromtimestamp(lease.get("expires", 0), timezone.utc).strftime("%H:%M:%S UTC")
+        run = f", flow run {o['flow_run_id']}" if o.get("flow_run_id") else ""
+        super().__init__(f"{what} is in use by {o.get('host', '?')} pid {o.get('pid', '?')}{run} (its lease is "
+                         f"renewed while it works; it expires at {until} if that process is gone): wait for it, "
+                         "or stop it first")
+
+
+class LeaseLost(DamagedArtifact):
+    """This process's lease was taken over by another one: it stops without committing."""
+
+
+def this_process(flow_run_id: str | None = None, attempt: int | None = None) -> dict[str, Any]:
+    """Who we are, as a lease names its owner (``attempt``: the flow run's run count, which a rescheduled or
+    retried run increments, so its dispatcher can tell this attempt's lease from an earlier one's)."""
+    me = psutil.Process()
+    return {"host": socket.gethostname(), "pid": me.pid, "started": me.create_time(),
+            "flow_run_id": flow_run_id, "attempt": attempt}
+
+
+class Lease:
+    """A lease on ``{key}/lease/``: ``what`` names the leased thing in messages ("run r1", "visit c0-b1 of r1")."""
+
+    def __init__(self, store: Store, key: str, what: str, ttl: float = 60.0, owner: dict | None = None):
+        self.store, self.key, self.what, self.ttl = store, key.rstrip("/"), what, float(ttl)
+        self.owner = owner or this_process()
+        self.token = uuid.uuid4().hex
+        self.epoch: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lost: str | None = None
+
+    # -- reading -------------------------------------------------------------------------------------------
+    def current(self) -> dict | None:
+        """The highest-epoch lease object, or None when the thing was never leased."""
+        names = [n for n in self.store.listdir(self.key, "lease") if n.endswith(".json") and n[:-5].isdigit()]
+        for name in sorted(names, reverse=True):
+            try:
+                return self.store.read_json(self.key, "lease", name)
+            except (FileNotFoundError, ValueError):  # removed or half-visible meanwhile: look again
+                continue
+        return None
+
+    def _free(self, lease: dict | None) -> bool:
+        if lease is None or lease.get("token") == self.token:
+            return True
+        if lease.get("expires", 0) <= time.time():
+            return True
+        o = lease.get("owner", {})
+        if o.get("host") == self.owner.get("host"):  # same machine: a dead owner frees it at once
+            try:
+                return abs(psutil.Process(int(o["pid"])).create_time() - float(o["started"])) > 1e-3
+            except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
+                return True
+        return False
+
+    def expires_in(self) -> float:
+        """Seconds until the current holder's lease expires (0 when it is free)."""
+        cur = self.current()
+        return 0.0 if self._free(cur) else max(0.0, cur["expires"] - time.time())
+
+    # -- holding -------------------------------------------------------------------------------------------
+    def _write(self) -> None:
+        self.store.write_json(self._body(), self.key, "lease", f"{self.epoch:012d}.json")
+
+    def _body(self, expires: float | None = None) -> dict:
+        return {"epoch": self.epoch, "token": self.token, "owner": self.owner,
+                "expires": time.time() + self.ttl if expires is None else expires}
+
+    def acquire(self) -> "Lease":
+        cur = self.current()
+        if not self._free(cur):
+            raise LeaseHeld(self.what, cur)
+        self.epoch = 0 if cur is None else int(cur["epoch"]) + 1
+        data = json.dumps(self._body(), indent=2).encode()
+        if not self.store.create(data, self.key, "lease", f"{self.epoch:012d}.json"):
+            raise LeaseHeld(self.what, self.current() or {})  # another process took this epoch first
+        for name in self.store.listdir(self.key, "lease"):  # older epochs are history
+            if name.endswith(".json") and name[:-5].isdigit() and int(name[:-5]) < self.epoch - 1:
+                self.store.rm(self.key, "lease", name)
+        return self
+
+    def renew(self) -> None:
+        """Push the expiry out by ``ttl``; LeaseLost if another process holds a later epoch."""
+        cur = self.current()
+        if cur is None or cur.get("token") != self.token:
+            self._lost = f"{self.what}: another process took over its lease ({(cur or {}).get('owner')}); this " \
+                         "one stops without committing"
+            raise LeaseLost(self._lost)
+        self._write()
+
+    def check(self, margin: float | None = None) -> None:
+        """Before a commit: raise LeaseLost unless we still hold the lease for at least ``margin`` seconds."""
+        margin = self.ttl / 3 if margin is None else margin
+        if self._lost:
+            raise LeaseLost(self._lost)
+        cur = self.current()
+        if cur is None or cur.get("token") != self.token:
+            raise LeaseLost(f"{self.what}: another process took over its lease ({(cur or {}).get('owner')}); this "
+                            "one stops without committing")
+        if cur["expires"] - time.time() < margin:
+            self.renew()
+
+    def release(self) -> None:
+        """Expire our lease now (when we still hold it), so the next process need not wait out the ttl."""
+        if self.epoch is None:
+            return
+        cur = self.current()
+        if cur is not None and cur.get("token") == self.token:
+            self.store.write_json(self._body(expires=0.0), self.key, "lease", f"{self.epoch:012d}.json")
+        self.epoch = None
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self.renew()
+            except LeaseLost:
+                return
+            except Exception:  # a transient store fault: try again next period (check() decides at commit)
+                continue
+
+    @contextmanager
+    def held(self):
+        """Acquire, renew in the background while the block runs, release at the end (also on failure)."""
+        self.acquire()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._keep_alive, name=f"lease {self.what}", daemon=True)
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            try:
+                self.release()
+            except Exception:  # the store is down: the lease simply expires
+                pass
