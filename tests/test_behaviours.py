@@ -78,8 +78,10 @@ def test_bf16_zstd_activations_through_a_real_visit(tiny_cfg):
         out = train_visit(cfg, "r", 0, 1, 0, ds)
         assert math.isfinite(out.train_loss)
         trained[name] = checkpoints.load_from_manifest(cfg.open_store(), "r", {"blocks": {"1": out.block_file}})
+    v0 = checkpoints.load_blocks(cfg.open_store(), "r", 0, [1])
+    moved = max((trained["fp32"][k] - v0[k]).abs().max().item() for k in trained["fp32"])
     diff = max((trained["fp32"][k] - trained["bf16"][k]).abs().max().item() for k in trained["fp32"])
-    assert 0 < diff < 5e-3  # bf16 rounds the inputs (so not identical), and stays close
+    assert 0 < diff < 0.5 * moved  # bf16 rounds the inputs (so not identical); the visit's update stays the same
 
 
 # -- block orders ---------------------------------------------------------------------------------------------------

@@ -199,3 +199,60 @@ def test_run_state(store):
     assert list_runs(store) == ["r", "s"]
     with pytest.raises(RunStateError, match="runs/t/config.json"):
         read_config(store, "t")
+
+
+# -- one writer (DESIGN I7): exclusive create, manifests never overwritten, the lease ------------------------------
+
+def test_create_is_exclusive(store):
+    assert store.create(b"one", "x/obj") and not store.create(b"two", "x/obj")
+    assert store.read_bytes("x/obj") == b"one"
+
+
+def test_a_manifest_is_never_overwritten(store):
+    from storage.checkpoints import drop_uncommitted, write_manifest
+
+    entry = save_block(store, "r", {"a": torch.ones(2)})
+    other = save_block(store, "r", {"a": torch.zeros(2)})
+    write_manifest(store, "r", 1, {0: entry})
+    write_manifest(store, "r", 1, {0: entry})  # the same manifest again (a retried commit): fine
+    with pytest.raises(CheckpointError, match="already exists with other blocks"):
+        write_manifest(store, "r", 1, {0: other})
+    assert read_manifest(store, "r", 1)["blocks"]["0"] == entry
+    write_manifest(store, "r", 2, {0: other})
+    assert drop_uncommitted(store, "r", 1) == [2] and not store.exists("runs/r/versions/2.json")
+
+
+def test_lease_held_expired_taken_over_and_lost(store):
+    from storage.lease import Lease, LeaseHeld, LeaseLost
+
+    here = {"host": "elsewhere", "pid": 1, "started": 0.0, "flow_run_id": "f1"}
+    a = Lease(store, "runs/r", "run 'r'", ttl=30, owner=here)
+    b = Lease(store, "runs/r", "run 'r'", ttl=30, owner={**here, "host": "b-host", "flow_run_id": "f2"})
+    with a.held():
+        with pytest.raises(LeaseHeld, match="run 'r' is in use by elsewhere pid 1, flow run f1"):
+            b.acquire()
+        a.check()
+    b.acquire()  # released by a: free at once
+    # b's lease runs out (its owner stopped renewing): a may take the run over, and b has lost it
+    store.write_json({**store.read_json("runs/r/lease/000000000001.json"), "expires": 1.0},
+                     "runs/r/lease/000000000001.json")
+    a.acquire()
+    with pytest.raises(LeaseLost):
+        b.check()
+    with pytest.raises(LeaseLost):
+        b.renew()
+    a.check()
+
+
+def test_lease_of_a_dead_process_on_this_machine_is_free_at_once(store):
+    import subprocess
+    import sys
+
+    from storage.lease import Lease, this_process
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    dead = {**this_process(), "pid": p.pid, "started": 1.0}  # a pid that no longer runs the process it named
+    Lease(store, "runs/r", "run 'r'", ttl=3600, owner=dead).acquire()
+    b = Lease(store, "runs/r", "run 'r'", ttl=3600).acquire()  # no wait for the hour
+    assert b.epoch == 1
