@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from models import build_model
 from models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
-from models.visit import autocast
+from models.visit import autocast, visit_loss
 
 MB = 2**20
 
@@ -174,15 +174,22 @@ class Visit:
 
     ``layers`` is the part held; ``start`` the first layer on the gradient path (default ``layers[0]``).
     ``start > layers[0]`` is a visit with pre-inference off: layers [layers[0], start) run every step
-    under no_grad, as ``tasks/train.py`` runs the frozen prefix then. ``args`` needs ``optim`` and
-    ``precision``.
+    under no_grad, as ``tasks/train.py`` runs the frozen prefix then. ``hi`` ends the active block (its frozen
+    suffix is recomputed in backward with ``recompute``). ``args`` needs ``optim`` and ``precision``; with bf16
+    the frozen weight matrices are stored in bf16 as the product stores them (``args.frozen_fp32`` keeps the old
+    fp32 storage for a side-by-side). The loss is the product's: ``models.visit.visit_loss``.
     """
 
-    def __init__(self, name, cfg, master, device, args, layers, embed, trainable, batch, start=None):
+    def __init__(self, name, cfg, master, device, args, layers, embed, trainable, batch, start=None, hi=None,
+                 recompute=False):
         self.name, self.layers, self.embed, self.device, self.batch = name, layers, embed, device, batch
         self.start = layers[0] if start is None else start
-        model = build_model(cfg, layers=layers, embed=embed, head=True, device=device, init=False)
+        self.hi, self.recompute = hi, recompute
+        low = torch.bfloat16 if args.precision == "bf16" and not getattr(args, "frozen_fp32", False) else None
+        model = build_model(cfg, layers=layers, embed=embed, head=True, device=device, init=False,
+                            frozen_dtype=low, trainable=trainable)
         model.load_state_dict({k: master[k] for k in model.state_dict()}, strict=True)
+        model.loss_chunk_rows = getattr(args, "chunk_rows", None)
         for n, p in model.named_parameters():
             p.requires_grad_(n in trainable)
         self.model = model.train()
@@ -191,16 +198,11 @@ class Visit:
         self.spec = OptimSpec(args.optim)
         self.opt = make_optimizer(self.params, self.spec)
         self.flops = matmul_flops(model, trainable, cfg)
-        lo, start, precision = layers[0], self.start, args.precision
+        start, precision, from_acts = self.start, args.precision, not embed
 
         def loss_fn(b):  # the loss path of tasks/train.py::train_visit
-            x, y = b
             with autocast(device, precision):
-                h = model.embed(x) if embed else x  # (B, T, C)
-                if start > lo:  # pre-inference off: the frozen prefix runs here, off the gradient path
-                    with torch.no_grad():
-                        h = model.run_layers(h, lo, start)
-                return model.loss(model.run_layers(h, start, cfg.n_layer), y)
+                return visit_loss(model, *b, start, from_acts, hi=hi, recompute=recompute)
 
         self.loss_fn = loss_fn
         self.times: list[float] = []
@@ -391,12 +393,12 @@ class Workload:
             self._prefix[lo] = prefix_batch(self.cfg, self.master, self.device, self.args.precision, self.x, lo)
         return self._prefix[lo]
 
-    def visit(self, name: str, blk, preinfer: bool = True) -> Visit:
+    def visit(self, name: str, blk, preinfer: bool = True, recompute: bool = False) -> Visit:
         """Block ``blk``'s visit as tasks/train.py runs it: with pre-inference, layers >= lo fed the prefix's
         hidden states; without, the whole model with the prefix under no_grad every step."""
-        lo, n = blk.layers[0], self.cfg.n_layer
+        (lo, hi), n = blk.layers, self.cfg.n_layer
         if preinfer and lo > 0:
             return Visit(name, self.cfg, self.master, self.device, self.args, (lo, n), False, set(blk.params),
-                         (self.hidden(lo), self.y))
+                         (self.hidden(lo), self.y), hi=hi, recompute=recompute)
         return Visit(name, self.cfg, self.master, self.device, self.args, (0, n), True, set(blk.params),
-                     (self.x, self.y), start=lo)
+                     (self.x, self.y), start=lo, hi=hi, recompute=recompute)

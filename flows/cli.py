@@ -6,6 +6,7 @@
     bcdflow export my-run ./out
     bcdflow export my-run ./hf-out --format hf --dtype bf16   # a transformers model directory
     bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
+    bcdflow plan-memory -c run.yaml --gpu-gb 24   # predicted peak memory per visit; the bcd.blocks that fits
 
 What goes wrong is said in one line on stderr, never with a traceback (``--debug`` shows them):
 
@@ -357,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     store_opts(sp, one_run=False)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_compare)
+    from flows import plan_memory
+
+    plan_memory.add_parser(sub, common)
     return p
 
 
