@@ -25,6 +25,7 @@ from core.config import RunConfig
 from core.context import RunContext
 from core.errors import BadInput
 from models.errors import Diverged
+from models.memory import needs_recompute
 from models.trainer import LoopState, make_optimizer, run_steps
 from models.plan import block_tensors
 from models.visit import autocast, visit_loss
@@ -48,6 +49,9 @@ class TrainResult(BaseModel):
     val_points: list[tuple[int, float]]
     peak_mem_bytes: int | None
     block_file: dict
+    recompute: bool = False
+    """Whether the frozen suffix was recomputed in backward (bcd.recompute, or auto and the planner said so)."""
+    gpus: int = 1
 
 
 class EvalResult(BaseModel):
@@ -66,18 +70,45 @@ def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> It
             yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
+def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single") -> bool:
+    """``bcd.recompute``: on, off, or (auto) on when the planner says the visit would not fit ``train.memory_gb``
+    (default: the CUDA device's memory; unlimited on the CPU)."""
+    if cfg.bcd.recompute != "auto":
+        return cfg.bcd.recompute == "on"
+    budget = cfg.memory_budget(ctx.device)
+    return needs_recompute(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,
+                           cfg.train.precision, budget, optim=cfg.optim.name, preinfer=cfg.bcd.preinfer,
+                           chunk_rows=cfg.train.loss_chunk_rows, weight_decay=cfg.optim.weight_decay, gpus=gpus,
+                           parallel=parallel)
+
+
+def compile_layers(model) -> None:
+    """torch.compile each layer in place (identical layers share one compiled graph)."""
+    for layer in model.h.values():
+        layer.compile()
+
+
 def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
                 track: TrackTarget | None = None) -> TrainResult:
+    if cfg.train.gpus > 1:  # torchrun: one process per GPU, rank 0 commits (tasks/train_dist.py)
+        from tasks.train_dist import launch
+
+        return launch(cfg, run_id, cycle, block, version, dataset_id, track)
     ctx = RunContext.of(cfg, run_id, dataset_id)
     ds, device, n_layer = ctx.dataset, ctx.device, ctx.model_cfg.n_layer
-    lo = ctx.plan[block].layers[0]
+    lo, hi = ctx.plan[block].layers
     from_acts = cfg.bcd.preinfer and block > 0
-    model = ctx.load_part(ctx.manifest(version), (lo if from_acts else 0, n_layer), embed=not from_acts, head=True)
     active = set(ctx.plan[block].params)
+    model = ctx.load_part(ctx.manifest(version), (lo if from_acts else 0, n_layer), embed=not from_acts, head=True,
+                          trainable=active)  # bf16 precision: frozen matrices in bf16 (I6)
+    model.loss_chunk_rows = cfg.train.loss_chunk_rows
     for name, p in model.named_parameters():
         p.requires_grad_(name in active)
     params = [p for n, p in model.named_parameters() if n in active]
     model.train()
+    recompute = use_recompute(cfg, ctx, block)
+    if cfg.train.compile:
+        compile_layers(model)
 
     rows = visit_rows(cfg, ds.n_train, cycle, block)
     if from_acts:
@@ -88,7 +119,7 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
 
     def loss_fn(batch):
         with autocast(device, cfg.train.precision):
-            return visit_loss(model, *batch, lo, from_acts)
+            return visit_loss(model, *batch, lo, from_acts, hi=hi, recompute=recompute)
 
     val_points: list[tuple[int, float]] = []
     eval_every = cfg.bcd.eval_every
@@ -147,7 +178,8 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
         steps=res.steps, first_loss=res.losses[0], train_loss=res.final_loss, stopped_by=res.stopped_by,
         seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows), val_points=val_points,
         peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        block_file=checkpoints.save_block(ctx.store, run_id, block_tensors(model, ctx.plan, block)))
+        block_file=checkpoints.save_block(ctx.store, run_id, block_tensors(model, ctx.plan, block)),
+        recompute=recompute)
 
 
 train_block = task(train_visit, name="train-block", **retrying(2))
@@ -159,7 +191,8 @@ def evaluate_model(model, ds: TokenDataset, cfg: RunConfig, device) -> float:
     mask (supervised formats) over the trained (completion) tokens only."""
     inputs, targets = ds.val_pairs(cfg.train.eval_rows)
     total, count = 0.0, 0
-    for x, y in zip(inputs.split(cfg.train.batch_size), targets.split(cfg.train.batch_size)):
+    rows = cfg.train.eval_batch_size or cfg.train.batch_size
+    for x, y in zip(inputs.split(rows), targets.split(rows)):
         n = int((y != IGNORE).sum())
         if n == 0:  # a batch without a trained token has no loss (cross-entropy of nothing is NaN)
             continue
@@ -176,7 +209,8 @@ def evaluate_version(cfg: RunConfig, run_id: str, base_version: int, dataset_id:
     ctx = RunContext.of(cfg, run_id, dataset_id)
     manifest = ctx.manifest(base_version)
     manifest = {**manifest, "blocks": {**manifest["blocks"], **{str(b): f for b, f in (changed or {}).items()}}}
-    model = ctx.load_part(manifest, (0, ctx.model_cfg.n_layer), True, True).eval()
+    model = ctx.load_part(manifest, (0, ctx.model_cfg.n_layer), True, True, trainable=()).eval()  # bf16: all bf16
+    model.loss_chunk_rows = cfg.train.loss_chunk_rows
     t0 = time.perf_counter()
     loss = evaluate_model(model, ctx.dataset, cfg, ctx.device)
     return EvalResult(val_loss=loss, val_ppl=math.exp(min(loss, 50)), seconds=time.perf_counter() - t0)
