@@ -107,6 +107,11 @@ class BcdSection(_Section):
     (activation checkpointing; the gradients are bitwise the same). ``auto``: on for a visit the memory planner
     says would not fit ``train.memory_gb`` otherwise."""
 
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _on_off(cls, v):
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as booleans
+
     @field_validator("order")
     @classmethod
     def _order(cls, v: str) -> str:

@@ -61,13 +61,14 @@ class EvalResult(BaseModel):
 
 
 def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> Iterator:
-    """Read batch k+1 from the store while batch k trains."""
+    """Read batch k+1 from the store while batch k trains (tensors of a batch go to the device, other items as
+    they are)."""
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(fetch, *next(ranges))
         while True:
-            x, y = fut.result()
+            batch = fut.result()
             fut = pool.submit(fetch, *next(ranges))
-            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            yield tuple(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch)
 
 
 def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single") -> bool:
@@ -168,10 +169,7 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
                             on_window=on_window, should_stop=preempt.requested, state=state, checkpoint=checkpoint,
                             ckpt_steps=cfg.checkpoint.every_steps, ckpt_seconds=cfg.checkpoint.every_seconds)
     except Diverged as e:
-        hint = " (or bf16 overflowed: try train.precision=fp32)" if cfg.train.precision == "bf16" else ""
-        raise BadInput(f"visit c{cycle}-b{block} of run {run_id!r}: {e}; the learning rate optim.lr={spec.base_lr:g} "
-                       f"is likely too high{hint}. Nothing was committed; continue the run with a lower one: "
-                       f"bcdflow train --run-id {run_id} --set optim.lr=... (and the run's other settings)") from None
+        raise BadInput(diverged_message(cfg, run_id, cycle, block, e)) from None
     if res.stopped_by == "interrupted":
         preempt.finish()  # hands SIGTERM on (Prefect reschedules) or exits 143
     return TrainResult(
@@ -180,6 +178,13 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
         peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         block_file=checkpoints.save_block(ctx.store, run_id, block_tensors(model, ctx.plan, block)),
         recompute=recompute)
+
+
+def diverged_message(cfg: RunConfig, run_id: str, cycle: int, block: int, e: Diverged) -> str:
+    hint = " (or bf16 overflowed: try train.precision=fp32)" if cfg.train.precision == "bf16" else ""
+    return (f"visit c{cycle}-b{block} of run {run_id!r}: {e}; the learning rate optim.lr={cfg.optim_spec().base_lr:g} "
+            f"is likely too high{hint}. Nothing was committed; continue the run with a lower one: "
+            f"bcdflow train --run-id {run_id} --set optim.lr=... (and the run's other settings)")
 
 
 train_block = task(train_visit, name="train-block", **retrying(2))
