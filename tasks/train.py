@@ -113,7 +113,8 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
 
     rows = visit_rows(cfg, ds.n_train, cycle, block)
     if from_acts:
-        fetch = activations.ActivationReader(ctx.store, ctx.acts_key(cycle, block)).read  # (B, T, C), (B, T)
+        fetch = activations.ActivationReader(ctx.store, ctx.acts_key(cycle, block),
+                                             pin=device.type == "cuda").read  # (B, T, C), (B, T)
     else:
         def fetch(a: int, b: int):
             return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE)

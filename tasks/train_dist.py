@@ -232,7 +232,7 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
     rows = visit_rows(cfg, ds.n_train, cycle, block)
     T = ds.seq_len
     if from_acts:
-        reader = activations.ActivationReader(ctx.store, ctx.acts_key(cycle, block))
+        reader = activations.ActivationReader(ctx.store, ctx.acts_key(cycle, block), pin=device.type == "cuda")
 
         def read(a: int, b: int):
             return reader.read(a, b)
