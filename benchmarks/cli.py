@@ -67,6 +67,7 @@ def parser() -> argparse.ArgumentParser:
     step.add_argument("--batch-size", type=int)
     step.add_argument("--seq-len", type=int)
     step.add_argument("--precision", choices=("fp32", "bf16"))
+    step.add_argument("--compile", action="store_true", help="torch.compile each layer (train.compile=true)")
     step.add_argument("--blocks", type=int, nargs="+", help="bcd.blocks values to measure (default: the size's)")
     return ap
 
@@ -84,6 +85,8 @@ def compute_profile(c: dict, args) -> dict:
             c[k] = getattr(args, k)
     if args.blocks:
         c.update(memory_blocks=args.blocks, iteration_blocks=args.blocks)
+    if args.compile:
+        c["compile"] = True
     return c
 
 

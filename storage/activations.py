@@ -283,7 +283,10 @@ class ActivationReader:
     def __del__(self):
         pool = getattr(self, "_pool", None)
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            try:
+                pool.shutdown(wait=False, cancel_futures=True)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the pool's module may be gone already
+                pass
 
     def read(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [lo, hi): hidden (hi-lo, T, d) float32 and targets (hi-lo, T) long."""
