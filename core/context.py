@@ -51,6 +51,14 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def check_gpus(cfg: RunConfig) -> None:
+    """``train.gpus`` against this machine: on CUDA no more processes than GPUs (on the CPU, gloo processes)."""
+    dev = resolve_device(cfg.train.device)
+    if dev.type == "cuda" and cfg.train.gpus > torch.cuda.device_count():
+        raise BadInput(f"train.gpus: {cfg.train.gpus} asked for, but this machine has {torch.cuda.device_count()} "
+                       "CUDA device(s)")
+
+
 class RunContext:
     """One run's store, token dataset, model config, block plan and device, each built on first use."""
 

@@ -125,11 +125,11 @@ def _check_run_id(run_id: str | None) -> None:
 def _preflight(cfg) -> None:
     """Checks that need the machine, the file system or the store, done before any flow starts (nothing
     written on failure)."""
-    from core.context import resolve_device
+    from core.context import check_gpus
     from storage.corpus import check_text_files
     from tasks.data import data_files
 
-    resolve_device(cfg.train.device)
+    check_gpus(cfg)  # the device, and train.gpus against this machine
     if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
         raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
     if cfg.model.from_hf:  # every shard, tensor and the tokenizer, before a flow starts

@@ -284,10 +284,11 @@ class Recommendation:
 
 def recommend(cfg: ModelConfig, batch: int, seq: int, precision: str, gpu_bytes: float, optim: str = "adamw",
               split: str = "params", preinfer: bool = True, **kw) -> Recommendation:
-    """The smallest block count whose every visit fits ``gpu_bytes``, without recompute if any count fits, else with."""
+    """The smallest block count whose every visit fits ``gpu_bytes``: without recompute when that fits at this
+    count, else with it (recompute costs a forward of the frozen suffix; more blocks cost more visits)."""
     full = visit_memory(cfg, None, None, batch, seq, precision, optim, **kw)
-    for recompute in (False, True):
-        for m in range(1, cfg.n_layer + 1):
+    for m in range(1, cfg.n_layer + 1):
+        for recompute in (False, True):
             worst = max(e.peak for e in plan_visits(cfg, m, batch, seq, precision, optim, recompute, split,
                                                     preinfer, **kw))
             if worst <= gpu_bytes:

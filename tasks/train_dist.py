@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from core import failpoints, preempt
 from core.config import RunConfig
-from core.context import RunContext
+from core.context import RunContext, check_gpus
 from core.errors import BadInput, DamagedArtifact
 from models import build_model
 from models import parallel as par
@@ -65,8 +65,7 @@ def launch(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, da
            track: TrackTarget | None = None) -> TrainResult:
     """Train the visit with ``train.gpus`` processes and return rank 0's result (as ``train_visit`` does)."""
     n = cfg.train.gpus
-    if cfg.train.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() < n:
-        raise BadInput(f"train.gpus: {n} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    check_gpus(cfg)  # a worker that picked this visit up may have fewer GPUs than the one that planned it
     base = os.environ.get("BCDFLOW_DIST_DIR")
     work = tempfile.mkdtemp(prefix=f"visit-c{cycle}-b{block}-", dir=base) if base else tempfile.mkdtemp(
         prefix="bcdflow-visit-")
