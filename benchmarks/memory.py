@@ -82,7 +82,8 @@ def run(prof: dict, device, out: Path, **_) -> dict:
         wi = res["what_if_checkpoint"]
         b0 = wi["rows"][0]
         res["claims"].append(report.claim(
-            "memory", "worst-block peak / full, 3 blocks, bcd.recompute=on (measured)", wi["worst_recompute_peak_ratio"],
+            "memory", "worst-block peak / full, 3 blocks, bcd.recompute=on (measured)",
+            wi["worst_recompute_peak_ratio"],
             target="≤ 0.50", passed=wi["worst_recompute_peak_ratio"] <= 0.5,
             note=f"(block 0 step ×{b0['time_x']:.2f} time; planner {wi['worst_recompute_planned_ratio']:.2f})"))
         res["claims"].append(report.claim(
@@ -122,7 +123,8 @@ def measure_all(w: Workload, c: dict) -> dict:
         per_m[M] = {"worst_block": worst["block"], "worst_peak_ratio": worst["peak_bytes_ratio"],
                     "mean_peak_ratio": sum(r["peak_bytes_ratio"] for r in block_rows) / M,
                     "worst_state_ratio": max(r["analytic_state_bytes_ratio"] for r in block_rows),
-                    "worst_planned_ratio": max(r["planned_peak_bytes"] for r in block_rows) / full["planned_peak_bytes"],
+                    "worst_planned_ratio": (max(r["planned_peak_bytes"] for r in block_rows)
+                                            / full["planned_peak_bytes"]),
                     "planned_over_measured": [r["planned_peak_bytes"] / r["peak_bytes"] for r in [full, *block_rows]],
                     "worst_analytic_total_ratio": max(r["analytic_total_bytes_ratio"] for r in block_rows),
                     "max_ufp": max(r["ufp"] for r in block_rows),

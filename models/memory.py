@@ -66,7 +66,7 @@ class Estimate:
     """Every trainable gradient (``grads`` is what exists at the peak: in forward only the head's)."""
     recompute: bool = False
     phase: str = ""
-    """Where the peak falls: ``forward`` (the end of the forward, the loss chunk), ``backward layer i`` or ``optimizer``."""
+    """Where the peak falls: ``forward`` (the forward's end: the loss chunk), ``backward layer i`` or ``optimizer``."""
 
     def parts(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in PARTS}

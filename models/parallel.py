@@ -148,7 +148,8 @@ def full_optim_state(opt: torch.optim.Optimizer) -> dict:
 
 
 def load_optim_state(opt: torch.optim.Optimizer, state: dict) -> None:
-    """Load a one-process optimizer state into ``opt``: moments of sharded parameters are cut to this process's shard."""
+    """Load a one-process optimizer state into ``opt``; moments of sharded parameters are cut to this process's
+    shard."""
     from torch.distributed.tensor import distribute_tensor
 
     params = [p for g in opt.param_groups for p in g["params"]]

@@ -146,7 +146,7 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             norm = torch.nn.utils.clip_grad_norm_(params, spec.grad_clip, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
-        if hasattr(norm, "full_tensor"):  # FSDP2 (a DTensor): the norm of the sharded gradients, reduced over the processes
+        if hasattr(norm, "full_tensor"):  # FSDP2 (a DTensor): the sharded gradients' norm, reduced over processes
             norm = norm.full_tensor()
         optimizer.step()
         res.steps += 1

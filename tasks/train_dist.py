@@ -191,6 +191,9 @@ def _load(ctx: RunContext, version: int, layers, embed: bool, active: set[str], 
                             frozen_dtype=torch.bfloat16 if low else None, trainable=active)
     for name, p in model.named_parameters():
         p.requires_grad_(name in active)
+    model.loss_chunk_rows = ctx.cfg.train.loss_chunk_rows
+    if ctx.cfg.train.compile:  # before DDP/FSDP wrap the layers (torchtitan's order)
+        compile_layers(model)
     step = par.VisitStep(model, lo, hi, from_acts, recompute, precision)
     if mode == "ddp":
         return model, step, par.wrap_ddp(step, device)
@@ -221,9 +224,6 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
     low = cfg.train.precision == "bf16"
     model, step, mod = _load(ctx, version, (lo if from_acts else 0, n_layer), not from_acts, active, low, mode, lo,
                              hi, from_acts, recompute, cfg.train.precision, device)
-    model.loss_chunk_rows = cfg.train.loss_chunk_rows
-    if cfg.train.compile:
-        compile_layers(model)
     named = [(n, p) for n, p in model.named_parameters() if n in active]
     params = [p for _, p in named]
     step.train()
