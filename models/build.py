@@ -49,7 +49,8 @@ def frozen_in(model: Decoder, dtype: torch.dtype, trainable: Collection[str] = (
     (matrices, embedding tables; more than 99.9% of the bytes) not named in ``trainable``. Norm gains and biases
     stay fp32, so the per-channel ops that autocast runs in fp32 see exactly the weights they see today, and a
     matmul under bf16 autocast multiplies the same bf16 values it would cast the fp32 weight to (the cast rounds
-    to nearest, as ``.to`` does): frozen layers compute what they computed with fp32 storage, without the copy."""
+    to nearest, as ``.to`` does): frozen layers compute what they computed with fp32 storage, without the copy.
+    Only a frozen embedding lookup differs: it reads bf16-rounded rows (upcast to the fp32 residual stream)."""
     for name, p in model.named_parameters():
         if p.dim() >= 2 and name not in trainable and p.dtype != dtype:
             p.data = p.data.to(dtype)
