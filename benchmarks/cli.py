@@ -62,11 +62,13 @@ def parser() -> argparse.ArgumentParser:
     step = run.add_argument_group("step benchmarks (memory, iteration, utilization): the model and batch, "
                                   "overriding the size's")
     step.add_argument("--model", help="registry name (models/config.py), e.g. gpt2-124m, G-1.6B, L-1.5B")
-    for field in ("n-layer", "d-model", "n-head", "n-kv-head", "vocab-size"):
+    for field in ("n-layer", "d-model", "n-head", "n-kv-head", "d-ff", "vocab-size"):
         step.add_argument(f"--{field}", type=int, help=f"model.{field.replace('-', '_')}")
     step.add_argument("--batch-size", type=int)
     step.add_argument("--seq-len", type=int)
     step.add_argument("--precision", choices=("fp32", "bf16"))
+    step.add_argument("--compile", action="store_true", help="torch.compile each layer (train.compile=true)")
+    step.add_argument("--loss-chunk-rows", type=int, help="train.loss_chunk_rows (default: 128 MB of fp32 logits)")
     step.add_argument("--blocks", type=int, nargs="+", help="bcd.blocks values to measure (default: the size's)")
     return ap
 
@@ -76,7 +78,7 @@ def compute_profile(c: dict, args) -> dict:
     c = dict(c)
     if args.model:
         c.update(model=args.model, overrides={})
-    over = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head", "n_kv_head", "vocab_size")
+    over = {k: getattr(args, k) for k in ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "vocab_size")
             if getattr(args, k) is not None}
     c["overrides"] = {**c["overrides"], **over}
     for k in ("batch_size", "seq_len", "precision"):
@@ -84,6 +86,10 @@ def compute_profile(c: dict, args) -> dict:
             c[k] = getattr(args, k)
     if args.blocks:
         c.update(memory_blocks=args.blocks, iteration_blocks=args.blocks)
+    if args.compile:
+        c["compile"] = True
+    if args.loss_chunk_rows:
+        c["chunk_rows"] = args.loss_chunk_rows
     return c
 
 

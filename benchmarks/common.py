@@ -23,8 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from models import build_model
+from models.build import frozen_in
 from models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
-from models.visit import autocast
+from models.visit import autocast, visit_loss
 
 MB = 2**20
 
@@ -174,15 +175,30 @@ class Visit:
 
     ``layers`` is the part held; ``start`` the first layer on the gradient path (default ``layers[0]``).
     ``start > layers[0]`` is a visit with pre-inference off: layers [layers[0], start) run every step
-    under no_grad, as ``tasks/train.py`` runs the frozen prefix then. ``args`` needs ``optim`` and
-    ``precision``.
+    under no_grad, as ``tasks/train.py`` runs the frozen prefix then. ``hi`` ends the active block (its frozen
+    suffix is recomputed in backward with ``recompute``). ``args`` needs ``optim`` and ``precision``; with bf16
+    the frozen weight matrices are stored in bf16 as the product stores them (``args.frozen_fp32`` keeps the old
+    fp32 storage for a side-by-side). The loss is the product's: ``models.visit.visit_loss``.
     """
 
-    def __init__(self, name, cfg, master, device, args, layers, embed, trainable, batch, start=None):
+    def __init__(self, name, cfg, master, device, args, layers, embed, trainable, batch, start=None, hi=None,
+                 recompute=False):
         self.name, self.layers, self.embed, self.device, self.batch = name, layers, embed, device, batch
         self.start = layers[0] if start is None else start
-        model = build_model(cfg, layers=layers, embed=embed, head=True, device=device, init=False)
-        model.load_state_dict({k: master[k] for k in model.state_dict()}, strict=True)
+        self.hi, self.recompute = hi, recompute
+        low = torch.bfloat16 if args.precision == "bf16" and not getattr(args, "frozen_fp32", False) else None
+        if master is None:  # random weights, made on the device (an isolated configuration: benchmarks/isolate.py)
+            model = build_model(cfg, layers=layers, embed=embed, head=True, device=device)
+            if low is not None:
+                frozen_in(model, low, trainable)
+        else:
+            model = build_model(cfg, layers=layers, embed=embed, head=True, device=device, init=False,
+                                frozen_dtype=low, trainable=trainable)
+            model.load_state_dict({k: master[k] for k in model.state_dict()}, strict=True)
+        model.loss_chunk_rows = getattr(args, "chunk_rows", None)
+        if getattr(args, "compile", False):  # train.compile=true: each layer compiled, as the train task does
+            for layer in model.h.values():
+                layer.compile()
         for n, p in model.named_parameters():
             p.requires_grad_(n in trainable)
         self.model = model.train()
@@ -191,16 +207,11 @@ class Visit:
         self.spec = OptimSpec(args.optim)
         self.opt = make_optimizer(self.params, self.spec)
         self.flops = matmul_flops(model, trainable, cfg)
-        lo, start, precision = layers[0], self.start, args.precision
+        start, precision, from_acts = self.start, args.precision, not embed
 
         def loss_fn(b):  # the loss path of tasks/train.py::train_visit
-            x, y = b
             with autocast(device, precision):
-                h = model.embed(x) if embed else x  # (B, T, C)
-                if start > lo:  # pre-inference off: the frozen prefix runs here, off the gradient path
-                    with torch.no_grad():
-                        h = model.run_layers(h, lo, start)
-                return model.loss(model.run_layers(h, start, cfg.n_layer), y)
+                return visit_loss(model, *b, start, from_acts, hi=hi, recompute=recompute)
 
         self.loss_fn = loss_fn
         self.times: list[float] = []
@@ -297,6 +308,15 @@ def round_robin(items, warmup: int, steps: int, max_steps: int | None = None, bu
     fastest steps still differ by more than ``tol``: on a busy machine a configuration whose every step
     was disturbed gets more chances to show what it costs. Returns how many rounds ran and the worst
     remaining spread (fastest two) and median/fastest ratio, which the reports print as timing quality."""
+    from benchmarks.isolate import Remote, time_each
+
+    remote = [it for it in items if isinstance(it, Remote)]
+    if remote:  # CUDA: configurations in their own processes, one after the other; local probes take turns
+        local = [it for it in items if not isinstance(it, Remote)]
+        res = time_each(remote, warmup, max(steps, 3))
+        if local:
+            round_robin(local, warmup, steps, max_steps, budget_s, tol)
+        return res
     for _ in range(warmup):
         for it in items:
             it.step(timed=False)
@@ -350,24 +370,39 @@ class Workload:
     """One model, one set of master weights and one batch, from which every configuration is built.
 
     Block plans come from the product (``RunConfig.plan``: the split ``bcd.split`` picks, by
-    parameter count by default), so the benchmark measures the blocks a run would train."""
+    parameter count by default), so the benchmark measures the blocks a run would train.
 
-    def __init__(self, c: dict, device: torch.device, optim: str = "adamw", seed: int = 0):
+    On CUDA (``isolated``) ``full``/``visit`` return ``benchmarks.isolate.Remote`` configurations, each measured
+    in its own process; there (``random_weights``) parts are initialised on the device, with no master copy."""
+
+    def __init__(self, c: dict, device: torch.device, optim: str = "adamw", seed: int = 0,
+                 random_weights: bool = False):
         from models import get_config
+        from models.build import param_sizes
 
-        self.c, self.device = c, device
+        self.c, self.device, self.seed = c, device, seed
         self.cfg = get_config(c["model"], **c["overrides"])
-        torch.manual_seed(seed)
-        whole = build_model(self.cfg)
-        self.master = whole.state_dict()  # kept on the CPU; each configuration copies its part
-        self.names = [n for n, _ in whole.named_parameters()]
-        self.n_params = sum(p.numel() for p in whole.parameters())
-        del whole
+        sizes = param_sizes(self.cfg)  # from a meta-device model
+        self.names, self.n_params = list(sizes), sum(sizes.values())
+        self.random_weights = random_weights
+        # BCDFLOW_BENCH_ISOLATE=1: the CUDA way on any device (the tests run it on the CPU)
+        self.isolated = (device.type == "cuda" or os.environ.get("BCDFLOW_BENCH_ISOLATE") == "1") and not random_weights
+        self._master: dict | None = None
         B, T = c["batch_size"], c["seq_len"]
-        tokens = torch.randint(self.cfg.vocab_size, (B, T + 1), device=device)
+        g = torch.Generator().manual_seed(seed + 1)
+        tokens = torch.randint(self.cfg.vocab_size, (B, T + 1), generator=g).to(device)
         self.x, self.y = tokens[:, :-1], tokens[:, 1:]  # (B, T)
-        self.args = ns(optim=optim, precision=c["precision"])
+        self.args = ns(optim=optim, precision=c["precision"], chunk_rows=c.get("chunk_rows"),
+                       compile=c.get("compile", False))
         self._prefix: dict[int, torch.Tensor] = {}
+
+    @property
+    def master(self) -> dict | None:
+        """The whole model's weights, on the CPU (made on first use); None with ``random_weights``."""
+        if self._master is None and not self.random_weights:
+            torch.manual_seed(self.seed)
+            self._master = build_model(self.cfg).state_dict()  # each configuration copies its part
+        return self._master
 
     @property
     def tokens(self) -> int:
@@ -383,20 +418,41 @@ class Workload:
         return run.plan(run.model_cfg(self.cfg.vocab_size))
 
     def full(self) -> Visit:
+        if self.isolated:
+            from benchmarks.isolate import Remote
+
+            return Remote(self, "full", "full")
         return Visit("full", self.cfg, self.master, self.device, self.args, (0, self.cfg.n_layer), True,
                      set(self.names), (self.x, self.y))
 
     def hidden(self, lo: int) -> torch.Tensor:
         if lo not in self._prefix:
-            self._prefix[lo] = prefix_batch(self.cfg, self.master, self.device, self.args.precision, self.x, lo)
+            if self.random_weights:  # what the prefix computes does not change a step's memory or time
+                self._prefix[lo] = torch.randn(*self.x.shape, self.cfg.d_model, device=self.device)
+            else:
+                self._prefix[lo] = prefix_batch(self.cfg, self.master, self.device, self.args.precision, self.x, lo)
         return self._prefix[lo]
 
-    def visit(self, name: str, blk, preinfer: bool = True) -> Visit:
+    def visit(self, name: str, blk, preinfer: bool = True, recompute: bool = False) -> Visit:
         """Block ``blk``'s visit as tasks/train.py runs it: with pre-inference, layers >= lo fed the prefix's
         hidden states; without, the whole model with the prefix under no_grad every step."""
-        lo, n = blk.layers[0], self.cfg.n_layer
+        (lo, hi), n = blk.layers, self.cfg.n_layer
+        if self.isolated:
+            from benchmarks.isolate import Remote
+
+            blocks = len(self.plan_of(blk))
+            return Remote(self, name, "visit", blocks=blocks, block=blk.index, preinfer=preinfer,
+                          recompute=recompute)
         if preinfer and lo > 0:
             return Visit(name, self.cfg, self.master, self.device, self.args, (lo, n), False, set(blk.params),
-                         (self.hidden(lo), self.y))
+                         (self.hidden(lo), self.y), hi=hi, recompute=recompute)
         return Visit(name, self.cfg, self.master, self.device, self.args, (0, n), True, set(blk.params),
-                     (self.x, self.y), start=lo)
+                     (self.x, self.y), start=lo, hi=hi, recompute=recompute)
+
+    def plan_of(self, blk):
+        """The plan ``blk`` comes from (the block count whose plan holds this very block)."""
+        for m in range(1, self.cfg.n_layer + 1):
+            plan = self.plan(m)
+            if blk.index < len(plan) and plan[blk.index] == blk:
+                return plan
+        raise ValueError(f"block {blk} is in no plan of {self.cfg.n_layer} layers")

@@ -27,9 +27,22 @@ PAPER_T15 = {"G-1.6B": (378.49, 331.7375, 305.52), "L-1.5B": (414.81, 331.81, 27
 
 
 def prefix_timer(w: Workload, lo: int) -> Timed:
-    prefix = build_model(w.cfg, layers=(0, lo), head=False, device=w.device, init=False)
-    prefix.load_state_dict({k: w.master[k] for k in prefix.state_dict()}, strict=True)
+    if w.isolated:  # CUDA: timed in a process of its own (benchmarks/isolate.py)
+        from benchmarks.isolate import Remote
+
+        meta = build_model(w.cfg, layers=(0, lo), head=False, device="meta", init=False)
+        return Remote(w, f"pre-infer layers 0-{lo}", "prefix", lo=lo,
+                      info={"lo": lo, "flops_per_token": forward_flops(meta, w.cfg, w.x.size(1), 0, lo)})
+    if w.random_weights:
+        prefix = build_model(w.cfg, layers=(0, lo), head=False, device=w.device)
+    else:
+        prefix = build_model(w.cfg, layers=(0, lo), head=False, device=w.device, init=False)
+        prefix.load_state_dict({k: w.master[k] for k in prefix.state_dict()}, strict=True)
     prefix.eval().requires_grad_(False)
+    if w.args.precision == "bf16":
+        from models.build import frozen_in
+
+        frozen_in(prefix, torch.bfloat16)  # as the product's pre-inference holds it
 
     def fn():  # tasks/preinfer.py::run_prefix, one batch
         with torch.inference_mode(), autocast(w.device, w.args.precision):

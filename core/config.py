@@ -102,6 +102,15 @@ class BcdSection(_Section):
     core per shard), 2 on GPU (one shard's I/O overlaps the next one's compute)."""
     store_concurrency: int = Field(16, ge=1)
     """Zarr's async concurrency: object-store requests in flight per shard read/write."""
+    recompute: Literal["auto", "on", "off"] = "auto"
+    """Recompute the frozen layers after the active block in backward instead of keeping their activations
+    (activation checkpointing; the gradients are bitwise the same). ``auto``: on for a visit the memory planner
+    says would not fit ``train.memory_gb`` otherwise."""
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _on_off(cls, v):
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as booleans
 
     @field_validator("order")
     @classmethod
@@ -139,6 +148,25 @@ class TrainSection(_Section):
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; checked against the machine
     that trains before anything runs."""
     precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: autocast, fp32 master weights and optimizer state for the active block, frozen weights stored in
+    bf16 on the device (the stored block files are unchanged)."""
+    memory_gb: float | None = Field(None, gt=0)
+    """Device memory a visit may use, in GB (1e9 bytes): ``bcd.recompute=auto`` and the choice between data
+    parallel and sharding use it. None = the device's total memory on CUDA, unlimited on the CPU."""
+    gpus: int = Field(1, ge=1)
+    """Processes (GPUs) that train one visit, launched with torchrun on this machine; 1 = this process. Rank 0
+    writes the checkpoints and the block; a SIGTERM to any rank checkpoints once. On the CPU: gloo processes."""
+    parallel: Literal["auto", "ddp", "fsdp"] = "auto"
+    """With ``gpus`` > 1: ``ddp`` replicates the visit and all-reduces the active block's gradients (each process
+    holds every weight), ``fsdp`` shards weights, gradients and optimizer state (FSDP2); ``auto``: ddp when the
+    planner says a replica fits ``memory_gb``, else fsdp."""
+    compile: bool = False
+    """torch.compile each layer of the visit (CUDA graphs are left to ``mode=reduce-overhead`` users: batches of a
+    visit are not all the same shape)."""
+    loss_chunk_rows: int | None = Field(None, ge=1)
+    """Rows of the loss over the vocabulary computed at once; None = 128 MB of fp32 logits per chunk."""
+    eval_batch_size: int | None = Field(None, ge=1)
+    """Rows per validation forward (no gradients: larger than ``batch_size`` is usually fine); None = batch_size."""
 
     @field_validator("device")
     @classmethod
@@ -296,6 +324,9 @@ class RunConfig(_Section):
                              "template)")
         mc = self.model_cfg()
         layer_bounds(mc.n_layer, self.bcd.blocks, self.bcd.boundaries)  # raises naming bcd.blocks/boundaries
+        if self.train.gpus > self.train.batch_size:
+            raise ValueError(f"train.gpus: {self.train.gpus} processes need at least one row each of a batch, but "
+                             f"train.batch_size={self.train.batch_size}")
         if self.data.seq_len > mc.n_ctx:
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's context n_ctx={mc.n_ctx}")
         if self.model.from_hf:
@@ -328,6 +359,16 @@ class RunConfig(_Section):
         o = self.optim
         return OptimSpec(o.name, o.lr, o.weight_decay, o.momentum, grad_clip=o.grad_clip,
                          warmup_steps=o.warmup_steps)
+
+    def memory_budget(self, device) -> float | None:
+        """Bytes a visit may use on ``device``: ``train.memory_gb``, else the CUDA device's total, else None."""
+        if self.train.memory_gb is not None:
+            return self.train.memory_gb * 1e9
+        if getattr(device, "type", device) == "cuda":
+            import torch
+
+            return float(torch.cuda.get_device_properties(device).total_memory)
+        return None
 
     def stop_rule(self) -> StopRule:
         b = self.bcd

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from functools import cached_property
+from typing import Collection
 
 import torch
 
@@ -48,6 +49,14 @@ def resolve_device(name: str) -> torch.device:
     elif dev.type != "cpu":
         raise BadInput(f"train.device: unsupported device type {dev.type!r} (choose from auto, cpu, cuda, cuda:N)")
     return dev
+
+
+def check_gpus(cfg: RunConfig) -> None:
+    """``train.gpus`` against this machine: on CUDA no more processes than GPUs (on the CPU, gloo processes)."""
+    dev = resolve_device(cfg.train.device)
+    if dev.type == "cuda" and cfg.train.gpus > torch.cuda.device_count():
+        raise BadInput(f"train.gpus: {cfg.train.gpus} asked for, but this machine has {torch.cuda.device_count()} "
+                       "CUDA device(s)")
 
 
 class RunContext:
@@ -100,16 +109,24 @@ class RunContext:
     def manifest(self, version: int) -> dict:
         return checkpoints.read_manifest(self.store, self.run_id, version)
 
-    def load_part(self, manifest: dict, layers: tuple[int, int], embed: bool, head: bool) -> Decoder:
+    def load_part(self, manifest: dict, layers: tuple[int, int], embed: bool, head: bool,
+                  trainable: Collection[str] | None = None) -> Decoder:
         """A part of the model with the weights of ``manifest``: only the tensors that part holds are read.
 
         A visit to block b with pre-inference holds layers of blocks >= b and the head (invariant I6); the
-        tied GPT-2 head also needs ``wte.weight``, which block 0 owns, so that one tensor comes along frozen."""
-        model = build_model(self.model_cfg, layers=layers, embed=embed, head=head, device=self.device, init=False)
+        tied GPT-2 head also needs ``wte.weight``, which block 0 owns, so that one tensor comes along frozen.
+
+        ``trainable``: the names that will train (fp32 master weights); with ``train.precision=bf16`` every other
+        weight matrix lives on the device in bf16 (I6; ``()`` = all frozen: the pre-inference prefix, evaluation).
+        None keeps every weight fp32 (a probe that needs every gradient). Tensors are read to the host and copied
+        into the part's storage one by one, so the device never holds a second copy of the weights."""
+        low = torch.bfloat16 if self.cfg.train.precision == "bf16" and trainable is not None else None
+        model = build_model(self.model_cfg, layers=layers, embed=embed, head=head, device=self.device, init=False,
+                            frozen_dtype=low, trainable=trainable or ())
         names = [n for n, _ in model.named_parameters()]
         owners = sorted({self.plan.owner(n) for n in names})
         tensors = checkpoints.load_from_manifest(self.store, self.run_id, manifest, owners, names=names,
-                                                 device=self.device)
+                                                 device="cpu")
         model.load_state_dict(tensors, strict=True)
         return model
 
@@ -121,7 +138,7 @@ class RunContext:
             if self._prefix is None or self._prefix[0] != key:
                 self._prefix = None  # free the previous visit's prefix before loading this one
                 model = self.load_part(self.manifest(version), (0, self.plan[block].layers[0]), embed=True,
-                                       head=False)
+                                       head=False, trainable=())
                 self._prefix = (key, model.eval().requires_grad_(False))
             return self._prefix[1]
 

@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 
 from core import spend
 from core.config import RunConfig
-from core.context import RunContext, resolve_device
+from core.context import RunContext, check_gpus
 from flows import artifacts
 from flows.params import RunParams, new_run_id
 from flows.fleet import dispatch_visit
@@ -84,7 +84,7 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     store = cfg.open_store()
     store.probe()  # one clear line (no retries) when the store cannot be used, before anything is written
     if not cfg.fleet.visit_pool:  # visits train here; with a pool, on the workers' devices
-        resolve_device(cfg.train.device)
+        check_gpus(cfg)
     dataset_id = prepare_data_task(cfg, store)  # shared and content-addressed: needs no lease (bad data: no run)
     lease = Lease(store, runs.run_key(run_id), f"run {run_id!r}", ttl=cfg.fleet.lease_seconds,
                   owner=this_process(flow_run.get_id()))

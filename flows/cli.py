@@ -7,6 +7,7 @@
     bcdflow export my-run ./hf-out --format hf --dtype bf16   # a transformers model directory
     bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
     bcdflow worker --pool bcdflow-gpu         # a worker on a GPU box (visits as deployment runs, fleet.visit_pool)
+    bcdflow plan-memory -c run.yaml --gpu-gb 24   # predicted peak memory per visit; the bcd.blocks that fits
 
 What goes wrong is said in one line on stderr, never with a traceback (``--debug`` shows them):
 
@@ -125,12 +126,12 @@ def _check_run_id(run_id: str | None) -> None:
 def _preflight(cfg) -> None:
     """Checks that need the machine, the file system or the store, done before any flow starts (nothing
     written on failure)."""
-    from core.context import resolve_device
+    from core.context import check_gpus
     from storage.corpus import check_text_files
     from tasks.data import data_files
 
     if not cfg.fleet.visit_pool:  # with a pool, visits train on the workers' devices
-        resolve_device(cfg.train.device)
+        check_gpus(cfg)  # the device, and train.gpus against this machine
     if cfg.fleet.preinfer == "dask":
         try:
             import prefect_dask  # noqa: F401
@@ -379,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds the flow runs get to checkpoint on SIGTERM before the worker stops (default 60)")
     sp.add_argument("worker_args", nargs=argparse.REMAINDER, help="more `prefect worker start` options, after --")
     sp.set_defaults(fn=cmd_worker)
+    from flows import plan_memory
+
+    plan_memory.add_parser(sub, common)
     return p
 
 

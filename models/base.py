@@ -17,6 +17,92 @@ from models.config import ModelConfig
 
 EMBED_PREFIXES = ("wte.", "wpe.")
 HEAD_PREFIXES = ("ln_f.", "lm_head.")
+IGNORE_INDEX = -100  # a masked target (supervised fine-tuning): F.cross_entropy's default ignore_index
+# the loss over the vocabulary runs in row chunks whose fp32 logits take about this many bytes: never the
+# (B*T, V) logits and their gradient at once (gpt2-124m at 8x1024: 1.6 GB of fp32 logits -> 128 MB)
+LOSS_CHUNK_BYTES = 128 << 20
+
+
+def loss_chunk_rows(vocab_size: int, rows: int | None = None) -> int:
+    """Rows per chunk of the chunked loss: ``rows`` if given, else as many as fit LOSS_CHUNK_BYTES of fp32 logits."""
+    return int(rows) if rows else max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would run a matmul of ``t`` in (the lower precision when autocast is on)."""
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Sum of next-token cross-entropies of normed hidden states ``h`` (N, C) under a head ``weight`` (V, C),
+    computed ``rows`` rows at a time; targets equal to IGNORE_INDEX count zero.
+
+    Forward computes each chunk's logits (rows, V), its loss and, when asked for, the gradients with respect to
+    ``h`` and ``weight`` right away (softmax - one-hot, through the head's two matmuls), then drops the chunk: no
+    (N, V) tensor ever exists, and backward only scales the stored gradients. Matmuls run in ``dtype`` (bf16
+    under autocast, as F.linear would), softmax and the loss in fp32."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, rows: int, dtype: torch.dtype):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
+        w = weight.to(dtype)  # (V, C); a no-op when the weight is already in the compute dtype
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for lo in range(0, h.size(0), rows):
+                hc, y = h[lo:lo + rows].to(dtype), targets[lo:lo + rows]  # (n, C), (n,)
+                logits = (hc @ w.t()).float()  # (n, V) fp32; the dtype copy is freed here
+                valid = y != IGNORE_INDEX
+                safe = y.masked_fill(~valid, 0).unsqueeze(1)  # (n, 1)
+                picked = logits.gather(1, safe).squeeze(1)  # (n,) target logits
+                top = logits.amax(dim=1, keepdim=True)  # (n, 1)
+                p = logits.sub_(top).exp_()  # in place: exp(logit - max)
+                norm = p.sum(dim=1)  # (n,)
+                nll = top.squeeze(1) + norm.log() - picked
+                total += nll.masked_fill(~valid, 0.0).sum()
+                if need_h or need_w:
+                    p.div_(norm.unsqueeze(1))  # softmax
+                    p.scatter_add_(1, safe, -valid.unsqueeze(1).to(p.dtype))  # minus the one-hot of the target
+                    p.mul_(valid.unsqueeze(1))  # an ignored row has no gradient
+                    g = p.to(dtype)  # (n, V) d(sum of losses)/d(logits)
+                    if need_h:
+                        grad_h[lo:lo + rows] = g @ w
+                    if need_w:
+                        grad_w += g.t() @ hc  # (V, C), accumulated in the weight's (fp32 master) dtype
+                del logits, p
+        ctx.grads = grad_h, grad_w
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.grads
+        del ctx.grads  # the returned tensors are then the only references: autograd can reuse their memory
+        return (grad_h * grad_out if grad_h is not None else None,
+                grad_w * grad_out if grad_w is not None else None, None, None, None)
+
+
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
+                          reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of ``h @ weight.T`` against ``targets`` (IGNORE_INDEX masked), ``rows`` rows at a time.
+
+    ``h`` (N, C), ``weight`` (V, C), ``targets`` (N,). ``reduction="mean"`` divides by the count of trained
+    (non-ignored) targets, as ``F.cross_entropy`` does; ``"sum"`` returns the sum (distributed visits scale it by
+    the global count)."""
+    dtype = _compute_dtype(h)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        total = _ChunkedHeadLoss.apply(h, weight, targets, rows, dtype)
+    else:
+        total = _ChunkedHeadLoss.forward(_NoGradCtx(), h, weight, targets, rows, dtype)
+    if reduction == "sum":
+        return total
+    return total / (targets != IGNORE_INDEX).sum()
+
+
+class _NoGradCtx:
+    needs_input_grad = (False, False, False, False, False)
+
 
 
 class Decoder(nn.Module):
@@ -30,6 +116,8 @@ class Decoder(nn.Module):
         assert 0 <= lo <= hi <= cfg.n_layer, (lo, hi)
         self.layer_range = (lo, hi)
         self.has_embed, self.has_head = embed, head
+        self.loss_chunk_rows: int | None = None
+        """Rows per chunk of the loss over the vocabulary; None = LOSS_CHUNK_BYTES of fp32 logits per chunk."""
         # the tied head reads the token embedding, so a model with a head keeps wte too
         if embed or (head and cfg.tied):
             self._make_embed(positions=embed)
@@ -56,10 +144,11 @@ class Decoder(nn.Module):
 
     # -- running parts ----------------------------------------------------------------------
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, C) hidden states."""
+        """(B, T) token ids -> (B, T, C) hidden states (fp32: the residual stream stays fp32 even when frozen
+        embeddings are stored in bf16)."""
         if idx.size(1) > self.cfg.n_ctx:
             raise ValueError(f"sequence length {idx.size(1)} exceeds n_ctx={self.cfg.n_ctx}")
-        return self._embed_tokens(idx)
+        return self._embed_tokens(idx).float()
 
     def run_layers(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Run layers [lo, hi) on (B, T, C) hidden states."""
@@ -74,10 +163,14 @@ class Decoder(nn.Module):
         weight = self.wte.weight if self.cfg.tied else self.lm_head.weight
         return F.linear(x, weight)
 
-    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of hidden states (B, T, C) against targets (B, T)."""
-        logits = self.head(x)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    def loss(self, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Next-token cross-entropy of hidden states (B, T, C) against targets (B, T): the mean over trained
+        (non-ignored) targets, or their sum. The head and the loss run over ``loss_chunk_rows`` rows at a time,
+        so the (B*T, V) logits never exist (equal to ``F.cross_entropy(self.head(x), ...)`` to float rounding)."""
+        h = self.ln_f(x)  # (B, T, C)
+        weight = self.wte.weight if self.cfg.tied else self.lm_head.weight  # (V, C)
+        rows = loss_chunk_rows(self.cfg.vocab_size, self.loss_chunk_rows)
+        return chunked_cross_entropy(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), rows, reduction)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = self.run_layers(self.embed(idx), *self.layer_range)

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -21,11 +21,14 @@ FAMILIES: dict[str, type[Decoder]] = {"gpt": GPT, "llama": LLaMA}
 
 
 def build_model(cfg: ModelConfig, layers: tuple[int, int] | None = None, embed: bool = True,
-                head: bool = True, device: str | torch.device = "cpu", init: bool = True) -> Decoder:
+                head: bool = True, device: str | torch.device = "cpu", init: bool = True,
+                frozen_dtype: torch.dtype | None = None, trainable: Collection[str] = ()) -> Decoder:
     """Build the whole model or a part of it.
 
     ``init=True`` draws fresh weights from the current torch RNG (seed it first); ``init=False``
     allocates uninitialised storage for weights that are about to be loaded (no wasted init work).
+    ``frozen_dtype`` (with ``init=False``): every weight matrix and embedding not named in ``trainable`` is
+    allocated in that dtype (bf16 frozen weights, DESIGN I6); see :func:`frozen_in`.
     """
     cls = FAMILIES[cfg.family]
     if init:
@@ -34,8 +37,23 @@ def build_model(cfg: ModelConfig, layers: tuple[int, int] | None = None, embed: 
         return model
     with torch.device("meta"):
         model = cls(cfg, layers, embed, head)
+        if frozen_dtype is not None:
+            frozen_in(model, frozen_dtype, trainable)
     model = model.to_empty(device=device)
     model._init_buffers()
+    return model
+
+
+def frozen_in(model: Decoder, dtype: torch.dtype, trainable: Collection[str] = ()) -> Decoder:
+    """Store the frozen weights of ``model`` in ``dtype`` (in place): every parameter with two or more dimensions
+    (matrices, embedding tables; more than 99.9% of the bytes) not named in ``trainable``. Norm gains and biases
+    stay fp32, so the per-channel ops that autocast runs in fp32 see exactly the weights they see today, and a
+    matmul under bf16 autocast multiplies the same bf16 values it would cast the fp32 weight to (the cast rounds
+    to nearest, as ``.to`` does): frozen layers compute what they computed with fp32 storage, without the copy.
+    Only a frozen embedding lookup differs: it reads bf16-rounded rows (upcast to the fp32 residual stream)."""
+    for name, p in model.named_parameters():
+        if p.dim() >= 2 and name not in trainable and p.dtype != dtype:
+            p.data = p.data.to(dtype)
     return model
 
 

@@ -64,4 +64,4 @@ class GPT(Decoder):
 
     def _embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.size(1), device=idx.device)
-        return self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        return self.wte(idx).float() + self.wpe(pos).float()  # (B, T, C) fp32, whatever the tables are stored in

@@ -100,7 +100,7 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
               on_window: Callable[[int, list[float]], None] | None = None,
               should_stop: Callable[[], bool] | None = None, state: LoopState | None = None,
               checkpoint: Callable[[LoopState, str], None] | None = None, ckpt_steps: int = 0,
-              ckpt_seconds: float = 0.0) -> LoopResult:
+              ckpt_seconds: float = 0.0, clock: Callable[[], float] | None = None) -> LoopResult:
     """Train ``params`` with ``optimizer`` on ``batches`` until the stop rule fires.
 
     ``loss_fn(batch)`` runs the forward pass and returns a scalar loss. Losses (and gradient norms) are
@@ -111,8 +111,11 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
     checkpoint (``batches`` must then start at batch ``state.steps``); ``checkpoint(state, why)`` is called
     every ``ckpt_steps`` steps (``why="steps"``) or ``ckpt_seconds`` seconds (``"seconds"``), and when
     ``should_stop()`` turns true (``"signal"``: SIGTERM or Ctrl-C), after which the loop ends with
-    ``stopped_by="interrupted"``.
+    ``stopped_by="interrupted"``. ``clock`` replaces ``time.perf_counter`` (processes of one distributed visit
+    share rank 0's, so they checkpoint by seconds at the same step). Sharded (DTensor) gradient norms are
+    gathered whole.
     """
+    clock = clock or time.perf_counter
     st = state or LoopState()
     res = LoopResult(steps=st.steps, losses=list(st.losses), tokens=st.tokens)
     pending = [torch.tensor(v, dtype=torch.float32) for v in st.pending]
@@ -129,7 +132,7 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
         return losses.tolist()
 
     it: Iterator = iter(batches)
-    t0 = last_ckpt = time.perf_counter()
+    t0 = last_ckpt = clock()
     while res.steps < stop.max_steps:
         batch = next(it)
         if spec.warmup_steps:
@@ -143,6 +146,8 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             norm = torch.nn.utils.clip_grad_norm_(params, spec.grad_clip, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+        if hasattr(norm, "full_tensor"):  # FSDP2 (a DTensor): the sharded gradients' norm, reduced over processes
+            norm = norm.full_tensor()
         optimizer.step()
         res.steps += 1
         res.tokens += _tokens(batch)
@@ -159,7 +164,7 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
                 res.stopped_by = "plateau"
                 break
         interrupted = bool(should_stop and should_stop())
-        now = time.perf_counter()
+        now = clock()
         why = "signal" if interrupted else None
         if res.steps < stop.max_steps and not why:  # the last step's state is the visit's result, not a checkpoint
             why = ("steps" if ckpt_steps and res.steps % ckpt_steps == 0 else
@@ -174,10 +179,14 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             break
     if pending and res.stopped_by != "interrupted":
         res.losses.extend(synced())
-    res.seconds = time.perf_counter() - t0
+    res.seconds = clock() - t0
     return res
 
 
 def _tokens(batch) -> int:
+    """Tokens of a batch: its targets' count, or a third item that says the whole batch's (a process of a
+    distributed visit trains on a slice of it)."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 3 and isinstance(batch[2], int):
+        return batch[2]
     targets = batch[1] if isinstance(batch, (tuple, list)) else batch
     return int(targets.numel())

@@ -9,10 +9,15 @@ A visit to the block whose layers start at ``lo`` trains on either
 - pre-inferred hidden states ``(B, T, C)`` of layer ``lo``: the model holds layers >= lo and the head only.
 
 Either way the suffix (layers lo..n and the head) runs with autograd, so the loss reaches the active block.
+With ``recompute`` the frozen layers after the active block [hi, n) keep only their input for backward and
+run their forward again there (``torch.utils.checkpoint``, one layer at a time): their weights need no
+gradient, so what they save is pure activation memory (about 10 C per token per layer, the largest part of
+block 0's peak). The gradients are bitwise those without recompute (the same kernels on the same inputs).
 """
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from models.base import Decoder
 
@@ -28,14 +33,24 @@ def prefix_hidden(model: Decoder, idx: torch.Tensor, lo: int) -> torch.Tensor:
         return model.run_layers(model.embed(idx), 0, lo)
 
 
-def visit_loss(model: Decoder, x: torch.Tensor, targets: torch.Tensor, lo: int, from_acts: bool) -> torch.Tensor:
-    """Mean next-token loss of a visit whose active block starts at layer ``lo``.
+def visit_loss(model: Decoder, x: torch.Tensor, targets: torch.Tensor, lo: int, from_acts: bool,
+               hi: int | None = None, recompute: bool = False, reduction: str = "mean") -> torch.Tensor:
+    """Next-token loss of a visit whose active block holds layers [lo, hi) (the mean over trained targets, or
+    their sum with ``reduction="sum"``).
 
-    ``from_acts``: ``x`` is (B, T, C) pre-inferred hidden states of layer ``lo``; else (B, T) token ids."""
+    ``from_acts``: ``x`` is (B, T, C) pre-inferred hidden states of layer ``lo``; else (B, T) token ids.
+    ``recompute``: the frozen suffix [hi, n) is recomputed in backward instead of keeping its activations."""
+    n = model.cfg.n_layer
     if from_acts:
         h = x
     elif lo == 0:
         h = model.embed(x)  # block 0 owns the embeddings: on the gradient path
     else:  # pre-inference off: the frozen prefix runs here
         h = prefix_hidden(model, x, lo)
-    return model.loss(model.run_layers(h, lo, model.cfg.n_layer), targets)
+    if not recompute or hi is None or hi >= n:
+        return model.loss(model.run_layers(h, lo, n), targets, reduction)
+    h = model.run_layers(h, lo, hi)  # the active block: its activations are needed for its weight gradients
+    extra = model._layer_extra(h.size(1), h.device)
+    for i in range(hi, n):  # (B, T, C) kept per frozen layer; the rest is recomputed in backward
+        h = checkpoint(model.h[str(i)], h, extra, use_reentrant=False)
+    return model.loss(h, targets, reduction)

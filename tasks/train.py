@@ -25,6 +25,7 @@ from core.config import RunConfig
 from core.context import RunContext
 from core.errors import BadInput
 from models.errors import Diverged
+from models.memory import needs_recompute
 from models.trainer import LoopState, make_optimizer, run_steps
 from models.plan import block_tensors
 from models.visit import autocast, visit_loss
@@ -49,6 +50,9 @@ class TrainResult(BaseModel):
     val_points: list[tuple[int, float]]
     peak_mem_bytes: int | None
     block_file: dict
+    recompute: bool = False
+    """Whether the frozen suffix was recomputed in backward (bcd.recompute, or auto and the planner said so)."""
+    gpus: int = 1
 
 
 class EvalResult(BaseModel):
@@ -58,38 +62,67 @@ class EvalResult(BaseModel):
 
 
 def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> Iterator:
-    """Read batch k+1 from the store while batch k trains."""
+    """Read batch k+1 from the store while batch k trains (tensors of a batch go to the device, other items as
+    they are)."""
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(fetch, *next(ranges))
         while True:
-            x, y = fut.result()
+            batch = fut.result()
             fut = pool.submit(fetch, *next(ranges))
-            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            yield tuple(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch)
+
+
+def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single") -> bool:
+    """``bcd.recompute``: on, off, or (auto) on when the planner says the visit would not fit ``train.memory_gb``
+    (default: the CUDA device's memory; unlimited on the CPU)."""
+    if cfg.bcd.recompute != "auto":
+        return cfg.bcd.recompute == "on"
+    budget = cfg.memory_budget(ctx.device)
+    return needs_recompute(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,
+                           cfg.train.precision, budget, optim=cfg.optim.name, preinfer=cfg.bcd.preinfer,
+                           chunk_rows=cfg.train.loss_chunk_rows, weight_decay=cfg.optim.weight_decay, gpus=gpus,
+                           parallel=parallel)
+
+
+def compile_layers(model) -> None:
+    """torch.compile each layer in place (identical layers share one compiled graph)."""
+    for layer in model.h.values():
+        layer.compile()
 
 
 def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
                 track: TrackTarget | None = None) -> TrainResult:
+    if cfg.train.gpus > 1:  # torchrun: one process per GPU, rank 0 commits (tasks/train_dist.py)
+        from tasks.train_dist import launch
+
+        return launch(cfg, run_id, cycle, block, version, dataset_id, track)
     ctx = RunContext.of(cfg, run_id, dataset_id)
     ds, device, n_layer = ctx.dataset, ctx.device, ctx.model_cfg.n_layer
-    lo = ctx.plan[block].layers[0]
+    lo, hi = ctx.plan[block].layers
     from_acts = cfg.bcd.preinfer and block > 0
-    model = ctx.load_part(ctx.manifest(version), (lo if from_acts else 0, n_layer), embed=not from_acts, head=True)
     active = set(ctx.plan[block].params)
+    model = ctx.load_part(ctx.manifest(version), (lo if from_acts else 0, n_layer), embed=not from_acts, head=True,
+                          trainable=active)  # bf16 precision: frozen matrices in bf16 (I6)
+    model.loss_chunk_rows = cfg.train.loss_chunk_rows
     for name, p in model.named_parameters():
         p.requires_grad_(name in active)
     params = [p for n, p in model.named_parameters() if n in active]
     model.train()
+    recompute = use_recompute(cfg, ctx, block)
+    if cfg.train.compile:
+        compile_layers(model)
 
     rows = visit_rows(cfg, ds.n_train, cycle, block)
     if from_acts:
-        fetch = activations.ActivationReader(ctx.store, ctx.acts_key(cycle, block)).read  # (B, T, C), (B, T)
+        fetch = activations.ActivationReader(ctx.store, ctx.acts_key(cycle, block),
+                                             pin=device.type == "cuda").read  # (B, T, C), (B, T)
     else:
         def fetch(a: int, b: int):
             return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE)
 
     def loss_fn(batch):
         with autocast(device, cfg.train.precision):
-            return visit_loss(model, *batch, lo, from_acts)
+            return visit_loss(model, *batch, lo, from_acts, hi=hi, recompute=recompute)
 
     val_points: list[tuple[int, float]] = []
     eval_every = cfg.bcd.eval_every
@@ -138,17 +171,22 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
                             on_window=on_window, should_stop=preempt.requested, state=state, checkpoint=checkpoint,
                             ckpt_steps=cfg.checkpoint.every_steps, ckpt_seconds=cfg.checkpoint.every_seconds)
     except Diverged as e:
-        hint = " (or bf16 overflowed: try train.precision=fp32)" if cfg.train.precision == "bf16" else ""
-        raise BadInput(f"visit c{cycle}-b{block} of run {run_id!r}: {e}; the learning rate optim.lr={spec.base_lr:g} "
-                       f"is likely too high{hint}. Nothing was committed; continue the run with a lower one: "
-                       f"bcdflow train --run-id {run_id} --set optim.lr=... (and the run's other settings)") from None
+        raise BadInput(diverged_message(cfg, run_id, cycle, block, e)) from None
     if res.stopped_by == "interrupted":  # SIGTERM or Ctrl-C: the checkpoint is written
         preemption.after_checkpoint(cfg.fleet.reschedule_delay_s)
     return TrainResult(
         steps=res.steps, first_loss=res.losses[0], train_loss=res.final_loss, stopped_by=res.stopped_by,
         seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows), val_points=val_points,
         peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        block_file=checkpoints.save_block(ctx.store, run_id, block_tensors(model, ctx.plan, block)))
+        block_file=checkpoints.save_block(ctx.store, run_id, block_tensors(model, ctx.plan, block)),
+        recompute=recompute)
+
+
+def diverged_message(cfg: RunConfig, run_id: str, cycle: int, block: int, e: Diverged) -> str:
+    hint = " (or bf16 overflowed: try train.precision=fp32)" if cfg.train.precision == "bf16" else ""
+    return (f"visit c{cycle}-b{block} of run {run_id!r}: {e}; the learning rate optim.lr={cfg.optim_spec().base_lr:g} "
+            f"is likely too high{hint}. Nothing was committed; continue the run with a lower one: "
+            f"bcdflow train --run-id {run_id} --set optim.lr=... (and the run's other settings)")
 
 
 train_block = task(train_visit, name="train-block", **retrying(2))
@@ -160,7 +198,8 @@ def evaluate_model(model, ds: TokenDataset, cfg: RunConfig, device) -> float:
     mask (supervised formats) over the trained (completion) tokens only."""
     inputs, targets = ds.val_pairs(cfg.train.eval_rows)
     total, count = 0.0, 0
-    for x, y in zip(inputs.split(cfg.train.batch_size), targets.split(cfg.train.batch_size)):
+    rows = cfg.train.eval_batch_size or cfg.train.batch_size
+    for x, y in zip(inputs.split(rows), targets.split(rows)):
         n = int((y != IGNORE).sum())
         if n == 0:  # a batch without a trained token has no loss (cross-entropy of nothing is NaN)
             continue
@@ -177,7 +216,8 @@ def evaluate_version(cfg: RunConfig, run_id: str, base_version: int, dataset_id:
     ctx = RunContext.of(cfg, run_id, dataset_id)
     manifest = ctx.manifest(base_version)
     manifest = {**manifest, "blocks": {**manifest["blocks"], **{str(b): f for b, f in (changed or {}).items()}}}
-    model = ctx.load_part(manifest, (0, ctx.model_cfg.n_layer), True, True).eval()
+    model = ctx.load_part(manifest, (0, ctx.model_cfg.n_layer), True, True, trainable=()).eval()  # bf16: all bf16
+    model.loss_chunk_rows = cfg.train.loss_chunk_rows
     t0 = time.perf_counter()
     loss = evaluate_model(model, ctx.dataset, cfg, ctx.device)
     return EvalResult(val_loss=loss, val_ppl=math.exp(min(loss, 50)), seconds=time.perf_counter() - t0)

@@ -72,3 +72,15 @@ def test_command_line(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "worst-block peak / full AdamW step" in r.stdout
     assert {"report.md", "results.json", "memory_breakdown.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.mark.slow
+def test_memory_isolated_per_configuration(tmp_path, monkeypatch):
+    """The GPU way (one process per configuration, random weights on the device), run on the CPU: every row is
+    measured, the planner's prediction sits beside it, and bcd.recompute=on is measured as the product runs it."""
+    monkeypatch.setenv("BCDFLOW_BENCH_ISOLATE", "1")
+    res = bench(["memory"], tmp_path, monkeypatch)["results"]["memory"]
+    for row in [res["full"], *res["rows"][1:]]:
+        assert row["peak_bytes"] > 0 and abs(row["planned_peak_bytes"] / row["peak_bytes"] - 1) <= 0.10
+    wi = res["what_if_checkpoint"]
+    assert wi["timing"]["isolated"] and all(r["recompute_step_ms"] > 0 for r in wi["rows"])

@@ -1,0 +1,104 @@
+"""Each configuration of the step benchmarks in its own process on a GPU, so ``--device cuda`` completes on one card.
+
+On the CPU the step benchmarks build every configuration in one process and time them round-robin (a busy
+machine then slows them all alike). On a GPU that holds every configuration's weights, optimizer state and batch
+at once, which overflows even an 80 GB card for a 1.6B model; and one configuration's allocations would blur the
+next one's peak. So on CUDA, ``Workload.full``/``visit`` and ``iteration.prefix_timer`` return a :class:`Remote`:
+the configuration's description plus a meta-device model (for FLOP counts, no memory), and each measurement
+(peak, saved activations, timed steps) runs in a fresh spawned process that builds just that configuration with
+random weights on the GPU (memory and time do not depend on the weights' values), measures it and exits: every
+configuration starts from an empty card. GPU timings are steady, so no round-robin is needed there.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+
+import torch
+
+from models import build_model
+
+
+class Remote:
+    """A configuration measured in a child process. ``kind``: ``full``, ``visit`` (block ``block`` of the
+    ``blocks``-block plan, ``preinfer``, ``recompute``) or ``prefix`` (the pre-inference forward of layers [0, lo))."""
+
+    def __init__(self, w, name: str, kind: str, **spec):
+        self.w, self.name, self.kind, self.spec = w, name, kind, spec
+        self.device = w.device
+        self.times: list[float] = []
+        cfg = w.cfg
+        if kind == "prefix":
+            self.info = spec["info"]
+            return
+        if kind == "full":
+            layers, embed, trainable, start = (0, cfg.n_layer), True, set(w.names), 0
+        else:
+            blk = w.plan(spec["blocks"])[spec["block"]]
+            lo = blk.layers[0]
+            from_acts = spec["preinfer"] and lo > 0
+            layers, embed, trainable, start = (lo if from_acts else 0, cfg.n_layer), not from_acts, set(blk.params), lo
+        self.layers, self.embed, self.trainable, self.start = layers, embed, trainable, start
+        self.hi = None if kind == "full" else w.plan(spec["blocks"])[spec["block"]].layers[1]
+        self.recompute = spec.get("recompute", False)
+        self.model = build_model(cfg, layers=layers, embed=embed, head=True, device="meta", init=False)
+        self.params = [p for n, p in self.model.named_parameters() if n in trainable]
+
+    @property
+    def best_s(self) -> float:
+        return min(self.times)
+
+    def _call(self, what: str, **kw):
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(1) as pool:  # a fresh process: the card is empty when it starts and when it ends
+            return pool.apply(_child, (self.w.c, str(self.device), self.w.args.optim, self.kind, self.name, self.spec,
+                                       what, kw))
+
+    def measure_memory(self) -> dict:
+        return self._call("memory")
+
+    def peak(self) -> dict:
+        return self._call("peak")
+
+    def time(self, warmup: int, steps: int) -> list[float]:
+        self.times = self._call("time", warmup=warmup, steps=steps)
+        return self.times
+
+
+def time_each(items, warmup: int, steps: int) -> dict:
+    """``round_robin``'s answer for remote configurations: each timed in its own process, one after the other."""
+    for it in items:
+        it.time(warmup, steps)
+    spreads = [sorted(it.times)[1] / min(it.times) - 1 if len(it.times) > 1 else 0.0 for it in items]
+    return {"rounds": steps, "spread": max(spreads),
+            "median_over_fastest": max(statistics.median(it.times) / min(it.times) for it in items),
+            "isolated": True}
+
+
+def _child(c: dict, device: str, optim: str, kind: str, name: str, spec: dict, what: str, kw: dict):
+    """In the spawned process: build the one configuration with random weights on the device and measure it."""
+    from benchmarks import memory
+    from benchmarks.common import Workload
+
+    dev = torch.device(device)
+    torch.cuda.set_device(dev) if dev.type == "cuda" else None
+    w = Workload(c, dev, optim=optim, random_weights=True)
+    if kind == "prefix":
+        from benchmarks.iteration import prefix_timer
+
+        v = prefix_timer(w, spec["lo"])
+    elif kind == "full":
+        v = w.full()
+    else:
+        v = w.visit(name, w.plan(spec["blocks"])[spec["block"]], preinfer=spec["preinfer"],
+                    recompute=spec.get("recompute", False))
+    if what == "memory":
+        return memory.measure(w, v)
+    if what == "peak":
+        v.step(timed=False)
+        return v.peak()
+    for _ in range(kw["warmup"]):
+        v.step(timed=False)
+    for _ in range(kw["steps"]):
+        v.step(timed=True)
+    return v.times

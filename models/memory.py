@@ -1,0 +1,305 @@
+"""The memory planner: the peak device memory of one training step of each block's visit, and of full training,
+from the model config alone (parameter shapes from a meta-device model: no weights, no device).
+
+    est = visit_memory(cfg, plan, block=0, batch=4, seq=1024, precision="bf16")   # one visit's step
+    est = visit_memory(cfg, None, None, 4, 1024, "bf16")                          # full-parameter training
+    est.peak, est.parts()    # bytes: weights, grads, optim, activations, logits, input, temporaries
+    rec = recommend(cfg, 4, 1024, "bf16", gpu_bytes=24 * GB)                      # smallest bcd.blocks that fits
+
+What a step holds (the product's path: tasks/train.py -> models/visit.visit_loss -> models/trainer.run_steps):
+
+- weights: held parameters only (a visit with pre-inference holds layers >= its block and the head; DESIGN I6).
+  Trainable ones in fp32; frozen matrices in bf16 with ``precision=bf16`` (models/build.frozen_in), else fp32.
+- grads and optimizer state: the trainable parameters only, fp32; AdamW two moments, SGD one momentum buffer
+  (plus one gradient-sized temporary: foreach SGD with weight decay adds ``wd * p`` out of place).
+- activations: what autograd saves, layer by layer (per token; C = d_model, F = MLP width, K = key/value width,
+  s = bytes of the compute dtype, 4 in fp32 and 2 under bf16 autocast, r = 4: the residual stream is fp32):
+
+    GPT-2 layer   trainable 2rC + s(7C + 2F)            frozen on the gradient path 2rC + s(4C + F)
+    LLaMA layer   trainable 4rC + s(5C + 2K + 4F) (fp32), 4rC + s(8C + 2K + 4F) (bf16: one cast of the norm
+                  output per projection)                frozen 2rC + s(2C + 2K + 3F)
+    recomputed    rC (the layer's input; its activations come back one layer at a time in backward)
+
+  Trainable layers keep every matmul input (weight gradients need them); frozen ones only what input gradients
+  need: the norms' inputs, attention's q/k/v/output, the nonlinearity inputs. Under bf16 autocast a trainable
+  matrix also keeps its bf16 cast (autocast caches it for backward).
+- logits: the chunked loss (models/base.py) holds one chunk's logits, ``rows x V`` in fp32 plus its bf16 copy,
+  and the head's input gradient (N x C) from forward to backward; a trainable head also its weight gradient
+  (counted under grads) and, under bf16, a bf16 copy of the head weight.
+
+Backward walks the layers down: each frees its activations and, when trainable, adds its weight gradients, with
+about two MLP-width gradients alive at a time; the planner replays that walk and takes the largest total. The
+figures agree with the CPU tensor tracker (benchmarks/common.LiveBytes) within a few percent
+(tests/test_memory.py); CUDA adds the allocator's rounding and cuBLAS/flash-attention workspaces (tens of MB).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from models.base import loss_chunk_rows
+from models.build import model_plan, param_shapes
+from models.config import ModelConfig
+from models.plan import Plan
+
+GB = 1e9
+GIB = 2**30
+PARTS = ("weights", "grads", "optim", "activations", "logits", "input", "temporaries")
+
+
+@dataclass
+class Estimate:
+    """Predicted bytes of one training step: what is alive at its peak, by kind, and the peak itself."""
+    name: str
+    layers: tuple[int, int]
+    trainable_params: int
+    held_params: int
+    weights: int = 0
+    grads: int = 0
+    optim: int = 0
+    activations: int = 0
+    logits: int = 0
+    input: int = 0
+    temporaries: int = 0
+    peak: int = 0
+    grads_total: int = 0
+    """Every trainable gradient (``grads`` is what exists at the peak: in forward only the head's)."""
+    recompute: bool = False
+    phase: str = ""
+    """Where the peak falls: ``forward`` (the forward's end: the loss chunk), ``backward layer i`` or ``optimizer``."""
+
+    def parts(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in PARTS}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One configuration of the step: model, batch, precision, optimizer, distribution."""
+    cfg: ModelConfig
+    batch: int
+    seq: int
+    precision: str = "fp32"
+    optim: str = "adamw"
+    weight_decay: float = 1e-5
+    chunk_rows: int | None = None
+    gpus: int = 1
+    parallel: str = "single"  # single | ddp | fsdp
+    shapes: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens each process holds: data parallel and FSDP split the batch over the processes."""
+        rows = self.batch if self.parallel == "single" else -(-self.batch // self.gpus)
+        return rows * self.seq
+
+    @property
+    def s(self) -> int:
+        return 2 if self.precision == "bf16" else 4
+
+
+def _layer_of(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("h.") else None
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+def _layer_act(st: Step, kind: str) -> int:
+    """Bytes per token a layer saves for backward: ``trainable``, ``frozen`` (on the gradient path) or
+    ``recompute`` (its input only). Small per-token terms: norm statistics (two norms, 4-8 B each) and the
+    attention log-sum-exp (4 B per head)."""
+    c = st.cfg
+    C, F, K, s, r = c.d_model, c.ffn_dim, c.kv_heads * c.head_dim, st.s, 4
+    if kind == "recompute":
+        return r * C
+    stats = (16 if c.family == "gpt" else 8) + 4 * c.n_head
+    if c.family == "gpt":
+        mats = 7 * C + 2 * F if kind == "trainable" else 4 * C + F
+        return 2 * r * C + s * mats + stats
+    if kind == "frozen":
+        return 2 * r * C + s * (2 * C + 2 * K + 3 * F) + stats
+    # trainable: autocast casts the norm output once per projection that reads it (wq, wk, wv; w1, w3) and each
+    # cast is kept; a trainable RMSNorm gain keeps the normalized input for its own gradient (2 rC)
+    reads = 5 * C if s == 2 else 2 * C
+    return 4 * r * C + s * (3 * C + reads + 2 * K + 4 * F) + stats
+
+
+def _layer_backward_temp(st: Step) -> int:
+    """Bytes per token alive beyond the saved activations while a layer runs backward: the gradients of the MLP's
+    hidden activations (two of them, width F, in the compute dtype) and of the residual stream."""
+    c = st.cfg
+    return 2 * st.s * c.ffn_dim + 4 * c.d_model
+
+
+def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return param_shapes(cfg)
+
+
+def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int, seq: int,
+                 precision: str = "fp32", optim: str = "adamw", recompute: bool = False, preinfer: bool = True,
+                 chunk_rows: int | None = None, weight_decay: float = 1e-5, gpus: int = 1,
+                 parallel: str = "single", shapes: dict | None = None) -> Estimate:
+    """Peak bytes of one step of block ``block``'s visit (``plan`` and ``block`` None: full training, every
+    parameter trainable, the whole model held, fp32 master weights throughout).
+
+    ``preinfer``: a visit to block b > 0 reads the prefix's stored hidden states (fp32, ``(B, T, C)``) and holds
+    layers >= b; off, it holds the whole model and runs the prefix under no_grad. ``parallel``: ``ddp`` splits the
+    batch over ``gpus`` processes (each holds every weight, gradient and moment of the visit); ``fsdp`` also
+    shards weights, gradients and moments, and gathers one layer's weights at a time (two with prefetch)."""
+    st = Step(cfg, batch, seq, precision, optim, weight_decay, chunk_rows, gpus, parallel)
+    shapes = shapes or _shapes(cfg)
+    n = cfg.n_layer
+    full = block is None
+    if full:
+        lo, hi, trainable = 0, n, set(shapes)
+    else:
+        lo, hi = plan[block].layers
+        trainable = set(plan[block].params)
+    from_acts = not full and preinfer and lo > 0
+    held_lo = lo if from_acts else 0
+
+    def held(name: str) -> bool:
+        i = _layer_of(name)
+        if i is not None:
+            return i >= held_lo
+        if name.startswith("wpe."):
+            return not from_acts
+        if name.startswith("wte."):
+            return not from_acts or cfg.tied
+        return True  # the head
+
+    held_names = [k for k in shapes if held(k)]
+    low = precision == "bf16" and not full
+
+    def wbytes(name: str) -> int:
+        size = 2 if low and name not in trainable and len(shapes[name]) >= 2 else 4
+        return _numel(shapes[name]) * size
+
+    train_numel = sum(_numel(shapes[k]) for k in trainable)
+    shard = gpus if parallel == "fsdp" else 1
+    weights = sum(wbytes(k) for k in held_names)
+    if parallel == "fsdp":  # sharded, plus the largest layer gathered twice (current and prefetched)
+        layer_bytes = max((sum(wbytes(k) for k in held_names if _layer_of(k) == i) for i in range(held_lo, n)),
+                          default=0)
+        weights = weights // shard + 2 * layer_bytes
+    grads = 4 * train_numel // shard
+    moments = {"adamw": 2, "sgd": 1}[optim]
+    opt = 4 * moments * train_numel // shard
+    N = st.tokens
+    C, V, s = cfg.d_model, cfg.vocab_size, st.s
+    inp = N * (4 * C + 8) if from_acts else N * 16  # fp32 hidden states + long targets, or long ids + targets
+    if cfg.family == "llama":
+        weights += 2 * 4 * cfg.n_ctx * cfg.head_dim // 2  # RoPE cos/sin tables (buffers)
+
+    # -- the forward's end: saved activations per layer on the gradient path, bottom to top
+    acts: list[tuple[int, int, int]] = []  # (layer, saved bytes, weight-grad bytes added when it runs backward)
+    layer_train = {i: sum(_numel(shapes[k]) for k in trainable if _layer_of(k) == i) for i in range(n)}
+    cast = 0  # bf16 autocast copies of trainable matrices, kept for backward
+    for i in range(lo, n):
+        kind = "trainable" if layer_train[i] else ("recompute" if recompute and i >= hi else "frozen")
+        a = N * _layer_act(st, kind)
+        if precision == "bf16" and kind == "trainable":
+            mats = sum(_numel(shapes[k]) for k in trainable if _layer_of(k) == i and len(shapes[k]) >= 2)
+            a += 2 * mats // shard
+            cast += 2 * mats // shard
+        acts.append((i, a, 4 * layer_train[i] // shard))
+    head_name = "wte.weight" if cfg.tied else "lm_head.weight"
+    head_trainable = head_name in trainable
+    head_numel = V * C
+    rows = min(N, loss_chunk_rows(V, chunk_rows))
+    ln_f = N * (4 * C + 8)  # ln_f keeps its input and statistics
+    grad_h = N * 4 * C  # the head's input gradient, computed in forward
+    grad_w = 4 * head_numel // shard if head_trainable else 0  # part of ``grads``: alive from the loss forward on
+    w_copy = 2 * head_numel if head_trainable and precision == "bf16" else 0
+    chunk = rows * V * (6 if precision == "bf16" else 4) + rows * C * (2 if precision == "bf16" else 0)
+    if head_trainable:
+        chunk += head_numel * s  # one chunk's weight-gradient partial before it is added
+    other_grads = grads - grad_w  # the rest of the trainable gradients, made in backward
+    persistent = weights + opt + inp
+    saved = sum(a for _, a, _ in acts)
+
+    parts = {}
+    best = -1
+
+    def at(phase: str, activ: int, logits: int, grads_now: int, temp: int) -> None:
+        nonlocal best
+        total = persistent + activ + logits + grads_now + temp
+        if total > best:
+            best = total
+            parts.update(phase=phase, activations=activ, logits=logits, grads=grads_now, temporaries=temp)
+
+    at("forward", saved + ln_f, grad_h + chunk + w_copy, grad_w, 0)
+    running_act, running_grads = saved + ln_f, grad_w
+    back_t = N * _layer_backward_temp(st)
+    at("backward head", running_act, grad_h, running_grads, 2 * N * 4 * C)
+    running_act -= ln_f
+    for i, a, g in reversed(acts):
+        redo = N * _layer_act(st, "frozen") if recompute and not layer_train[i] and i >= hi else 0
+        at(f"backward layer {i}", running_act, 0, running_grads, back_t + redo)
+        running_act -= a
+        running_grads += g
+    if not from_acts and full or (not full and lo == 0):
+        emb = head_numel * 4 if cfg.tied and "wte.weight" in trainable else 0  # dense wte grad, then added
+        at("backward embeddings", 0, 0, running_grads, emb + N * 4 * C)
+    running_grads = max(running_grads, other_grads + grad_w)
+    opt_temp = running_grads if optim == "sgd" and weight_decay > 0 else 0
+    at("optimizer", 0, 0, running_grads, opt_temp)
+    return Estimate(name="full" if full else f"block {block}", layers=(held_lo, n), trainable_params=train_numel,
+                    held_params=sum(_numel(shapes[k]) for k in held_names), weights=weights, optim=opt, input=inp,
+                    peak=best, grads_total=grads, recompute=recompute and not full and hi < n,
+                    **{k: parts[k] for k in ("activations", "logits", "grads", "temporaries", "phase")})
+
+
+def plan_visits(cfg: ModelConfig, blocks: int, batch: int, seq: int, precision: str = "fp32", optim: str = "adamw",
+                recompute: bool = False, split: str = "params", preinfer: bool = True, **kw) -> list[Estimate]:
+    """The estimate of every block's visit under the ``bcd.blocks=blocks`` plan."""
+    plan = model_plan(cfg, blocks, split=split)
+    shapes = _shapes(cfg)
+    return [visit_memory(cfg, plan, b, batch, seq, precision, optim, recompute, preinfer, shapes=shapes, **kw)
+            for b in range(len(plan))]
+
+
+@dataclass
+class Recommendation:
+    blocks: int | None
+    recompute: bool
+    worst_peak: int | None
+    full_peak: int
+    full_fits: bool
+
+    def line(self, gpu_bytes: float) -> str:
+        cap = f"{gpu_bytes / GB:g} GB"
+        if self.blocks is None:
+            return (f"no bcd.blocks fits {cap}: even one layer per block with recompute needs more (use more GPUs: "
+                    "train.gpus=N shards the visit, or a smaller train.batch_size)")
+        full = ("full training fits too" if self.full_fits else
+                f"full AdamW training does not fit ({self.full_peak / GB:.1f} GB)")
+        return (f"recommended: bcd.blocks={self.blocks} bcd.recompute={'on' if self.recompute else 'off'} "
+                f"(worst visit {self.worst_peak / GB:.1f} GB of {cap}; {full})")
+
+
+def recommend(cfg: ModelConfig, batch: int, seq: int, precision: str, gpu_bytes: float, optim: str = "adamw",
+              split: str = "params", preinfer: bool = True, **kw) -> Recommendation:
+    """The smallest block count whose every visit fits ``gpu_bytes``: without recompute when that fits at this
+    count, else with it (recompute costs a forward of the frozen suffix; more blocks cost more visits)."""
+    full = visit_memory(cfg, None, None, batch, seq, precision, optim, **kw)
+    for m in range(1, cfg.n_layer + 1):
+        for recompute in (False, True):
+            worst = max(e.peak for e in plan_visits(cfg, m, batch, seq, precision, optim, recompute, split,
+                                                    preinfer, **kw))
+            if worst <= gpu_bytes:
+                return Recommendation(m, recompute, worst, full.peak, full.peak <= gpu_bytes)
+    return Recommendation(None, True, None, full.peak, full.peak <= gpu_bytes)
+
+
+def needs_recompute(cfg: ModelConfig, plan: Plan, block: int, batch: int, seq: int, precision: str,
+                    budget_bytes: float | None, **kw) -> bool:
+    """``bcd.recompute=auto``: recompute the frozen suffix when the visit as it is would not fit the budget."""
+    if budget_bytes is None:
+        return False
+    return visit_memory(cfg, plan, block, batch, seq, precision, **kw).peak > budget_bytes
+

@@ -1,0 +1,192 @@
+"""One visit on several processes (DESIGN §6 "training a visit"), on PyTorch's own engines, as pure model code:
+the train task launches them (tasks/train_dist.py); this module wraps the visit and moves its state.
+
+- ``ddp``: every process holds the visit (weights of blocks >= b, the active block in fp32 with its AdamW state)
+  and trains on its slice of each batch; ``DistributedDataParallel`` all-reduces the gradients of the parameters
+  that require them, which are the active block's only. Frozen weights are not wrapped: they are neither
+  broadcast at start nor bucketed.
+- ``fsdp``: FSDP2 (``fully_shard``) per layer and for the rest at the root, so each process stores 1/N of every
+  weight, gradient and optimizer moment and gathers one layer's weights at a time. Frozen layers are sharded too
+  (in bf16 with ``precision=bf16``), and no gradient is reduced for them.
+
+Either way every process computes its slice's loss as a sum, and the step's loss is the sum over all processes
+divided by the count of trained targets in the whole batch (one all-reduce of two numbers): the gradients equal the
+one-process visit's, whatever the split, masked targets included (``global_mean``).
+
+Checkpoints and the block file are unsharded, in the one-process format: the active block's full tensors and an
+optimizer state keyed as ``opt.state_dict()`` keys it on one process (``full_optim_state``); loading scatters them
+back (``load_optim_state``). So a visit checkpointed on N processes resumes on any number, one included.
+
+``StopSync`` is the preemption flag: a SIGTERM to any process sets its own flag, and every step all processes
+all-reduce (MAX) their flags over a gloo group on the host, so they all stop after the same step; the same
+all-reduce carries rank 0's clock, so checkpoints by seconds happen at the same step everywhere.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from models.base import Decoder, IGNORE_INDEX
+from models.visit import autocast, visit_loss
+
+
+class VisitStep(nn.Module):
+    """The visit's loss as a module: DDP and FSDP2 act in module calls (FSDP2 gathers the root's weights, the
+    embeddings and the head, in this module's forward), and ``visit_loss`` calls the model's parts directly.
+
+    ``forward(x, y)`` returns the sum of the visit's token losses; ``forward(x, y, full=True)`` the mean loss of
+    the whole model held (evaluation of a full-model visit)."""
+
+    def __init__(self, model: Decoder, lo: int, hi: int, from_acts: bool, recompute: bool, precision: str):
+        super().__init__()
+        self.model = model
+        self.lo, self.hi, self.from_acts, self.recompute, self.precision = lo, hi, from_acts, recompute, precision
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, full: bool = False) -> torch.Tensor:
+        with autocast(x.device, self.precision):
+            if full:
+                return self.model(x, y)
+            return visit_loss(self.model, x, y, self.lo, self.from_acts, hi=self.hi, recompute=self.recompute,
+                              reduction="sum")
+
+
+def world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def slice_rows(lo: int, hi: int, rank: int, size: int) -> tuple[int, int]:
+    """This process's contiguous part of batch rows [lo, hi): as equal as can be, the first ones one row shorter."""
+    n = hi - lo
+    return lo + n * rank // size, lo + n * (rank + 1) // size
+
+
+def global_mean(local_sum: torch.Tensor, local_count: torch.Tensor) -> torch.Tensor:
+    """The batch's mean loss from this process's sum and count of trained targets (one all-reduce of both).
+
+    Its value is the global mean on every process; its gradient is ``world / global count`` times this process's
+    sum's, so the gradient average DDP and FSDP take over processes is the global mean's gradient."""
+    _, size = world()
+    both = torch.stack([local_sum.detach().float(), local_count.float()])
+    dist.all_reduce(both)
+    total, count = both[0], both[1]
+    scaled = local_sum * (size / count)
+    return scaled + (total / count - scaled).detach()
+
+
+def empty_slice_batch(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A process whose slice of a (ragged) batch is empty still runs the step (DDP and FSDP need every process in
+    every collective): one row with every target ignored, so it adds nothing to the loss or the gradients."""
+    return x[:1], torch.full_like(y[:1], IGNORE_INDEX)
+
+
+def wrap_ddp(step: VisitStep, device: torch.device) -> nn.Module:
+    """DDP over the parameters that require gradients (the active block); frozen ones are left out entirely."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    frozen = [f"model.{n}" for n, p in step.model.named_parameters() if not p.requires_grad]
+    frozen += [f"model.{n}" for n, _ in step.model.named_buffers()]
+    DDP._set_params_and_buffers_to_ignore_for_model(step, frozen)
+    return DDP(step, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+
+
+def shard_fsdp(step: VisitStep, device: torch.device) -> VisitStep:
+    """FSDP2: each held layer is one unit (gathered for its forward and again for its backward), the embeddings and
+    the head form the root unit. Call on a meta-device model; materialize with ``to_empty`` and ``load_sharded``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world()[1],))
+    for layer in step.model.h.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(step, mesh=mesh)
+    return step
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective: every process calls it); a plain tensor as it is."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def load_sharded(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy whole tensors (on the host) into the parameters of ``model``: into this process's shard of a sharded
+    one (no communication: every process read the same tensors), as they are into a plain one."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in tensors.items():
+            p = params[name]
+            if is_sharded(p):
+                src = t.to(p.device, p.dtype)
+                p.to_local().copy_(distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None).to_local())
+            else:
+                p.copy_(t)
+
+
+def full_params(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Whole tensors of the given parameters on the host (gathered from the shards: every process calls it)."""
+    return {n: full(p.detach()).to("cpu").contiguous() for n, p in named}
+
+
+def full_optim_state(opt: torch.optim.Optimizer) -> dict:
+    """``opt.state_dict()`` with every sharded state tensor gathered whole: the one-process format (a collective)."""
+    sd = opt.state_dict()
+    return {"state": {k: {n: full(v) if isinstance(v, torch.Tensor) else v for n, v in st.items()}
+                      for k, st in sd["state"].items()},
+            "param_groups": sd["param_groups"]}
+
+
+def load_optim_state(opt: torch.optim.Optimizer, state: dict) -> None:
+    """Load a one-process optimizer state into ``opt``; moments of sharded parameters are cut to this process's
+    shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    out = {}
+    for k, st in state["state"].items():
+        p = params[int(k)]
+        out[k] = {}
+        for n, v in st.items():
+            if isinstance(v, torch.Tensor) and is_sharded(p) and v.shape == p.shape:
+                v = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+            out[k][n] = v
+    opt.load_state_dict({"state": out, "param_groups": state["param_groups"]})
+
+
+class StopSync:
+    """``should_stop`` and ``clock`` for run_steps on several processes: each call of ``__call__`` all-reduces this
+    process's preemption flag (MAX) and rank 0's elapsed seconds over a host (gloo) group, so every process stops
+    at the same step and sees the same clock."""
+
+    def __init__(self, requested: Callable[[], bool]):
+        self.requested = requested
+        self.rank = world()[0]
+        self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        self.t0 = time.perf_counter()
+        self.now = 0.0
+
+    def __call__(self) -> bool:
+        flags = torch.tensor([1.0 if self.requested() else 0.0,
+                              time.perf_counter() - self.t0 if self.rank == 0 else 0.0], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        self.now = float(flags[1])
+        return bool(flags[0] > 0)
+
+    def clock(self) -> float:
+        return self.now
+
+
+def local_device() -> torch.device:
+    """This process's device: cuda:LOCAL_RANK when CUDA is present and asked for, else the CPU."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -1,0 +1,133 @@
+"""A visit on several processes (train.gpus=2: torchrun, gloo on the CPU): data parallel and FSDP2 give the
+one-process weights to float rounding, a SIGTERM to any process checkpoints once, and a checkpoint of any process
+count resumes on any other.
+
+Each visit here starts two Python processes (about 10 s on 2 cores), so the tests are marked slow.
+
+    python -m pytest -q tests/test_distributed.py
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from core import preempt
+from storage import checkpoints
+from storage.store import Store
+from tasks.preinfer import plan_shards, run_prefix
+from tasks.train import train_visit
+from tests.test_invariants import new_run
+
+pytestmark = pytest.mark.slow
+SGD = ("optim.name=sgd", "optim.lr=0.1")  # gradients enter the weights linearly: rounding stays at rounding
+
+
+def setup_visit(cfg, block: int) -> str:
+    ds = new_run(cfg)
+    if block > 0:
+        for s in plan_shards.fn(cfg, "r", 0, block, ds):
+            run_prefix(cfg, "r", 0, block, 0, ds, s)
+    return ds
+
+
+def block_of(cfg, block: int, entry: dict) -> dict[str, torch.Tensor]:
+    return checkpoints.load_from_manifest(Store(cfg.store), "r", {"blocks": {str(block): entry}}, [block])
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("mode,block,family", [("ddp", 1, "tiny"), ("fsdp", 0, "tiny"), ("fsdp", 2, "tiny-llama")],
+                         ids=["ddp-from-activations", "fsdp-block0-tied-recompute", "fsdp-llama-last"])
+def test_two_processes_give_the_one_process_weights(tiny_cfg, mode, block, family):
+    extra = ("model.name=tiny-llama", "model.d_model=64", "model.n_head=4") if family == "tiny-llama" else ()
+    if block == 0:
+        extra += ("bcd.recompute=on",)  # the frozen suffix checkpointed inside FSDP2's units
+    one = tiny_cfg(*SGD, *extra)
+    ds = setup_visit(one, block)
+    ref = train_visit(one, "r", 0, block, 0, ds)
+    two = tiny_cfg(*SGD, *extra, "train.gpus=2", f"train.parallel={mode}")
+    out = train_visit(two, "r", 0, block, 0, ds)
+    assert (out.gpus, out.steps, out.tokens, out.stopped_by) == (2, ref.steps, ref.tokens, "max_steps")
+    assert abs(out.train_loss - ref.train_loss) <= 1e-6
+    assert max_diff(block_of(one, block, ref.block_file), block_of(one, block, out.block_file)) <= 1e-6
+
+
+def test_masked_targets_and_a_ragged_batch_keep_the_global_mean(tiny_cfg):
+    """Batches of 3 rows over 2 processes (one gets 1 row, the other 2) still weigh every token alike."""
+    one = tiny_cfg(*SGD, "train.batch_size=3", "bcd.max_steps=4")
+    ds = setup_visit(one, 1)
+    ref = train_visit(one, "r", 0, 1, 0, ds)
+    out = train_visit(tiny_cfg(*SGD, "train.batch_size=3", "bcd.max_steps=4", "train.gpus=2",
+                               "train.parallel=ddp"), "r", 0, 1, 0, ds)
+    assert max_diff(block_of(one, 1, ref.block_file), block_of(one, 1, out.block_file)) <= 1e-6
+
+
+LONG = ("bcd.max_steps=120", "checkpoint.every_steps=20", "checkpoint.every_seconds=1000", "bcd.window=20")
+
+
+def test_sigterm_to_one_process_checkpoints_once_and_resumes_on_one(tiny_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("BCDFLOW_DIST_DIR", str(tmp_path / "dist"))
+    (tmp_path / "dist").mkdir()
+    one = tiny_cfg(*SGD, *LONG)
+    ds = setup_visit(one, 0)
+    two = tiny_cfg(*SGD, *LONG, "train.gpus=2", "train.parallel=fsdp")
+    store = Store(one.store)
+    ckpt = "runs/r/visits/c0-b0/train-ckpt/ckpt.json"
+    sent: list[int] = []
+
+    def preempt_rank1():
+        deadline = time.time() + 240
+        while time.time() < deadline and not sent:
+            pids = list((tmp_path / "dist").glob("*/pid-1"))
+            if pids and store.exists(ckpt):
+                pid = int(pids[0].read_text())
+                os.kill(pid, signal.SIGTERM)  # a spot box's notice reaching one worker
+                sent.append(store.read_json(ckpt)["step"])
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=preempt_rank1, daemon=True)
+    watcher.start()
+    with pytest.raises(SystemExit) as exc:  # the task hands the preemption on: exit 143 (or Prefect reschedules)
+        train_visit(two, "r", 0, 0, 0, ds)
+    watcher.join()
+    assert exc.value.code == 128 + signal.SIGTERM and sent
+    pointer = store.read_json(ckpt)
+    assert pointer["meta"]["why"] == "signal" and pointer["meta"]["gpus"] == 2 and pointer["step"] > sent[0]
+    assert len([f for f in store.listdir("runs/r/visits/c0-b0/train-ckpt") if f.startswith("params-")]) == 1
+    # the unsharded checkpoint resumes in one process, and ends where an uninterrupted visit ends
+    resumed = train_visit(one, "r", 0, 0, 0, ds)
+    assert resumed.resumed_at == pointer["step"]
+    store.rm("runs/r/visits/c0-b0")
+    ref = train_visit(one, "r", 0, 0, 0, ds)
+    assert max_diff(block_of(one, 0, ref.block_file), block_of(one, 0, resumed.block_file)) <= 1e-6
+
+
+def test_a_one_process_checkpoint_resumes_on_two(tiny_cfg, monkeypatch):
+    one = tiny_cfg(*SGD, *LONG)
+    ds = setup_visit(one, 1)
+    calls = {"n": 0}
+
+    def requested() -> bool:  # a SIGTERM arriving during step 30
+        calls["n"] += 1
+        return calls["n"] >= 30
+
+    monkeypatch.setattr(preempt, "requested", requested)
+    with pytest.raises(SystemExit):
+        train_visit(one, "r", 0, 1, 0, ds)
+    monkeypatch.undo()
+    store = Store(one.store)
+    pointer = store.read_json("runs/r/visits/c0-b1/train-ckpt/ckpt.json")
+    assert (pointer["step"], pointer["meta"]["why"]) == (30, "signal")
+    resumed = train_visit(tiny_cfg(*SGD, *LONG, "train.gpus=2", "train.parallel=ddp"), "r", 0, 1, 0, ds)
+    assert resumed.resumed_at == 30 and resumed.steps == 120
+    store.rm("runs/r/visits/c0-b1/train-ckpt")
+    ref = train_visit(one, "r", 0, 1, 0, ds)
+    assert max_diff(block_of(one, 1, ref.block_file), block_of(one, 1, resumed.block_file)) <= 1e-6
