@@ -79,6 +79,7 @@ def _wait_for(cfg: RunConfig, store, run_id: str, cycle: int, block: int, flow_r
     never took one within a few leases of starting is marked crashed, so it can be submitted again."""
     lease = visit_lease(cfg, store, run_id, cycle, block)
     ttl = cfg.fleet.lease_seconds
+    seen: set[int] = set()  # attempts seen holding the lease: its disappearance later is the commit's cleanup
     with get_client(sync_client=True) as client:
         while True:
             fr = client.read_flow_run(flow_run_id)
@@ -89,8 +90,10 @@ def _wait_for(cfg: RunConfig, store, run_id: str, cycle: int, block: int, flow_r
                 owner = cur.get("owner", {})
                 ours = owner.get("flow_run_id") == str(flow_run_id) and owner.get("attempt") == fr.run_count
                 running = (datetime.now(timezone.utc) - fr.state.timestamp).total_seconds()  # this attempt's
+                if ours:
+                    seen.add(fr.run_count)
                 stale = ours and 0 < cur["expires"] < time.time() - ttl  # 0: released, the attempt is ending
-                if stale or (not ours and running > 3 * ttl + 120):
+                if stale or (not ours and fr.run_count not in seen and running > 3 * ttl + 120):
                     client.set_flow_run_state(flow_run_id, Crashed(
                         message=f"no lease renewal for {ttl:.0f} s: its process or machine is gone"), force=True)
                     continue

@@ -119,9 +119,11 @@ class Store:
 
     def listdir(self, *parts: str) -> list[str]:
         p = self.path(*parts)
-        if not self.fs.exists(p):
-            return []
-        return sorted(os.path.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False))
+        try:  # a prefix another process removes meanwhile (a visit's directory after its commit) lists empty
+            names = self.fs.ls(p, detail=False) if self.fs.exists(p) else []
+        except FileNotFoundError:
+            names = []
+        return sorted(os.path.basename(x.rstrip("/")) for x in names)
 
     def rm(self, *parts: str) -> None:
         p = self.path(*parts)
