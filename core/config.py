@@ -201,13 +201,17 @@ class SpendSection(_Section):
     rtx4090=0.29, a800=0.69, a100=1.20. A YAML mapping {h100: 2.49} works too."""
     preinfer_device: str = "rtx4090"
     """Device kind of pre-inference (a key of the price catalog)."""
-    preinfer_gpus: int = Field(1, ge=1)
+    preinfer_gpus: int | None = Field(None, ge=1)
+    """GPUs billed for pre-inference; None = what the run uses (``fleet.dask_workers`` on a local Dask cluster,
+    else the training box's ``train.gpus``)."""
     train_device: str = "rtx4090"
     """Device kind of block training."""
-    train_gpus: int = Field(1, ge=1)
+    train_gpus: int | None = Field(None, ge=1)
+    """GPUs billed for training; None = ``train.gpus``."""
     eval_device: str = "rtx4090"
     """Device kind of validation."""
-    eval_gpus: int = Field(1, ge=1)
+    eval_gpus: int | None = Field(None, ge=1)
+    """GPUs billed for validation (it runs on the training box); None = ``train.gpus``."""
     budget_usd: float | None = Field(None, gt=0)
     """Stop before a visit whose predicted spend (the block's last visit) exceeds what is left; None = no budget."""
 

@@ -43,24 +43,37 @@ def catalog(spend) -> dict[str, float]:
     return {**DEFAULT_PRICES, **parse_prices(spend.prices)}
 
 
-def stage_plan(spend) -> dict[str, tuple[str, int]]:
-    """stage -> (device kind, GPU count)."""
-    return {s: (getattr(spend, f"{s}_device"), getattr(spend, f"{s}_gpus")) for s in STAGES}
+def gpus_used(cfg) -> dict[str, int]:
+    """The GPU count each stage of a run of ``cfg`` occupies: a visit's box has ``train.gpus`` GPUs, billed for
+    its pre-inference (unless that goes to a Dask cluster), training and validation alike."""
+    box = cfg.train.gpus
+    fl = cfg.fleet
+    pre = (fl.dask_workers if not fl.dask_address else 1) if fl.preinfer == "dask" else box
+    return {"preinfer": pre, "train": box, "eval": box}
+
+
+def stage_plan(spend, used: dict[str, int] | None = None) -> dict[str, tuple[str, int]]:
+    """stage -> (device kind, GPU count): ``spend.{stage}_gpus`` when set, else what the run uses (``used``,
+    from :func:`gpus_used`), else 1."""
+    return {s: (getattr(spend, f"{s}_device"), getattr(spend, f"{s}_gpus") or (used or {}).get(s, 1))
+            for s in STAGES}
 
 
 def stage_cost(seconds: float, gpus: int, usd_per_gpu_hour: float) -> float:
     return seconds * gpus * usd_per_gpu_hour / 3600.0
 
 
-def visit_spend(spend, stage_seconds: dict[str, float], seconds: float) -> dict[str, float]:
+def visit_spend(spend, stage_seconds: dict[str, float], seconds: float,
+                used: dict[str, int] | None = None) -> dict[str, float]:
     """Per-stage GPU-hours and USD of one visit from its stages' wall seconds (``stage_seconds[stage]``) and
-    its whole wall time ``seconds``; the ``gpu_hours_*`` / ``spend_*`` fields of a :class:`VisitRecord`."""
+    its whole wall time ``seconds``; the ``gpu_hours_*`` / ``spend_*`` fields of a :class:`VisitRecord`.
+    ``used``: the GPU counts the run occupies (:func:`gpus_used`) where the config does not set them."""
     prices = catalog(spend)
     out: dict[str, float] = {}
     # the visit's wall time outside its stages (orchestration, commit, store I/O) still holds the
     # training machine: a rental bills wall clock, so it is charged to the train stage
     other = max(0.0, seconds - sum(stage_seconds.get(s, 0.0) for s in STAGES))
-    for stage, (kind, gpus) in stage_plan(spend).items():
+    for stage, (kind, gpus) in stage_plan(spend, used).items():
         secs = stage_seconds.get(stage, 0.0) + (other if stage == "train" else 0.0)
         out[f"gpu_hours_{stage}"] = secs * gpus / 3600.0
         out[f"spend_{stage}_usd"] = stage_cost(secs, gpus, prices[kind])

@@ -48,7 +48,7 @@ def _run_summary(store: Store, run_id: str) -> dict:
     sp = SpendSection.model_validate(cfg.get("spend") or {})
     visits = state.visits
     pts = spend.curve(visits)
-    kind, gpus = sp.train_device, sp.train_gpus
+    kind, gpus = sp.train_device, sp.train_gpus or (cfg.get("train") or {}).get("gpus", 1)
     return {"run_id": run_id, "mode": state.mode, "spend_cfg": sp, "curve": pts,
             "device": f"{gpus}×{kind}", "stop_reason": state.stop_reason,
             "final_val_loss": visits[-1].val_loss, "best_val_loss": min(p["val_loss"] for p in pts),
@@ -80,7 +80,7 @@ def compare(store: Store, run_ids: list[str]) -> dict:
     reduction = {}
     for kind in prices:
         ref = base["what_if_usd"][kind]
-        reduction[kind] = [{"run_id": base["run_id"], "device": f"{base['spend_cfg'].train_gpus}×{kind}",
+        reduction[kind] = [{"run_id": base["run_id"], "device": f"{base['device'].split('×')[0]}×{kind}",
                             "cost_usd": ref, "reduction": 0.0}]
         reduction[kind] += [{"run_id": r["run_id"], "device": r["device"], "cost_usd": r["spend_to_target_usd"],
                              "reduction": 1 - r["spend_to_target_usd"] / ref if ref else None}

@@ -117,7 +117,8 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     tr = train_block(cfg, run_id, cycle, block, version, dataset_id, track=track)
     ev = evaluate(cfg, run_id, version, dataset_id, {block: tr.block_file})
     seconds = time.perf_counter() - t0
-    cost = spend.visit_spend(cfg.spend, {"preinfer": preinfer_s, "train": tr.seconds, "eval": ev.seconds}, seconds)
+    cost = spend.visit_spend(cfg.spend, {"preinfer": preinfer_s, "train": tr.seconds, "eval": ev.seconds}, seconds,
+                             spend.gpus_used(cfg))
     record = VisitRecord(
         cycle=cycle, block=block, version=version + 1, steps=tr.steps, step_end=state.steps + tr.steps,
         resumed_at=tr.resumed_at, stopped_by=tr.stopped_by, rows=tr.rows, tokens=tr.tokens,

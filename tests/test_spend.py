@@ -63,6 +63,19 @@ def test_stage_spend_is_seconds_times_gpus_times_price():
     assert late["spend_train_usd"] == pytest.approx(1.0 * 1 * 0.29)
 
 
+def test_unset_gpu_counts_bill_what_the_run_uses():
+    """spend.*_gpus unset: a visit's box has train.gpus GPUs for all its stages; pre-inference on a local Dask
+    cluster bills its workers. Set, the spend section wins."""
+    cfg = load_config(sets=["train.gpus=2", "train.batch_size=4"])
+    assert spend.gpus_used(cfg) == {"preinfer": 2, "train": 2, "eval": 2}
+    out = spend.visit_spend(cfg.spend, {"preinfer": 3600, "train": 3600, "eval": 0}, 7200, spend.gpus_used(cfg))
+    assert out["gpu_hours"] == pytest.approx(4.0) and out["spend_usd"] == pytest.approx(4 * 0.29)
+    dask = load_config(sets=["fleet.preinfer=dask", "fleet.dask_workers=3", "spend.train_gpus=8"])
+    plan = spend.stage_plan(dask.spend, spend.gpus_used(dask))
+    assert plan == {"preinfer": ("rtx4090", 3), "train": ("rtx4090", 8), "eval": ("rtx4090", 1)}
+    assert spend.stage_plan(SpendSection()) == {s: ("rtx4090", 1) for s in spend.STAGES}
+
+
 def test_budget_predicts_from_the_same_block_else_the_last_visit():
     sp = load_config(sets=["spend.prices=[x=3600]", "spend.train_device=x", "spend.budget_usd=10"]).spend
     # $1 per train-second: visits of block 0 cost 3, block 1 costs 1
