@@ -162,3 +162,28 @@ def test_frozen_weights_in_bf16_compute_what_fp32_storage_computes(family):
         a = visit_loss(ref, h, y, lo, True, hi=hi)
         b = visit_loss(low, h, y, lo, True, hi=hi)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_visit_loss_is_the_whole_model_loss_at_every_cut(family):
+    """Whatever block is active, from stored activations (pre-inference) or through the frozen prefix, the
+    visit computes the whole model's loss and the whole model's gradients of its block: an independent check of
+    the prefix (I2 compares pre-inference on with off, which share it)."""
+    from models.visit import prefix_hidden
+
+    torch.manual_seed(0)
+    cfg = small(family, n_layer=4)
+    model = build_model(cfg)
+    x, y = batch(cfg)
+    whole = model(x, y)
+    g_whole = grads_of(model, whole)
+    for lo in range(1, cfg.n_layer):
+        block = {n for n in g_whole if n.startswith((f"h.{lo}.", f"layers.{lo}."))}
+        assert block, lo
+        for from_acts in (True, False):
+            inp = prefix_hidden(model, x, lo) if from_acts else x
+            loss = visit_loss(model, inp, y, lo, from_acts, hi=lo + 1)
+            assert abs(loss.item() - whole.item()) <= 1e-6, (lo, from_acts)
+            g = grads_of(model, loss)
+            for n in block:
+                assert torch.allclose(g[n], g_whole[n], atol=1e-6, rtol=0), (lo, from_acts, n)
