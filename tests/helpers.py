@@ -1,4 +1,10 @@
-"""What tests share besides fixtures (conftest.py): the tiny run config."""
+"""What tests share besides fixtures (conftest.py): the tiny run config, a finished run's weights."""
+from __future__ import annotations
+
+import torch
+
+from storage import checkpoints, runs
+from storage.store import Store
 
 # a tiny, fast run: ~400 KB of built-in corpus, 6 layers x 64 wide, a few steps per visit
 TINY = [
@@ -7,3 +13,17 @@ TINY = [
     "bcd.patience=0", "bcd.shard_rows=16", "optim.lr=0.003", "train.batch_size=8", "train.steps=6",
     "train.eval_rows=32", "train.eval_every=3",
 ]
+
+
+def finished_weights(store: Store, run_id: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a finished run's last version."""
+    state = runs.read_state(store, run_id)
+    assert state.status == "done", (run_id, state.status)
+    return checkpoints.load_blocks(store, run_id, state.version)
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Bitwise equal, tensor by tensor."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"

@@ -22,12 +22,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from flows.cli import main
-from storage import checkpoints, runs
+from storage import runs
 from storage.store import Store
-from tests.helpers import TINY
+from tests.helpers import TINY, assert_same, finished_weights
 
 pytestmark = pytest.mark.slow
 
@@ -165,18 +164,6 @@ def _store(url: str, fleet: Fleet) -> Store:
     return Store(url, {"endpoint_url": fleet.s3})
 
 
-def _final(store: Store, run_id: str) -> dict[str, torch.Tensor]:
-    state = runs.read_state(store, run_id)
-    assert state.status == "done"
-    return checkpoints.load_blocks(store, run_id, state.version)
-
-
-def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs"
-
-
 @pytest.fixture(scope="module")
 def reference(prefect_server, tmp_path_factory):
     """The in-process runs the fleet must reproduce bitwise: the short 3-block 2-cycle run and the long one."""
@@ -184,7 +171,7 @@ def reference(prefect_server, tmp_path_factory):
     out = {}
     for name, sets in (("short", [*TINY, "bcd.cycles=2", "tracking_uri=none"]), ("long", LONG)):
         assert main(["train", *_sets(*sets), "--store", str(root / name), "--run-id", "ref"]) == 0
-        out[name] = _final(Store(str(root / name)), "ref")
+        out[name] = finished_weights(Store(str(root / name)), "ref")
     return out
 
 
@@ -217,7 +204,7 @@ def test_visits_on_two_workers_equal_one_process(fleet, s3_bucket, reference):
     url = f"{s3_bucket}/short"
     p = fleet.train("f1", url, *TINY, "bcd.cycles=2", "tracking_uri=none", *FLEET)
     assert p.returncode == 0, fleet.parent_log("f1")[-3000:]
-    _assert_same(_final(_store(url, fleet), "f1"), reference["short"])
+    assert_same(finished_weights(_store(url, fleet), "f1"), reference["short"])
     done = [r for c in range(2) for b in range(3) for r in fleet.visit_runs("f1", c, b)]
     assert len(done) == 6 and all(r.state.is_completed() for r in done)
     assert {r.name for r in done} == {f"c{c}-b{b}" for c in range(2) for b in range(3)}
@@ -233,7 +220,7 @@ def test_kill9_of_a_visit_is_resubmitted_and_resumes_from_its_checkpoint(fleet, 
     _checkpoint(store, "k1", 0, 1, at_least=10)
     os.kill(_pid(victim), signal.SIGKILL)  # the box vanished
     assert parent.wait(timeout=900) == 0, fleet.parent_log("k1")[-3000:]
-    _assert_same(_final(store, "k1"), reference["long"])
+    assert_same(finished_weights(store, "k1"), reference["long"])
     attempts = fleet.visit_runs("k1", 0, 1)
     assert sorted(r.state.type.value for r in attempts) == ["COMPLETED", "CRASHED"]
     (rec,) = [v for v in runs.read_state(store, "k1").visits if v.block == 1]
@@ -251,7 +238,7 @@ def test_sigterm_reschedules_the_visit_and_it_resumes_from_its_checkpoint(fleet,
         "why") == "signal" and p, "the SIGTERM checkpoint")
     assert pointer["step"] > first
     assert parent.wait(timeout=900) == 0, fleet.parent_log("t1")[-3000:]
-    _assert_same(_final(store, "t1"), reference["long"])
+    assert_same(finished_weights(store, "t1"), reference["long"])
     (run,) = fleet.visit_runs("t1", 0, 1)  # the same flow run, rescheduled and run again: its identity kept
     assert run.state.is_completed() and run.run_count == 2
     assert (run.name, run.parameters["cycle"], run.parameters["block"]) == ("c0-b1", 0, 1)
@@ -274,7 +261,7 @@ def test_worker_shutdown_lets_its_visit_checkpoint_and_another_worker_finish_it(
         assert parent.wait(timeout=900) == 0, fleet.parent_log("s1")[-3000:]
     finally:
         fleet.start_worker(owner)
-    _assert_same(_final(store, "s1"), reference["long"])
+    assert_same(finished_weights(store, "s1"), reference["long"])
     pointer_why = [v for v in runs.read_state(store, "s1").visits if v.block == 1][0].resumed_at
     assert pointer_why >= 5
 
@@ -299,7 +286,7 @@ def test_two_workers_handed_the_same_visit(fleet, s3_bucket, tmp_path):
         ids = [run_deployment(f"bcd-visit/{POOL}", parameters=params, timeout=0, as_subflow=False,
                               tags=["run:w2", "cycle:0", "block:0"]).id for _ in range(2)]
     with fleet.client() as c:
-        final = _wait(lambda: all((s := c.read_flow_run(i).state) and s.is_final() for i in ids) and
+        final = _wait(lambda: all((s := c.read_flow_run(i).state) and s.isfinished_weights() for i in ids) and
                       [c.read_flow_run(i) for i in ids], "both visit runs final", timeout=600, every=0.5)
     store = cfg.open_store()
     state = runs.read_state(store, "w2")
@@ -343,7 +330,7 @@ def test_two_cli_processes_on_one_run_id(prefect_api_url, tmp_path, reference):
                 assert "run 'r' is in use by" in line and f"pid {other.pid}" in line, line
             else:
                 assert code == 0, (tmp_path / f"{name}{i}").read_text()[-3000:]
-        _assert_same(_final(Store(store), "r"), reference["long"])
+        assert_same(finished_weights(Store(store), "r"), reference["long"])
 
     # the first killed mid-run: its lease names a dead process on this machine, so the second takes over at once
     store = str(tmp_path / "takeover")
@@ -354,7 +341,7 @@ def test_two_cli_processes_on_one_run_id(prefect_api_url, tmp_path, reference):
     first.wait()
     second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]
-    _assert_same(_final(Store(store), "r"), reference["long"])
+    assert_same(finished_weights(Store(store), "r"), reference["long"])
 
 
 # -- pre-inference on Dask ------------------------------------------------------------------------------------------

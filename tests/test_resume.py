@@ -13,12 +13,11 @@ import sys
 import time
 
 import pytest
-import torch
 
 from flows.cli import main
-from storage import checkpoints, runs
+from storage import runs
 from storage.store import Store
-from tests.helpers import TINY
+from tests.helpers import TINY, assert_same, finished_weights
 
 BCDFLOW = os.path.join(os.path.dirname(sys.executable), "bcdflow")
 RESUME = ["checkpoint.every_steps=2", "tracking_uri=none"]
@@ -36,23 +35,12 @@ def _cli(api_url: str, *args: str, env: dict | None = None, timeout: int = 300) 
     return subprocess.run([BCDFLOW, *args], capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def _final(store: Store, run_id: str) -> dict[str, torch.Tensor]:
-    state = runs.read_state(store, run_id)
-    return checkpoints.load_blocks(store, run_id, state.version)
-
-
-def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs"
-
-
 @pytest.fixture(scope="module")
 def reference(prefect_server, tmp_path_factory):
     """An uninterrupted run of the config every test here interrupts."""
     root = tmp_path_factory.mktemp("ref")
     assert main(["train", *_sets(), "--store", str(root), "--run-id", "ref"]) == 0
-    return _final(Store(str(root)), "ref")
+    return finished_weights(Store(str(root)), "ref")
 
 
 @pytest.mark.slow
@@ -66,7 +54,7 @@ def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, tmp_path
     assert state is not None and state.status == "running"
     done = _cli(prefect_api_url, "resume", "k", "--store", store)
     assert done.returncode == 0, done.stderr[-3000:]
-    _assert_same(_final(Store(store), "k"), reference)
+    assert_same(finished_weights(Store(store), "k"), reference)
     visits = runs.read_state(Store(store), "k").visits
     assert [(v.cycle, v.block) for v in visits] == [(0, 0), (0, 1), (0, 2)]
     if point.startswith("train-checkpoint"):
@@ -112,7 +100,7 @@ def test_sigterm_checkpoints_and_resume_continues(prefect_api_url, tmp_path):
     assert visits[0].resumed_at == pointer["step"]
     ref_store = str(tmp_path / "ref")
     assert main(["train", *sets, "--store", ref_store, "--run-id", "t"]) == 0
-    _assert_same(_final(s, "t"), _final(Store(ref_store), "t"))
+    assert_same(finished_weights(s, "t"), finished_weights(Store(ref_store), "t"))
 
 
 @pytest.mark.slow
@@ -144,7 +132,7 @@ def test_s3_run_matches_local_bitwise(prefect_server, s3_server, s3_bucket, tmp_
     assert main(["train", *_sets(f"s3.endpoint_url={s3_server.endpoint}"), "--store", url,
                  "--run-id", "ref"]) == 0
     store = Store(url, {"endpoint_url": s3_server.endpoint})
-    _assert_same(_final(store, "ref"), reference)
+    assert_same(finished_weights(store, "ref"), reference)
     # credentials never reach the store
     text = json.dumps(runs.read_config(store, "ref")) + runs.read_state(store, "ref").model_dump_json()
     assert "testing" not in text and "AWS_SECRET" not in text
@@ -172,4 +160,4 @@ def test_s3_outage_fails_cleanly_then_resume_finishes(prefect_api_url, s3_server
     assert any("bcdflow resume o" in line for line in last[-3:]), last[-5:]
     done = _cli(prefect_api_url, "resume", "o", "--store", url, "--endpoint-url", s3_server.endpoint)
     assert done.returncode == 0, done.stderr[-3000:]
-    _assert_same(_final(store, "o"), reference)
+    assert_same(finished_weights(store, "o"), reference)
