@@ -36,6 +36,18 @@ def check_url(url: str) -> str:
     return url
 
 
+def _complete_tmp(path: str, data: bytes) -> str:
+    """``data`` written and synced to a temporary file beside ``path`` (unique per process and thread), ready to
+    be renamed or linked into place so that no reader sees half an object."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
 class Store:
     """A root URL plus the fsspec filesystem that serves it."""
 
@@ -75,13 +87,7 @@ class Store:
         so a reader never sees half an object; object stores publish a PUT atomically."""
         p = self.path(*parts)
         if self.is_local:
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            tmp = f"{p}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
+            os.replace(_complete_tmp(p, data), p)
         else:
             self.fs.pipe_file(p, data)
 
@@ -97,12 +103,7 @@ class Store:
             except FileExistsError:
                 return False
             return True
-        os.makedirs(os.path.dirname(p), exist_ok=True)
-        tmp = f"{p}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = _complete_tmp(p, data)
         try:
             os.link(tmp, p)
         except FileExistsError:
