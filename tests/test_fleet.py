@@ -286,7 +286,7 @@ def test_two_workers_handed_the_same_visit(fleet, s3_bucket, tmp_path):
         ids = [run_deployment(f"bcd-visit/{POOL}", parameters=params, timeout=0, as_subflow=False,
                               tags=["run:w2", "cycle:0", "block:0"]).id for _ in range(2)]
     with fleet.client() as c:
-        final = _wait(lambda: all((s := c.read_flow_run(i).state) and s.isfinished_weights() for i in ids) and
+        final = _wait(lambda: all((s := c.read_flow_run(i).state) and s.is_final() for i in ids) and
                       [c.read_flow_run(i) for i in ids], "both visit runs final", timeout=600, every=0.5)
     store = cfg.open_store()
     state = runs.read_state(store, "w2")
