@@ -142,6 +142,12 @@ class RunContext:
                 self._prefix = (key, model.eval().requires_grad_(False))
             return self._prefix[1]
 
+    def release_prefix(self) -> None:
+        """Forget the kept prefix: training the visit does not need it, and on the one-machine default (shards
+        and training in one process) it would otherwise hold the prefix's weights through the whole visit."""
+        with self._lock:
+            self._prefix = None
+
     # -- store keys -----------------------------------------------------------------------------------
     def visit_key(self, cycle: int, block: int) -> str:
         return runs.visit_key(self.run_id, cycle, block)

@@ -39,20 +39,18 @@ class VisitStep(nn.Module):
     """The visit's loss as a module: DDP and FSDP2 act in module calls (FSDP2 gathers the root's weights, the
     embeddings and the head, in this module's forward), and ``visit_loss`` calls the model's parts directly.
 
-    ``forward(x, y)`` returns the sum of the visit's token losses; ``forward(x, y, full=True)`` the mean loss of
-    the whole model held (evaluation of a full-model visit)."""
+    ``forward(x, y)`` returns the sum of the visit's token losses (training: ``global_mean`` divides);
+    ``reduction="mean"`` their mean (evaluation: every process runs the whole batch)."""
 
     def __init__(self, model: Decoder, lo: int, hi: int, from_acts: bool, recompute: bool, precision: str):
         super().__init__()
         self.model = model
         self.lo, self.hi, self.from_acts, self.recompute, self.precision = lo, hi, from_acts, recompute, precision
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, full: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         with autocast(x.device, self.precision):
-            if full:
-                return self.model(x, y)
             return visit_loss(self.model, x, y, self.lo, self.from_acts, hi=self.hi, recompute=self.recompute,
-                              reduction="sum")
+                              reduction=reduction)
 
 
 def world() -> tuple[int, int]:

@@ -8,6 +8,7 @@ gradients and optimizer state exist for the active block alone (invariant I6). T
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -28,7 +29,7 @@ from models.errors import Diverged
 from models.memory import needs_recompute
 from models.trainer import LoopState, make_optimizer, run_steps
 from models.plan import block_tensors
-from models.visit import autocast, visit_loss
+from models.visit import autocast, prefix_hidden, visit_loss
 from storage import activations, checkpoints, trainckpt
 from storage.tokens import IGNORE, TokenDataset
 from tasks.data import batch_ranges, sample_rows, visit_rows
@@ -59,6 +60,24 @@ class EvalResult(BaseModel):
     val_loss: float
     val_ppl: float
     seconds: float
+
+
+def window_logger(track: TrackTarget | None, eval_every: int, model: torch.nn.Module,
+                  evaluate: Callable[[], float], val_points: list[tuple[int, float]]) -> Callable:
+    """The trainer's per-window callback: each step's loss to MLflow and, when the window crossed a multiple of
+    ``eval_every``, the validation loss (``model`` in eval mode meanwhile), appended to ``val_points`` too."""
+    def on_window(step: int, losses: list[float]) -> None:
+        if track:
+            track.series("train_loss", [(step - len(losses) + i + 1, v) for i, v in enumerate(losses)])
+        if eval_every and step // eval_every > (step - len(losses)) // eval_every:
+            model.eval()
+            val = evaluate()
+            model.train()
+            val_points.append((step, val))
+            if track:
+                track.series("val_loss", [(step, val)])
+                track.series("val_ppl", [(step, math.exp(min(val, 50)))])
+    return on_window
 
 
 def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> Iterator:
@@ -100,6 +119,8 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
     ds, device, n_layer = ctx.dataset, ctx.device, ctx.model_cfg.n_layer
     lo, hi = ctx.plan[block].layers
     from_acts = cfg.bcd.preinfer and block > 0
+    val = visit_val_batches(cfg, ctx, version, block) if cfg.bcd.eval_every else []
+    ctx.release_prefix()  # before the visit's model loads: the two are never held at once
     active = set(ctx.plan[block].params)
     model = ctx.load_part(ctx.manifest(version), (lo if from_acts else 0, n_layer), embed=not from_acts, head=True,
                           trainable=active)  # bf16 precision: frozen matrices in bf16 (I6)
@@ -125,19 +146,8 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
             return visit_loss(model, *batch, lo, from_acts, hi=hi, recompute=recompute)
 
     val_points: list[tuple[int, float]] = []
-    eval_every = cfg.bcd.eval_every
-
-    def on_window(step: int, losses: list[float]) -> None:
-        if track:
-            track.series("train_loss", [(step - len(losses) + i + 1, v) for i, v in enumerate(losses)])
-        if eval_every and step // eval_every > (step - len(losses)) // eval_every:
-            model.eval()
-            val = evaluate_model(model, ds, cfg, device)
-            model.train()
-            val_points.append((step, val))
-            if track:
-                track.series("val_loss", [(step, val)])
-                track.series("val_ppl", [(step, math.exp(min(val, 50)))])
+    on_window = window_logger(track, cfg.bcd.eval_every, model, lambda: evaluate_model(
+        functools.partial(visit_loss, model, lo=lo, from_acts=from_acts), val, cfg, device), val_points)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -192,19 +202,41 @@ def diverged_message(cfg: RunConfig, run_id: str, cycle: int, block: int, e: Div
 train_block = task(train_visit, name="train-block", **retrying(2))
 
 
-@torch.no_grad()
-def evaluate_model(model, ds: TokenDataset, cfg: RunConfig, device) -> float:
-    """Token-weighted mean validation loss over the first ``train.eval_rows`` validation rows; with a loss
-    mask (supervised formats) over the trained (completion) tokens only."""
+def val_batches(ds: TokenDataset, cfg: RunConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``train.eval_rows`` validation rows as (B, T) inputs and targets, in evaluation batches."""
     inputs, targets = ds.val_pairs(cfg.train.eval_rows)
-    total, count = 0.0, 0
     rows = cfg.train.eval_batch_size or cfg.train.batch_size
-    for x, y in zip(inputs.split(rows), targets.split(rows)):
+    return list(zip(inputs.split(rows), targets.split(rows)))
+
+
+def visit_val_batches(cfg: RunConfig, ctx: RunContext, version: int, block: int) -> list[tuple[torch.Tensor,
+                                                                                              torch.Tensor]]:
+    """What a visit validates on within itself (``bcd.eval_every``): the validation batches or, for a visit
+    trained from stored activations (whose model starts at its block), the frozen prefix's hidden states of them,
+    computed once (the prefix is frozen for the whole visit) and rounded as the stored activations are; kept in
+    CPU memory (eval_rows × T × d_model × the activation dtype's bytes)."""
+    batches = val_batches(ctx.dataset, cfg)
+    if not (cfg.bcd.preinfer and block > 0):
+        return batches
+    lo = ctx.plan[block].layers[0]
+    prefix = ctx.frozen_prefix(version, block)  # pre-inference's, where this process ran it
+    dtype = getattr(torch, cfg.bcd.act_dtype)
+    with torch.inference_mode(), autocast(ctx.device, cfg.train.precision):
+        return [(prefix_hidden(prefix, x.to(ctx.device), lo).to("cpu", dtype), y) for x, y in batches]
+
+
+@torch.no_grad()
+def evaluate_model(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: RunConfig, device) -> float:
+    """Token-weighted mean validation loss over ``batches`` (``loss_of(x, y)``: a batch's mean loss); with a loss
+    mask (supervised formats) over the trained (completion) tokens only."""
+    total, count = 0.0, 0
+    for x, y in batches:
         n = int((y != IGNORE).sum())
         if n == 0:  # a batch without a trained token has no loss (cross-entropy of nothing is NaN)
             continue
         with autocast(device, cfg.train.precision):
-            loss = model(x.to(device), y.to(device))
+            loss = loss_of(x.to(device).float() if x.is_floating_point() else x.to(device), y.to(device))
         total += float(loss) * n
         count += n
     return total / count if count else float("nan")
@@ -219,7 +251,7 @@ def evaluate_version(cfg: RunConfig, run_id: str, base_version: int, dataset_id:
     model = ctx.load_part(manifest, (0, ctx.model_cfg.n_layer), True, True, trainable=()).eval()  # bf16: all bf16
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
     t0 = time.perf_counter()
-    loss = evaluate_model(model, ctx.dataset, cfg, ctx.device)
+    loss = evaluate_model(model, val_batches(ctx.dataset, cfg), cfg, ctx.device)
     return EvalResult(val_loss=loss, val_ppl=math.exp(min(loss, 50)), seconds=time.perf_counter() - t0)
 
 

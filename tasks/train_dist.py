@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import math
 import os
 import shutil
 import signal
@@ -47,7 +46,8 @@ from storage import activations, checkpoints, trainckpt
 from storage.tokens import IGNORE
 from tasks import preemption
 from tasks.data import batch_ranges, visit_rows
-from tasks.train import TrainResult, compile_layers, diverged_message, evaluate_model, prefetched, use_recompute
+from tasks.train import (TrainResult, compile_layers, diverged_message, evaluate_model, prefetched, use_recompute,
+                         visit_val_batches, window_logger)
 from tracking.tracker import TrackTarget
 
 ERRORS = {"BadInput": BadInput, "DamagedArtifact": DamagedArtifact}
@@ -222,6 +222,8 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
     active = set(ctx.plan[block].params)
     recompute = use_recompute(cfg, ctx, block, gpus=world, parallel="ddp")
     mode = choose_parallel(cfg, ctx, block, world, recompute)
+    val = visit_val_batches(cfg, ctx, version, block) if cfg.bcd.eval_every else []
+    ctx.release_prefix()
     low = cfg.train.precision == "bf16"
     model, step, mod = _load(ctx, version, (lo if from_acts else 0, n_layer), not from_acts, active, low, mode, lo,
                              hi, from_acts, recompute, cfg.train.precision, device)
@@ -251,19 +253,9 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
 
     track = TrackTarget(**spec["track"]) if spec.get("track") and rank == 0 else None
     val_points: list[tuple[int, float]] = []
-    eval_every = cfg.bcd.eval_every
-
-    def on_window(n: int, losses: list[float]) -> None:
-        if track:
-            track.series("train_loss", [(n - len(losses) + i + 1, v) for i, v in enumerate(losses)])
-        if eval_every and n // eval_every > (n - len(losses)) // eval_every:
-            step.eval()
-            val = evaluate_model(functools.partial(mod, full=True), ds, cfg, device)  # every process: collectives
-            step.train()
-            val_points.append((n, val))
-            if track:
-                track.series("val_loss", [(n, val)])
-                track.series("val_ppl", [(n, math.exp(min(val, 50)))])
+    on_window = window_logger(track, cfg.bcd.eval_every, step,  # every process evaluates every batch: collectives
+                              lambda: evaluate_model(functools.partial(mod, reduction="mean"), val, cfg, device),
+                              val_points)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -6,6 +6,9 @@ distributed keys' checks. GPU-only checks are marked ``gpu`` and skip without CU
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -14,6 +17,7 @@ from core.config import load_config
 from models.errors import ConfigError
 from storage.checkpoints import load_blocks, load_from_manifest
 from storage.store import Store
+from tasks.preinfer import plan_shards, run_prefix
 from tests.helpers import TINY
 from tests.test_invariants import Spy, do_visit, new_run
 
@@ -47,6 +51,40 @@ def test_bf16_prefix_for_preinference_is_bf16(tiny_cfg):
     ds_id = new_run(cfg)
     prefix = RunContext.of(cfg, "r", ds_id).frozen_prefix(0, 2)
     assert {p.dtype for p in prefix.parameters() if p.dim() >= 2} == {torch.bfloat16}
+
+
+def test_the_pre_inference_prefix_is_freed_before_the_visit_trains(tiny_cfg, monkeypatch):
+    """On the one-machine default the shards and the training run in one process: the prefix the shards shared
+    must not stay on the device through the visit."""
+    from core.context import RunContext
+
+    cfg = tiny_cfg()
+    ds_id = new_run(cfg)
+    for s in plan_shards.fn(cfg, "r", 0, 2, ds_id):
+        run_prefix(cfg, "r", 0, 2, 0, ds_id, s)
+    prefix = weakref.ref(RunContext.of(cfg, "r", ds_id).frozen_prefix(0, 2))
+    alive, real = [], tasks.train.make_optimizer
+
+    def make_optimizer(params, spec):
+        gc.collect()
+        alive.append(prefix() is not None)
+        return real(params, spec)
+
+    monkeypatch.setattr(tasks.train, "make_optimizer", make_optimizer)
+    tasks.train.train_visit(cfg, "r", 0, 2, 0, ds_id)
+    assert alive == [False]
+
+
+@pytest.mark.parametrize("block,preinfer", [(1, True), (1, False), (0, True)])
+def test_validation_within_a_visit_is_the_whole_models(tiny_cfg, block, preinfer):
+    """bcd.eval_every on a visit trained from stored activations (whose model starts at its block) validates the
+    whole model: its last point equals evaluating the committed version."""
+    cfg = tiny_cfg("bcd.eval_every=3", f"bcd.preinfer={str(preinfer).lower()}")
+    ds_id = new_run(cfg)
+    out = do_visit(cfg, "r", ds_id, cycle=0, block=block, version=0)
+    assert [s for s, _ in out.val_points] == [3, 6]
+    whole = tasks.train.evaluate_version(cfg, "r", 1, ds_id).val_loss
+    assert abs(out.val_points[-1][1] - whole) <= 1e-5
 
 
 @pytest.mark.parametrize("setting,memory_gb,expect", [("on", None, True), ("off", None, False),

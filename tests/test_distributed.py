@@ -50,11 +50,14 @@ def test_two_processes_give_the_one_process_weights(tiny_cfg, mode, block, famil
     extra = ("model.name=tiny-llama", "model.d_model=64", "model.n_head=4") if family == "tiny-llama" else ()
     if block == 0:
         extra += ("bcd.recompute=on",)  # the frozen suffix checkpointed inside FSDP2's units
+    extra += ("bcd.eval_every=3",)  # in-visit validation: every process, the whole model
     one = tiny_cfg(*SGD, *extra)
     ds = setup_visit(one, block)
     ref = train_visit(one, "r", 0, block, 0, ds)
     two = tiny_cfg(*SGD, *extra, "train.gpus=2", f"train.parallel={mode}")
     out = train_visit(two, "r", 0, block, 0, ds)
+    assert [s for s, _ in out.val_points] == [s for s, _ in ref.val_points] == [3, 6]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(out.val_points, ref.val_points)) <= 1e-6
     assert (out.gpus, out.steps, out.tokens, out.stopped_by) == (2, ref.steps, ref.tokens, "max_steps")
     assert abs(out.train_loss - ref.train_loss) <= 1e-6
     assert max_diff(block_of(one, block, ref.block_file), block_of(one, block, out.block_file)) <= 1e-6

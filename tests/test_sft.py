@@ -180,7 +180,7 @@ def test_sft_records_need_their_fields(tmp_path, tok_dir):
 
 # -- the loss counts completion tokens only ----------------------------------------------------------------
 def test_masked_loss_and_evaluation_count_completion_tokens_only(tmp_path, tok_dir, tiny_cfg):
-    from tasks.train import evaluate_model
+    from tasks.train import evaluate_model, val_batches
 
     store = Store(str(tmp_path / "store"))
     files = _records(tmp_path, "pc.jsonl", [{"prompt": p, "completion": c} for p, c in PAIRS * 40])
@@ -201,6 +201,6 @@ def test_masked_loss_and_evaluation_count_completion_tokens_only(tmp_path, tok_d
     with torch.no_grad():
         assert abs(float(model(x, y)) - by_hand) < 1e-5  # the training loss (one batch)
     cfg = tiny_cfg("train.batch_size=3", f"train.eval_rows={ds.n_val}")  # uneven batches: token weighting
-    assert abs(evaluate_model(model, ds, cfg, torch.device("cpu")) - by_hand) < 1e-5
+    assert abs(evaluate_model(model, val_batches(ds, cfg), cfg, torch.device("cpu")) - by_hand) < 1e-5
     every = torch.from_numpy(ds.val_rows()[:, 1:]).long()
     assert abs(F.cross_entropy(logits.flatten(0, 1), every.flatten()).item() - by_hand) > 1e-3
