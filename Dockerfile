@@ -13,6 +13,7 @@ RUN pip install --no-cache-dir torch==2.13.0
 
 WORKDIR /opt/bcdflow
 COPY pyproject.toml constraints.txt README.md ./
+COPY bcdflow bcdflow
 COPY core core
 COPY flows flows
 COPY models models

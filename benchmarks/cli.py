@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import report
     from benchmarks.common import machine
     from benchmarks.profiles import profile
-    from core.context import resolve_device
+    from bcdflow.core.context import resolve_device
 
     size = "tiny" if args.tiny or os.environ.get("BCDFLOW_BENCH_SIZE") == "tiny" else (
         "quick" if args.quick else "full")

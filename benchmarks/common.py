@@ -22,10 +22,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from models import build_model
-from models.build import frozen_in
-from models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
-from models.visit import autocast, visit_loss
+from bcdflow.models import build_model
+from bcdflow.models.build import frozen_in
+from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
+from bcdflow.models.visit import autocast, visit_loss
 
 MB = 2**20
 
@@ -163,8 +163,8 @@ def forward_flops(model, cfg, seq_len: int, lo: int, hi: int, head: bool = False
 
 def meta_model(cfg):
     """The whole model on the meta device: shapes and names, no memory (for analytic counts)."""
-    from models.gpt import GPT
-    from models.llama import LLaMA
+    from bcdflow.models.gpt import GPT
+    from bcdflow.models.llama import LLaMA
 
     with torch.device("meta"):
         return {"gpt": GPT, "llama": LLaMA}[cfg.family](cfg)
@@ -377,8 +377,8 @@ class Workload:
 
     def __init__(self, c: dict, device: torch.device, optim: str = "adamw", seed: int = 0,
                  random_weights: bool = False):
-        from models import get_config
-        from models.build import param_sizes
+        from bcdflow.models import get_config
+        from bcdflow.models.build import param_sizes
 
         self.c, self.device, self.seed = c, device, seed
         self.cfg = get_config(c["model"], **c["overrides"])
@@ -409,7 +409,7 @@ class Workload:
         return self.x.numel()
 
     def plan(self, blocks: int):
-        from core.config import RunConfig
+        from bcdflow.core.config import RunConfig
 
         over = {k: v for k, v in self.c["overrides"].items() if k != "vocab_size"}
         run = RunConfig(model={"name": self.c["model"], **over},

@@ -17,7 +17,7 @@ from benchmarks.runs import RunBook, first_reach
 from benchmarks.training import pair
 
 try:  # the product's catalog (DESIGN §7)
-    from core.spend import DEFAULT_PRICES as CATALOG
+    from bcdflow.core.spend import DEFAULT_PRICES as CATALOG
 except ImportError:  # pragma: no cover - older trees
     CATALOG = {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}
 
@@ -87,8 +87,8 @@ def cost(book: RunBook, out: Path, **_) -> dict:
 def product_compare(book: RunBook, a: dict) -> str:
     """The product's own comparison (``bcdflow compare full bcd``), when flows.compare is there."""
     try:
-        from flows.compare import compare
-        from storage.store import Store
+        from bcdflow.flows.compare import compare
+        from bcdflow.storage.store import Store
 
         out = compare(Store(a["full"]["store"]), [a["full"]["run_id"], a["bcd"]["run_id"]])
         return "`bcdflow compare` of the AdamW pair (the product's table; L* = the worse of the two best losses):\n\n" \

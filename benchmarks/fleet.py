@@ -94,13 +94,13 @@ class Server:
 def dispatch(name: str, sets: list[str], root: Path) -> dict:
     from prefect import flow
 
-    from core.config import load_config
-    from flows.fleet import dispatch_visit
-    from flows.params import RunParams
-    from flows.visit import visit
-    from storage import runs
-    from tasks.data import prepare_data
-    from tasks.run import init_run
+    from bcdflow.core.config import load_config
+    from bcdflow.flows.fleet import dispatch_visit
+    from bcdflow.flows.params import RunParams
+    from bcdflow.flows.visit import visit
+    from bcdflow.storage import runs
+    from bcdflow.tasks.data import prepare_data
+    from bcdflow.tasks.run import init_run
 
     out = {}
     for mode in ("in-process", "dispatch"):
@@ -136,12 +136,12 @@ def dask_throughput(sets: list[str], root: Path) -> dict:
     from distributed import LocalCluster
     from prefect import flow
 
-    from core.config import load_config
-    from core.context import RunContext
-    from flows.visit import preinfer
-    from storage import runs
-    from tasks.data import prepare_data, visit_rows
-    from tasks.run import init_run
+    from bcdflow.core.config import load_config
+    from bcdflow.core.context import RunContext
+    from bcdflow.flows.visit import preinfer
+    from bcdflow.storage import runs
+    from bcdflow.tasks.data import prepare_data, visit_rows
+    from bcdflow.tasks.run import init_run
 
     out = {}
     for n in (1, 2):

@@ -40,7 +40,7 @@ ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def llama_config(args):
-    from models.config import ModelConfig, RopeScaling
+    from bcdflow.models.config import ModelConfig, RopeScaling
 
     return ModelConfig(family="llama", n_layer=args.layers, d_model=2048, n_head=32, n_kv_head=8, d_ff=8192,
                        n_ctx=131072, vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0, tie_embeddings=True,
@@ -51,8 +51,8 @@ def write_checkpoint(directory: str, args) -> dict:
     """Random weights under HF names in ``args.shards`` files, streamed tensor by tensor."""
     import torch
 
-    from models import hf as hfmap
-    from models.build import param_shapes
+    from bcdflow.models import hf as hfmap
+    from bcdflow.models.build import param_shapes
 
     mcfg = llama_config(args)
     dtype = hfmap.DTYPES[args.dtype]
@@ -98,11 +98,11 @@ def convert(ckpt: str, store_dir: str, blocks: int) -> dict:
     """The child: the product's conversion, nothing else, with its memory sampled."""
     import psutil
 
-    from core import hf
-    from models import model_plan
-    from models.hf import config_from_hf
-    from storage.hf import Checkpoint
-    from storage.store import Store
+    from bcdflow.core import hf
+    from bcdflow.models import model_plan
+    from bcdflow.models.hf import config_from_hf
+    from bcdflow.storage.hf import Checkpoint
+    from bcdflow.storage.store import Store
 
     proc = psutil.Process()
     peak = [0]

@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from models import build_model
+from bcdflow.models import build_model
 
 
 class Remote:

@@ -19,8 +19,8 @@ import torch
 
 from benchmarks import report
 from benchmarks.common import Timed, Workload, best, forward_flops, round_robin, step_flops
-from models import build_model
-from models.visit import autocast
+from bcdflow.models import build_model
+from bcdflow.models.visit import autocast
 
 # paper Tables 15/16: mean ms per iteration at 1/3, 1/4, 1/5 unfrozen
 PAPER_T15 = {"G-1.6B": (378.49, 331.7375, 305.52), "L-1.5B": (414.81, 331.81, 276.266)}
@@ -40,7 +40,7 @@ def prefix_timer(w: Workload, lo: int) -> Timed:
         prefix.load_state_dict({k: w.master[k] for k in prefix.state_dict()}, strict=True)
     prefix.eval().requires_grad_(False)
     if w.args.precision == "bf16":
-        from models.build import frozen_in
+        from bcdflow.models.build import frozen_in
 
         frozen_in(prefix, torch.bfloat16)  # as the product's pre-inference holds it
 

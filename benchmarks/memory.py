@@ -20,7 +20,7 @@ import torch
 
 from benchmarks import report
 from benchmarks.common import MB, Workload, best, round_robin
-from models.memory import visit_memory
+from bcdflow.models.memory import visit_memory
 
 # paper Table 11 (GPT-2, Adam / SGD): memory at 1/UFP unfrozen over the full update's
 PAPER_ADAM = {1: 2432.60, 2: 1520.38, 3: 1216.30, 4: 1064.26}

@@ -62,7 +62,7 @@ class RunBook:
                 f"store={self.root / 'store'}", "tracking_uri=none", *extra]
 
     def get(self, label: str, mode: str, optim: str, extra: list[str] = ()) -> dict:
-        from core.config import load_config
+        from bcdflow.core.config import load_config
 
         sets = self.sets(optim, extra)
         key = json.dumps([mode, sets])
@@ -74,7 +74,7 @@ class RunBook:
         torch.set_num_threads(self.threads)
         t0 = time.perf_counter()
         try:
-            from flows.bcd import bcd_train, full_train
+            from bcdflow.flows.bcd import bcd_train, full_train
 
             (full_train if mode == "full" else bcd_train)(config=cfg.model_dump(), run_id=run_id)
         finally:
@@ -91,9 +91,9 @@ class RunBook:
 
 
 def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str], wall: float) -> dict:
-    from models.config import ModelConfig
-    from storage import runs
-    from core import spend
+    from bcdflow.models.config import ModelConfig
+    from bcdflow.storage import runs
+    from bcdflow.core import spend
 
     store = cfg.open_store()
     state = runs.read_state(store, run_id)

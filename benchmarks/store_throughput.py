@@ -49,9 +49,9 @@ import numpy as np
 import torch
 import zarr
 
-from storage.activations import ActivationReader, create_group, write_shard
-from storage.store import Store
-from core.config import BcdSection
+from bcdflow.storage.activations import ActivationReader, create_group, write_shard
+from bcdflow.storage.store import Store
+from bcdflow.core.config import BcdSection
 
 MB = 2**20
 REPO = Path(__file__).resolve().parents[1]

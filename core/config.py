@@ -12,12 +12,12 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from models import Plan, model_plan
-from models.config import REGISTRY, ModelConfig, get_config
-from models.errors import ConfigError
-from models.plan import layer_bounds
-from models.trainer import OptimSpec, StopRule
-from core.spend import DEFAULT_PRICES, parse_prices
+from bcdflow.models import Plan, model_plan
+from bcdflow.models.config import REGISTRY, ModelConfig, get_config
+from bcdflow.models.errors import ConfigError
+from bcdflow.models.plan import layer_bounds
+from bcdflow.models.trainer import OptimSpec, StopRule
+from bcdflow.core.spend import DEFAULT_PRICES, parse_prices
 
 ORDERS = ("cyclic", "reverse", "random", "greedy")
 
@@ -311,7 +311,7 @@ class RunConfig(_Section):
     @field_validator("store")
     @classmethod
     def _store(cls, v: str) -> str:
-        from storage.store import check_url
+        from bcdflow.storage.store import check_url
 
         return check_url(v)
 
@@ -334,8 +334,8 @@ class RunConfig(_Section):
         if self.data.seq_len > mc.n_ctx:
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's context n_ctx={mc.n_ctx}")
         if self.model.from_hf:
-            from core.hf import hf_config
-            from models.hf import attention_window
+            from bcdflow.core.hf import hf_config
+            from bcdflow.models.hf import attention_window
 
             window = attention_window(hf_config(self.model.from_hf))
             if window is not None and self.data.seq_len > window:
@@ -348,7 +348,7 @@ class RunConfig(_Section):
         """The resolved model config (vocab from the tokenizer when known). With ``model.from_hf`` it is the
         checkpoint's (config.json), vocabulary = its embedding rows, whatever the tokenizer's size."""
         if self.model.from_hf:
-            from core.hf import model_config
+            from bcdflow.core.hf import model_config
 
             return model_config(self.model.from_hf)
         over = self.model.model_dump(exclude={"name", "from_hf"})
@@ -396,7 +396,7 @@ class RunConfig(_Section):
     def open_store(self):
         import zarr
 
-        from storage.store import Store
+        from bcdflow.storage.store import Store
 
         zarr.config.set({"async.concurrency": self.bcd.store_concurrency})
         return Store(self.store, self.storage_options())

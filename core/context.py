@@ -17,14 +17,14 @@ from typing import Collection
 
 import torch
 
-from core.config import RunConfig
-from core.errors import BadInput
-from models import Plan, build_model
-from models.base import Decoder
-from models.config import ModelConfig
-from storage import checkpoints, runs
-from storage.store import Store
-from storage.tokens import TokenDataset
+from bcdflow.core.config import RunConfig
+from bcdflow.errors import BadInput
+from bcdflow.models import Plan, build_model
+from bcdflow.models.base import Decoder
+from bcdflow.models.config import ModelConfig
+from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.store import Store
+from bcdflow.storage.tokens import TokenDataset
 
 _CACHE: dict[tuple[str, str, str], "RunContext"] = {}
 _CACHE_LOCK = threading.Lock()

@@ -33,12 +33,12 @@ from contextlib import contextmanager
 import torch
 from safetensors.torch import save_file
 
-from core.errors import BadInput
-from models import hf as hfmap
-from models.build import param_shapes
-from models.config import ModelConfig
-from storage import checkpoints, runs
-from storage.store import Store
+from bcdflow.errors import BadInput
+from bcdflow.models import hf as hfmap
+from bcdflow.models.build import param_shapes
+from bcdflow.models.config import ModelConfig
+from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.store import Store
 
 FORMATS = ("bcdflow", "hf")
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

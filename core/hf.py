@@ -18,17 +18,17 @@ import os
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from models import Plan, hf as hfmap
-from models.build import param_shapes
-from models.config import ModelConfig
-from storage import checkpoints
-from storage.corpus import eos_id
-from storage.errors import DataError
-from storage.hf import KEY, ST_DTYPES, Checkpoint, read_config, resolve
-from storage.store import Store
+from bcdflow.models import Plan, hf as hfmap
+from bcdflow.models.build import param_shapes
+from bcdflow.models.config import ModelConfig
+from bcdflow.storage import checkpoints
+from bcdflow.storage.corpus import eos_id
+from bcdflow.storage.errors import DataError
+from bcdflow.storage.hf import KEY, ST_DTYPES, Checkpoint, read_config, resolve
+from bcdflow.storage.store import Store
 
 if TYPE_CHECKING:
-    from core.config import RunConfig
+    from bcdflow.core.config import RunConfig
 
 
 @lru_cache(maxsize=8)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from storage.runs import VisitRecord
+from bcdflow.storage.runs import VisitRecord
 
 # paper §4.4.2: rental prices per GPU-hour
 DEFAULT_PRICES: dict[str, float] = {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}

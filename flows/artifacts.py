@@ -14,7 +14,7 @@ import re
 from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
                                create_table_artifact)
 
-from storage.runs import VisitRecord
+from bcdflow.storage.runs import VisitRecord
 
 log = logging.getLogger(__name__)
 

@@ -17,21 +17,21 @@ import numpy as np
 from prefect import flow, get_run_logger, tags
 from prefect.runtime import flow_run
 
-from core import spend
-from core.config import RunConfig
-from core.context import RunContext, check_gpus
-from flows import artifacts
-from flows.params import RunParams, new_run_id
-from flows.fleet import dispatch_visit
-from flows.visit import prefect_tags, visit
-from storage import checkpoints, runs
-from storage.lease import Lease, this_process
-from storage.runs import RunState, VisitRecord, check_run_id
-from tasks.data import prepare_data_task
-from tasks.report import report_run
-from tasks.run import init_run_task, note_state
-from tasks.train import choose_greedy
-from tracking.tracker import Tracker
+from bcdflow.core import spend
+from bcdflow.core.config import RunConfig
+from bcdflow.core.context import RunContext, check_gpus
+from bcdflow.flows import artifacts
+from bcdflow.flows.params import RunParams, new_run_id
+from bcdflow.flows.fleet import dispatch_visit
+from bcdflow.flows.visit import prefect_tags, visit
+from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.lease import Lease, this_process
+from bcdflow.storage.runs import RunState, VisitRecord, check_run_id
+from bcdflow.tasks.data import prepare_data_task
+from bcdflow.tasks.report import report_run
+from bcdflow.tasks.run import init_run_task, note_state
+from bcdflow.tasks.train import choose_greedy
+from bcdflow.tracking.tracker import Tracker
 
 
 def cycle_order(cfg: RunConfig, n_blocks: int, cycle: int) -> list[int]:

@@ -28,7 +28,7 @@ import os
 import subprocess
 import sys
 
-from core.errors import BadInput, DamagedArtifact
+from bcdflow.errors import BadInput, DamagedArtifact
 
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
@@ -117,7 +117,7 @@ def _detach_temporary_server() -> None:
 # -- checks before anything runs ---------------------------------------------------------------------
 
 def _check_run_id(run_id: str | None) -> None:
-    from storage.runs import check_run_id
+    from bcdflow.storage.runs import check_run_id
 
     if run_id is not None:
         check_run_id(run_id)
@@ -126,9 +126,9 @@ def _check_run_id(run_id: str | None) -> None:
 def _preflight(cfg) -> None:
     """Checks that need the machine, the file system or the store, done before any flow starts (nothing
     written on failure)."""
-    from core.context import check_gpus
-    from storage.corpus import check_text_files
-    from tasks.data import data_files
+    from bcdflow.core.context import check_gpus
+    from bcdflow.storage.corpus import check_text_files
+    from bcdflow.tasks.data import data_files
 
     if not cfg.fleet.visit_pool:  # with a pool, visits train on the workers' devices
         check_gpus(cfg)  # the device, and train.gpus against this machine
@@ -140,7 +140,7 @@ def _preflight(cfg) -> None:
     if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
         raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
     if cfg.model.from_hf:  # every shard, tensor and the tokenizer, before a flow starts
-        from core.hf import check_checkpoint
+        from bcdflow.core.hf import check_checkpoint
 
         check_checkpoint(cfg)
     files = data_files(cfg) if cfg.data.files else None
@@ -152,7 +152,7 @@ def _preflight(cfg) -> None:
 
 
 def _config(args, base: list[str] | None = None):
-    from core.config import load_config
+    from bcdflow.core.config import load_config
 
     sets = list(base or []) + list(args.set or [])
     if getattr(args, "store", None):
@@ -164,8 +164,8 @@ def _config(args, base: list[str] | None = None):
 
 def _store(url: str, args=None):
     """The store named on the command line (with ``--endpoint-url`` for S3), checked before use."""
-    from core.config import RunConfig
-    from storage.store import Store, check_url
+    from bcdflow.core.config import RunConfig
+    from bcdflow.storage.store import Store, check_url
 
     check_url(url)
     opts = {}
@@ -177,7 +177,7 @@ def _store(url: str, args=None):
 
 
 def _existing_state(store, run_id: str):
-    from storage import runs
+    from bcdflow.storage import runs
 
     state = runs.read_state(store, run_id)
     if state is None:
@@ -188,7 +188,7 @@ def _existing_state(store, run_id: str):
 def _check_continuable(store, run_id: str) -> None:
     """A run that exists must be whole before it is continued: its config, its state and every file of its last
     committed version (a finished run whose last manifest is gone is damaged, not done)."""
-    from storage import checkpoints, runs
+    from bcdflow.storage import checkpoints, runs
 
     state = runs.read_state(store, run_id)
     if state is not None:
@@ -199,7 +199,7 @@ def _check_continuable(store, run_id: str) -> None:
 # -- commands --------------------------------------------------------------------------------------------
 
 def _call(fn, cfg, run_id: str) -> dict:
-    from flows.params import RunParams
+    from bcdflow.flows.params import RunParams
 
     _detach_temporary_server()
     try:
@@ -214,8 +214,8 @@ def _call(fn, cfg, run_id: str) -> dict:
 
 def _run(args, mode: str, base: list[str] | None = None) -> dict:
     cfg = _config(args, base)
-    from flows.bcd import bcd_train, full_train
-    from flows.params import new_run_id
+    from bcdflow.flows.bcd import bcd_train, full_train
+    from bcdflow.flows.params import new_run_id
 
     run_id = args.run_id or new_run_id(mode)
     _check_continuable(cfg.open_store(), run_id)
@@ -237,8 +237,8 @@ def cmd_baseline(args) -> int:
 def cmd_resume(args) -> int:
     """Continue a run from its stored config: committed visits are skipped, complete shards reused, an
     interrupted visit continues from its last checkpoint, the MLflow run is continued."""
-    from core.config import RunConfig, parse_config
-    from storage import runs
+    from bcdflow.core.config import RunConfig, parse_config
+    from bcdflow.storage import runs
 
     store = _store(args.store, args)
     _existing_state(store, args.run_id)
@@ -247,7 +247,7 @@ def cmd_resume(args) -> int:
     raw = {k: v for k, v in stored.items() if k in RunConfig.model_fields}
     cfg = parse_config({**raw, "store": args.store})
     _preflight(cfg)
-    from flows.bcd import bcd_train, full_train
+    from bcdflow.flows.bcd import bcd_train, full_train
 
     print(json.dumps(_call(full_train if stored.get("mode") == "full" else bcd_train, cfg, args.run_id), indent=2))
     return 0
@@ -267,7 +267,7 @@ def cmd_demo(args) -> int:
 
 
 def status_dict(store, run_id: str) -> dict:
-    from storage import runs
+    from bcdflow.storage import runs
 
     state = _existing_state(store, run_id)
     cfg = runs.read_config(store, run_id)
@@ -293,7 +293,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from flows.compare import compare
+    from bcdflow.flows.compare import compare
 
     result = compare(_store(args.store, args), args.run_ids)
     print(json.dumps(result, indent=2) if args.json else result["markdown"])
@@ -301,7 +301,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from core.export import check_target, export_hf, export_version, written_whole
+    from bcdflow.core.export import check_target, export_hf, export_version, written_whole
 
     check_target(args.out_dir)
     if args.dtype and args.format != "hf":
@@ -319,7 +319,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from flows.worker import run
+    from bcdflow.flows.worker import run
 
     extra = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
     return run(args.pool, args.grace, extra)
@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds the flow runs get to checkpoint on SIGTERM before the worker stops (default 60)")
     sp.add_argument("worker_args", nargs=argparse.REMAINDER, help="more `prefect worker start` options, after --")
     sp.set_defaults(fn=cmd_worker)
-    from flows import plan_memory
+    from bcdflow.flows import plan_memory
 
     plan_memory.add_parser(sub, common)
     return p

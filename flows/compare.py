@@ -9,20 +9,20 @@ what-if cost prices a run's GPU-hours to L* on every device kind of the catalog,
 tables set each run as configured against the baseline on each kind, like the paper's Tables 5-7
 (BCD on RTX 4090 against full-parameter training on 4090 / A100 / A800).
 
-    from flows.compare import compare
+    from bcdflow.flows.compare import compare
     result = compare(store, ["bcd-1", "full-1"])     # plain function; result["markdown"] is the table
 """
 from __future__ import annotations
 
 from prefect import flow
 
-from core import spend
-from core.config import RunConfig, SpendSection
-from core.errors import BadInput
-from flows import artifacts
-from storage import runs
-from storage.store import Store
-from tracking.report import md_table
+from bcdflow.core import spend
+from bcdflow.core.config import RunConfig, SpendSection
+from bcdflow.errors import BadInput
+from bcdflow.flows import artifacts
+from bcdflow.storage import runs
+from bcdflow.storage.store import Store
+from bcdflow.tracking.report import md_table
 
 RUN_COLUMNS = [
     ("run_id", "run", "s"), ("mode", "mode", "s"), ("device", "device", "s"),

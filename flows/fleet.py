@@ -20,12 +20,12 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.states import Crashed
 
-from core.config import RunConfig
-from core.errors import BadInput, DamagedArtifact
-from flows.params import RunParams
-from flows.visit import OUTCOME, committed, visit_lease
-from storage import runs
-from storage.runs import VisitRecord
+from bcdflow.core.config import RunConfig
+from bcdflow.errors import BadInput, DamagedArtifact
+from bcdflow.flows.params import RunParams
+from bcdflow.flows.visit import OUTCOME, committed, visit_lease
+from bcdflow.storage import runs
+from bcdflow.storage.runs import VisitRecord
 
 
 class VisitFailed(RuntimeError):

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, create_model, model_validator
 
-from models.config import REGISTRY
-from core.config import ORDERS, RunConfig, parse_config
+from bcdflow.models.config import REGISTRY
+from bcdflow.core.config import ORDERS, RunConfig, parse_config
 
 # flat name -> dotted config key, in RunConfig's order
 KEYS: dict[str, str] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from core.errors import BadInput
+from bcdflow.errors import BadInput
 
 COLS = ("weights", "grads_total", "optim", "activations", "logits")
 NAMES = {"grads_total": "grads"}
@@ -27,7 +27,7 @@ def add_parser(sub, common) -> None:
 
 def plan(cfg, gpu_gb: float) -> dict:
     """Every visit of ``cfg``'s plan with and without recompute, full training, and the recommendation."""
-    from models.memory import GB, plan_visits, recommend, visit_memory
+    from bcdflow.models.memory import GB, plan_visits, recommend, visit_memory
 
     mcfg = cfg.model_cfg()
     t = cfg.train
@@ -74,7 +74,7 @@ def table(res: dict) -> str:
 
 
 def cmd_plan_memory(args) -> int:
-    from core.config import load_config
+    from bcdflow.core.config import load_config
 
     if not args.gpu_gb > 0:
         raise BadInput(f"--gpu-gb: must be a positive number of GB, got {args.gpu_gb:g}")

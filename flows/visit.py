@@ -19,17 +19,17 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from core import spend
-from core.config import RunConfig
-from core.errors import BadInput, DamagedArtifact
-from flows.params import RunParams
-from storage import checkpoints, runs
-from storage.lease import Lease, LeaseHeld, this_process
-from storage.runs import RunStateError, VisitRecord
-from tasks.preinfer import plan_shards, preinfer_shard
-from tasks.run import commit_visit
-from tasks.train import evaluate, train_block
-from tracking.tracker import TrackTarget, Tracker
+from bcdflow.core import spend
+from bcdflow.core.config import RunConfig
+from bcdflow.errors import BadInput, DamagedArtifact
+from bcdflow.flows.params import RunParams
+from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.lease import Lease, LeaseHeld, this_process
+from bcdflow.storage.runs import RunStateError, VisitRecord
+from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
+from bcdflow.tasks.run import commit_visit
+from bcdflow.tasks.train import evaluate, train_block
+from bcdflow.tracking.tracker import TrackTarget, Tracker
 
 # per-visit figures logged on the parent run as series over versions (step = version)
 VISIT_SERIES = ("steps", "seconds", "preinfer_seconds", "train_seconds", "eval_seconds", "tokens_per_s", "gpu_hours",

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.config import ModelConfig
+from bcdflow.models.config import ModelConfig
 
 EMBED_PREFIXES = ("wte.", "wpe.")
 HEAD_PREFIXES = ("ln_f.", "lm_head.")

@@ -11,11 +11,11 @@ from typing import Collection, Sequence
 
 import torch
 
-from models.base import Decoder
-from models.config import ModelConfig
-from models.gpt import GPT
-from models.llama import LLaMA
-from models.plan import Plan, make_plan
+from bcdflow.models.base import Decoder
+from bcdflow.models.config import ModelConfig
+from bcdflow.models.gpt import GPT
+from bcdflow.models.llama import LLaMA
+from bcdflow.models.plan import Plan, make_plan
 
 FAMILIES: dict[str, type[Decoder]] = {"gpt": GPT, "llama": LLaMA}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from models.errors import ConfigError
+from bcdflow.models.errors import ConfigError
 
 FAMILIES = ("gpt", "llama")
 

@@ -1,5 +1,5 @@
 """Bad-input errors raised below the CLI; the CLI turns them into a one-line message and exit 2."""
-from core.errors import BadInput
+from bcdflow.errors import BadInput
 
 
 class ConfigError(BadInput):

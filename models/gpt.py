@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.base import Decoder
-from models.config import ModelConfig
+from bcdflow.models.base import Decoder
+from bcdflow.models.config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):

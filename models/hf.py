@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from models.config import ModelConfig, RopeScaling
-from models.errors import ConfigError
+from bcdflow.models.config import ModelConfig, RopeScaling
+from bcdflow.models.errors import ConfigError
 
 KEY = "model.from_hf"
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.base import Decoder
-from models.config import ModelConfig, RopeScaling
+from bcdflow.models.base import Decoder
+from bcdflow.models.config import ModelConfig, RopeScaling
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,

@@ -37,10 +37,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from models.base import loss_chunk_rows
-from models.build import model_plan, param_shapes
-from models.config import ModelConfig
-from models.plan import Plan
+from bcdflow.models.base import loss_chunk_rows
+from bcdflow.models.build import model_plan, param_shapes
+from bcdflow.models.config import ModelConfig
+from bcdflow.models.plan import Plan
 
 GB = 1e9
 GIB = 2**30

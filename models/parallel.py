@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from models.base import Decoder, IGNORE_INDEX
-from models.visit import autocast, visit_loss
+from bcdflow.models.base import Decoder, IGNORE_INDEX
+from bcdflow.models.visit import autocast, visit_loss
 
 
 class VisitStep(nn.Module):

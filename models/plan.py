@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from models.base import EMBED_PREFIXES, HEAD_PREFIXES
-from models.errors import ConfigError
+from bcdflow.models.base import EMBED_PREFIXES, HEAD_PREFIXES
+from bcdflow.models.errors import ConfigError
 
 _LAYER = re.compile(r"^h\.(\d+)\.")
 

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from models.errors import ConfigError, Diverged
+from bcdflow.models.errors import ConfigError, Diverged
 
 # paper §4.2.1 defaults
 PAPER_LR = {"adamw": 1e-4, "sgd": 0.1}

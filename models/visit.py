@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from models.base import Decoder
+from bcdflow.models.base import Decoder
 
 
 def autocast(device: torch.device, precision: str):

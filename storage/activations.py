@@ -47,7 +47,7 @@ import torch
 import xxhash
 import zarr
 
-from core.errors import DamagedArtifact
+from bcdflow.errors import DamagedArtifact
 
 from .store import Store
 

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file as st_save_file
 
-from core.errors import DamagedArtifact
+from bcdflow.errors import DamagedArtifact
 
 from .store import Store, sha256_bytes
 

@@ -8,7 +8,7 @@ the storage modules' own :class:`core.errors.DamagedArtifact` subclasses instead
 """
 from __future__ import annotations
 
-from core.errors import BadInput
+from bcdflow.errors import BadInput
 
 
 class DataError(BadInput):

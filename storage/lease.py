@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from core.errors import BadInput, DamagedArtifact
+from bcdflow.errors import BadInput, DamagedArtifact
 
 from .store import Store
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.errors import BadInput, DamagedArtifact
+from bcdflow.errors import BadInput, DamagedArtifact
 
 from .store import Store
 

@@ -16,7 +16,7 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 
-from core.errors import BadInput
+from bcdflow.errors import BadInput
 
 
 def sha256_bytes(data: bytes | memoryview) -> str:

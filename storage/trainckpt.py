@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from core.errors import DamagedArtifact
+from bcdflow.errors import DamagedArtifact
 
 from .store import Store, sha256_bytes
 

@@ -13,11 +13,11 @@ from typing import Iterator
 import numpy as np
 from prefect import task
 
-from storage.corpus import builtin_corpus_files, resolve_files
-from storage.store import Store
-from storage.tokens import prepare_token_dataset
-from core.config import RunConfig
-from tasks.retry import retrying
+from bcdflow.storage.corpus import builtin_corpus_files, resolve_files
+from bcdflow.storage.store import Store
+from bcdflow.storage.tokens import prepare_token_dataset
+from bcdflow.core.config import RunConfig
+from bcdflow.tasks.retry import retrying
 
 
 def data_files(cfg: RunConfig) -> list[str] | None:
@@ -38,8 +38,8 @@ def prepare_data(cfg: RunConfig, store: Store) -> str:
     cache = os.environ.get("BCDFLOW_HF_CACHE") or os.path.join(tempfile.gettempdir(), "bcdflow-hf-cache")
     tok = {"tokenizer_file": d.tokenizer}
     if cfg.model.from_hf:
-        from core.hf import check_checkpoint, eos_token
-        from storage.corpus import read_tokenizer
+        from bcdflow.core.hf import check_checkpoint, eos_token
+        from bcdflow.storage.corpus import read_tokenizer
 
         ck = check_checkpoint(cfg)
         tok = {"tokenizer_file": ck.tokenizer_json, "eos_token": eos_token(ck, read_tokenizer(ck.tokenizer_json)),

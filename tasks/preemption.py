@@ -16,7 +16,7 @@ import signal
 from datetime import datetime, timedelta, timezone
 from uuid import UUID
 
-from core import preempt
+from bcdflow.core import preempt
 
 
 def after_checkpoint(delay_s: float) -> None:

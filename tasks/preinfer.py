@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 from prefect import task
 
-from core import failpoints
-from core.config import RunConfig
-from core.context import RunContext
-from models.visit import autocast, prefix_hidden
-from storage import activations
-from tasks.data import visit_rows
-from tasks.retry import retrying
+from bcdflow.core import failpoints
+from bcdflow.core.config import RunConfig
+from bcdflow.core.context import RunContext
+from bcdflow.models.visit import autocast, prefix_hidden
+from bcdflow.storage import activations
+from bcdflow.tasks.data import visit_rows
+from bcdflow.tasks.retry import retrying
 
 
 @task(name="plan-shards", **retrying())

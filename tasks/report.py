@@ -5,6 +5,6 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tracking.report import log_run_outputs
+from bcdflow.tracking.report import log_run_outputs
 
 report_run = task(log_run_outputs, name="report-run", retries=1, retry_delay_seconds=[5], cache_policy=NO_CACHE)

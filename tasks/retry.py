@@ -9,7 +9,7 @@ import os
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from core.errors import BadInput, DamagedArtifact
+from bcdflow.errors import BadInput, DamagedArtifact
 
 
 def _transient(task, task_run, state) -> bool:

@@ -16,16 +16,16 @@ import numpy as np
 import torch
 from prefect import task
 
-from core import failpoints, hf
-from core.config import RunConfig
-from core.context import RunContext
-from models import build_model
-from models.errors import ConfigError
-from models.plan import block_tensors
-from storage import checkpoints, runs
-from storage.hf import Checkpoint
-from storage.runs import RunState, VisitRecord
-from tasks.retry import retrying
+from bcdflow.core import failpoints, hf
+from bcdflow.core.config import RunConfig
+from bcdflow.core.context import RunContext
+from bcdflow.models import build_model
+from bcdflow.models.errors import ConfigError
+from bcdflow.models.plan import block_tensors
+from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.hf import Checkpoint
+from bcdflow.storage.runs import RunState, VisitRecord
+from bcdflow.tasks.retry import retrying
 
 # keys that define what a run computes; a resumed run must match them exactly. optim.lr is not among them:
 # a run that diverged continues with a lower learning rate (the stored config then records the new one).

@@ -21,21 +21,21 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from core import failpoints, preempt
-from core.config import RunConfig
-from core.context import RunContext
-from core.errors import BadInput
-from models.errors import Diverged
-from models.memory import needs_recompute
-from models.trainer import LoopState, make_optimizer, run_steps
-from models.plan import block_tensors
-from models.visit import autocast, prefix_hidden, visit_loss
-from storage import activations, checkpoints, trainckpt
-from storage.tokens import IGNORE, TokenDataset
-from tasks.data import batch_ranges, sample_rows, visit_rows
-from tasks import preemption
-from tasks.retry import retrying
-from tracking.tracker import TrackTarget
+from bcdflow.core import failpoints, preempt
+from bcdflow.core.config import RunConfig
+from bcdflow.core.context import RunContext
+from bcdflow.errors import BadInput
+from bcdflow.models.errors import Diverged
+from bcdflow.models.memory import needs_recompute
+from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
+from bcdflow.models.plan import block_tensors
+from bcdflow.models.visit import autocast, prefix_hidden, visit_loss
+from bcdflow.storage import activations, checkpoints, trainckpt
+from bcdflow.storage.tokens import IGNORE, TokenDataset
+from bcdflow.tasks.data import batch_ranges, sample_rows, visit_rows
+from bcdflow.tasks import preemption
+from bcdflow.tasks.retry import retrying
+from bcdflow.tracking.tracker import TrackTarget
 
 
 class TrainResult(BaseModel):
@@ -112,7 +112,7 @@ def compile_layers(model) -> None:
 def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
                 track: TrackTarget | None = None) -> TrainResult:
     if cfg.train.gpus > 1:  # torchrun: one process per GPU, rank 0 commits (tasks/train_dist.py)
-        from tasks.train_dist import launch
+        from bcdflow.tasks.train_dist import launch
 
         return launch(cfg, run_id, cycle, block, version, dataset_id, track)
     ctx = RunContext.of(cfg, run_id, dataset_id)

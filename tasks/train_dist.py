@@ -33,22 +33,22 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from core import failpoints, preempt
-from core.config import RunConfig
-from core.context import RunContext, check_gpus
-from core.errors import BadInput, DamagedArtifact
-from models import build_model
-from models import parallel as par
-from models.errors import Diverged
-from models.memory import visit_memory
-from models.trainer import LoopState, make_optimizer, run_steps
-from storage import activations, checkpoints, trainckpt
-from storage.tokens import IGNORE
-from tasks import preemption
-from tasks.data import batch_ranges, visit_rows
-from tasks.train import (TrainResult, compile_layers, diverged_message, evaluate_model, prefetched, use_recompute,
+from bcdflow.core import failpoints, preempt
+from bcdflow.core.config import RunConfig
+from bcdflow.core.context import RunContext, check_gpus
+from bcdflow.errors import BadInput, DamagedArtifact
+from bcdflow.models import build_model
+from bcdflow.models import parallel as par
+from bcdflow.models.errors import Diverged
+from bcdflow.models.memory import visit_memory
+from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
+from bcdflow.storage import activations, checkpoints, trainckpt
+from bcdflow.storage.tokens import IGNORE
+from bcdflow.tasks import preemption
+from bcdflow.tasks.data import batch_ranges, visit_rows
+from bcdflow.tasks.train import (TrainResult, compile_layers, diverged_message, evaluate_model, prefetched, use_recompute,
                          visit_val_batches, window_logger)
-from tracking.tracker import TrackTarget
+from bcdflow.tracking.tracker import TrackTarget
 
 ERRORS = {"BadInput": BadInput, "DamagedArtifact": DamagedArtifact}
 
@@ -77,7 +77,7 @@ def launch(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, da
     with open(os.path.join(work, "spec.json"), "w") as f:
         json.dump(spec, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           "-m", "tasks.train_dist", os.path.join(work, "spec.json")]
+           "-m", "bcdflow.tasks.train_dist", os.path.join(work, "spec.json")]
     forwarded: set[int] = set()
     with preempt.training():  # the task's own SIGTERM/SIGINT: forwarded to every process as SIGTERM
         proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)

@@ -28,7 +28,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from core.config import RunConfig, load_config  # noqa: E402
+from bcdflow.core.config import RunConfig, load_config  # noqa: E402
 from tests.helpers import TINY  # noqa: E402
 
 torch.set_num_threads(1)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from storage import checkpoints, runs
-from storage.store import Store
+from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.store import Store
 
 # a tiny, fast run: ~400 KB of built-in corpus, 6 layers x 64 wide, a few steps per visit
 TINY = [

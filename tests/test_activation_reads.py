@@ -11,11 +11,11 @@ import pytest
 import torch
 import zarr
 
-from core.errors import DamagedArtifact
-from storage.activations import ActivationError, ActivationReader, create_group, write_shard
-from storage.store import Store
-from tasks.preinfer import plan_shards, run_prefix
-from tasks.train import train_visit
+from bcdflow.errors import DamagedArtifact
+from bcdflow.storage.activations import ActivationError, ActivationReader, create_group, write_shard
+from bcdflow.storage.store import Store
+from bcdflow.tasks.preinfer import plan_shards, run_prefix
+from bcdflow.tasks.train import train_visit
 from tests.test_invariants import new_run
 
 KEY = "runs/r/visits/c0-b1/activations.zarr"

@@ -13,9 +13,9 @@ import shutil
 import pytest
 import torch
 
-from flows.cli import main
-from storage import checkpoints, runs
-from storage.store import Store
+from bcdflow.flows.cli import main
+from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.store import Store
 from tests.helpers import TINY
 
 

@@ -13,16 +13,16 @@ import pytest
 import torch
 import zarr
 
-from flows.cli import main
-from storage import checkpoints, runs
-from storage.store import Store
+from bcdflow.flows.cli import main
+from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.store import Store
 from tests.helpers import TINY
 
 BCDFLOW = os.path.join(os.path.dirname(sys.executable), "bcdflow")
 
 
 def _run(tiny_cfg, run_id: str, *sets: str):
-    from flows.bcd import bcd_train
+    from bcdflow.flows.bcd import bcd_train
 
     cfg = tiny_cfg(*sets)
     out = bcd_train(config=cfg, run_id=run_id)
@@ -57,11 +57,11 @@ def test_sgd_through_real_visits(tiny_cfg, prefect_server):
 
 def test_bf16_zstd_activations_through_a_real_visit(tiny_cfg):
     """Pre-inferred activations stored as bf16 bit patterns with zstd train the block close to fp32 ones."""
-    from storage.runs import acts_key
-    from tasks.data import prepare_data
-    from tasks.preinfer import plan_shards, run_prefix
-    from tasks.run import init_run
-    from tasks.train import train_visit
+    from bcdflow.storage.runs import acts_key
+    from bcdflow.tasks.data import prepare_data
+    from bcdflow.tasks.preinfer import plan_shards, run_prefix
+    from bcdflow.tasks.run import init_run
+    from bcdflow.tasks.train import train_visit
 
     trained = {}
     for name, sets in (("fp32", []), ("bf16", ["bcd.act_dtype=bfloat16", "bcd.act_compression=zstd"])):
@@ -88,10 +88,10 @@ def test_bf16_zstd_activations_through_a_real_visit(tiny_cfg):
 
 def test_greedy_picks_the_block_with_the_largest_gradient_norm(tiny_cfg):
     """Against a hand computation: the whole model's gradient on the probe batch, its L2 norm per block."""
-    from core.context import RunContext
-    from tasks.data import prepare_data, sample_rows
-    from tasks.run import init_run
-    from tasks.train import greedy_block
+    from bcdflow.core.context import RunContext
+    from bcdflow.tasks.data import prepare_data, sample_rows
+    from bcdflow.tasks.run import init_run
+    from bcdflow.tasks.train import greedy_block
 
     cfg = tiny_cfg()
     ds = prepare_data(cfg, cfg.open_store())

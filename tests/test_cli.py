@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.cli import main
+from bcdflow.flows.cli import main
 from tests.helpers import TINY
 
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from storage import runs
-from storage.store import Store
-from flows.artifacts import artifact_key
+from bcdflow.storage import runs
+from bcdflow.storage.store import Store
+from bcdflow.flows.artifacts import artifact_key
 
 
 def own_curve(state) -> list[tuple[int, float, float, float, float]]:
@@ -30,8 +30,8 @@ def own_curve(state) -> list[tuple[int, float, float, float, float]]:
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory, prefect_server):
-    from flows.bcd import bcd_train, full_train
-    from core.config import load_config
+    from bcdflow.flows.bcd import bcd_train, full_train
+    from bcdflow.core.config import load_config
     from tests.helpers import TINY
 
     root = tmp_path_factory.mktemp("cmp")
@@ -46,7 +46,7 @@ def two_runs(tmp_path_factory, prefect_server):
 
 @pytest.mark.slow
 def test_compare_multiplier_matches_the_recorded_curves(two_runs):
-    from flows.compare import compare
+    from bcdflow.flows.compare import compare
 
     store = Store(two_runs)
     res = compare(store, ["full", "bcd"])
@@ -90,8 +90,8 @@ def test_compare_multiplier_matches_the_recorded_curves(two_runs):
 
 @pytest.mark.slow
 def test_compare_cli_and_flow_artifact(two_runs, capsys):
-    from flows.cli import main
-    from flows.compare import compare_runs
+    from bcdflow.flows.cli import main
+    from bcdflow.flows.compare import compare_runs
 
     assert main(["compare", "full", "bcd", "--store", two_runs, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)

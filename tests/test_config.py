@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from models.errors import ConfigError
-from core.config import RunConfig, load_config, parse_config
+from bcdflow.models.errors import ConfigError
+from bcdflow.core.config import RunConfig, load_config, parse_config
 
 
 @pytest.mark.parametrize("sets,key", [

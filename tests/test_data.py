@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 import zarr
 
-import storage.corpus as corpus
-from storage.errors import DataError
-from storage.store import Store
-from storage.tokens import TokenDataset, dataset_id, prepare_token_dataset
+import bcdflow.storage.corpus as corpus
+from bcdflow.storage.errors import DataError
+from bcdflow.storage.store import Store
+from bcdflow.storage.tokens import TokenDataset, dataset_id, prepare_token_dataset
 
 SMALL = dict(seq_len=32, vocab_size=400)
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 import yaml
 
-from flows.params import KEYS, RunParams
-from storage import runs
-from storage.checkpoints import load_blocks
-from storage.store import Store
+from bcdflow.flows.params import KEYS, RunParams
+from bcdflow.storage import runs
+from bcdflow.storage.checkpoints import load_blocks
+from bcdflow.storage.store import Store
 from tests.helpers import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,8 +46,8 @@ def test_prefect_yaml_declares_the_deployments():
 def test_flat_params_round_trip_and_form_schema():
     from prefect.utilities.callables import parameter_schema
 
-    from flows.bcd import bcd_train
-    from core.config import load_config
+    from bcdflow.flows.bcd import bcd_train
+    from bcdflow.core.config import load_config
 
     cfg = load_config(sets=TINY + ["data.files=/x/*.txt", "bcd.boundaries=[2, 4]", "spend.prices=[h100=2]",
                                    "spend.train_device=h100", "stop.target_val_loss=3.5"])
@@ -84,8 +84,8 @@ def test_deployment_run_on_a_worker_trains_like_the_cli(prefect_api_url, tmp_pat
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
-    from flows.cli import main
-    from core.config import load_config
+    from bcdflow.flows.cli import main
+    from bcdflow.core.config import load_config
 
     env = _env(tmp_path, prefect_api_url)
     with get_client(sync_client=True) as client:  # = prefect work-pool create bcdflow --type process

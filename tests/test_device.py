@@ -12,12 +12,12 @@ import weakref
 import pytest
 import torch
 
-import tasks.train
-from core.config import load_config
-from models.errors import ConfigError
-from storage.checkpoints import load_blocks, load_from_manifest
-from storage.store import Store
-from tasks.preinfer import plan_shards, run_prefix
+import bcdflow.tasks.train as train_mod
+from bcdflow.core.config import load_config
+from bcdflow.models.errors import ConfigError
+from bcdflow.storage.checkpoints import load_blocks, load_from_manifest
+from bcdflow.storage.store import Store
+from bcdflow.tasks.preinfer import plan_shards, run_prefix
 from tests.helpers import TINY
 from tests.test_invariants import Spy, do_visit, new_run
 
@@ -45,7 +45,7 @@ def test_bf16_visit_holds_frozen_weights_in_bf16_and_changes_only_its_block(tiny
 
 
 def test_bf16_prefix_for_preinference_is_bf16(tiny_cfg):
-    from core.context import RunContext
+    from bcdflow.core.context import RunContext
 
     cfg = tiny_cfg("train.precision=bf16")
     ds_id = new_run(cfg)
@@ -56,22 +56,22 @@ def test_bf16_prefix_for_preinference_is_bf16(tiny_cfg):
 def test_the_pre_inference_prefix_is_freed_before_the_visit_trains(tiny_cfg, monkeypatch):
     """On the one-machine default the shards and the training run in one process: the prefix the shards shared
     must not stay on the device through the visit."""
-    from core.context import RunContext
+    from bcdflow.core.context import RunContext
 
     cfg = tiny_cfg()
     ds_id = new_run(cfg)
     for s in plan_shards.fn(cfg, "r", 0, 2, ds_id):
         run_prefix(cfg, "r", 0, 2, 0, ds_id, s)
     prefix = weakref.ref(RunContext.of(cfg, "r", ds_id).frozen_prefix(0, 2))
-    alive, real = [], tasks.train.make_optimizer
+    alive, real = [], train_mod.make_optimizer
 
     def make_optimizer(params, spec):
         gc.collect()
         alive.append(prefix() is not None)
         return real(params, spec)
 
-    monkeypatch.setattr(tasks.train, "make_optimizer", make_optimizer)
-    tasks.train.train_visit(cfg, "r", 0, 2, 0, ds_id)
+    monkeypatch.setattr(train_mod, "make_optimizer", make_optimizer)
+    train_mod.train_visit(cfg, "r", 0, 2, 0, ds_id)
     assert alive == [False]
 
 
@@ -83,7 +83,7 @@ def test_validation_within_a_visit_is_the_whole_models(tiny_cfg, block, preinfer
     ds_id = new_run(cfg)
     out = do_visit(cfg, "r", ds_id, cycle=0, block=block, version=0)
     assert [s for s, _ in out.val_points] == [3, 6]
-    whole = tasks.train.evaluate_version(cfg, "r", 1, ds_id).val_loss
+    whole = train_mod.evaluate_version(cfg, "r", 1, ds_id).val_loss
     assert abs(out.val_points[-1][1] - whole) <= 1e-5
 
 
@@ -94,7 +94,7 @@ def test_recompute_setting_and_auto_choice(tiny_cfg, monkeypatch, setting, memor
     sets = [f"bcd.recompute={setting}"] + ([f"train.memory_gb={memory_gb}"] if memory_gb else [])
     cfg = tiny_cfg(*sets)
     ds_id = new_run(cfg)
-    out = tasks.train.train_visit(cfg, "r", 0, 0, 0, ds_id)
+    out = train_mod.train_visit(cfg, "r", 0, 0, 0, ds_id)
     assert out.recompute is expect
 
 
@@ -103,9 +103,9 @@ def test_recompute_and_chunking_keep_the_visit_weights(tiny_cfg):
     cfg = tiny_cfg()
     ds_id = new_run(cfg)
     store = Store(cfg.store)
-    ref = tasks.train.train_visit(cfg, "r", 0, 0, 0, ds_id)
-    redo = tasks.train.train_visit(tiny_cfg("bcd.recompute=on"), "r", 0, 0, 0, ds_id)
-    chunk = tasks.train.train_visit(tiny_cfg("train.loss_chunk_rows=7"), "r", 0, 0, 0, ds_id)
+    ref = train_mod.train_visit(cfg, "r", 0, 0, 0, ds_id)
+    redo = train_mod.train_visit(tiny_cfg("bcd.recompute=on"), "r", 0, 0, 0, ds_id)
+    chunk = train_mod.train_visit(tiny_cfg("train.loss_chunk_rows=7"), "r", 0, 0, 0, ds_id)
     assert redo.block_file == ref.block_file  # content-addressed: bitwise the same tensors
     t_ref = load_from_manifest(store, "r", {"blocks": {"0": ref.block_file}}, [0])
     t_chunk = load_from_manifest(store, "r", {"blocks": {"0": chunk.block_file}}, [0])
@@ -118,8 +118,8 @@ def test_compile_trains_to_the_eager_weights(tiny_cfg):
     cfg = tiny_cfg("bcd.max_steps=3")
     ds_id = new_run(cfg)
     store = Store(cfg.store)
-    eager = tasks.train.train_visit(cfg, "r", 0, 0, 0, ds_id)
-    compiled = tasks.train.train_visit(tiny_cfg("bcd.max_steps=3", "train.compile=true"), "r", 0, 0, 0, ds_id)
+    eager = train_mod.train_visit(cfg, "r", 0, 0, 0, ds_id)
+    compiled = train_mod.train_visit(tiny_cfg("bcd.max_steps=3", "train.compile=true"), "r", 0, 0, 0, ds_id)
     a = load_from_manifest(store, "r", {"blocks": {"0": eager.block_file}}, [0])
     b = load_from_manifest(store, "r", {"blocks": {"0": compiled.block_file}}, [0])
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4
@@ -143,7 +143,7 @@ def test_distributed_keys_are_checked():
 def test_cuda_peak_matches_the_planner():
     """On a GPU: a bf16 visit step's allocator peak against the planner's prediction (the issue's 10%)."""
     from benchmarks.common import Workload
-    from models.memory import visit_memory
+    from bcdflow.models.memory import visit_memory
 
     c = {"model": "gpt2-124m", "overrides": {"n_layer": 6}, "batch_size": 4, "seq_len": 512, "precision": "bf16"}
     w = Workload(c, torch.device("cuda"))

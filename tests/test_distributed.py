@@ -16,11 +16,11 @@ import time
 import pytest
 import torch
 
-from core import preempt
-from storage import checkpoints
-from storage.store import Store
-from tasks.preinfer import plan_shards, run_prefix
-from tasks.train import train_visit
+from bcdflow.core import preempt
+from bcdflow.storage import checkpoints
+from bcdflow.storage.store import Store
+from bcdflow.tasks.preinfer import plan_shards, run_prefix
+from bcdflow.tasks.train import train_visit
 from tests.test_invariants import new_run
 
 pytestmark = pytest.mark.slow

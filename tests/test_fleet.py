@@ -23,9 +23,9 @@ import httpx
 import numpy as np
 import pytest
 
-from flows.cli import main
-from storage import runs
-from storage.store import Store
+from bcdflow.flows.cli import main
+from bcdflow.storage import runs
+from bcdflow.storage.store import Store
 from tests.helpers import TINY, assert_same, finished_weights
 
 pytestmark = pytest.mark.slow
@@ -269,12 +269,12 @@ def test_worker_shutdown_lets_its_visit_checkpoint_and_another_worker_finish_it(
 # -- one writer -----------------------------------------------------------------------------------------------------
 
 def test_two_workers_handed_the_same_visit(fleet, s3_bucket, tmp_path):
-    from core.config import load_config
-    from flows.params import RunParams
+    from bcdflow.core.config import load_config
+    from bcdflow.flows.params import RunParams
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
-    from tasks.data import prepare_data
-    from tasks.run import init_run
+    from bcdflow.tasks.data import prepare_data
+    from bcdflow.tasks.run import init_run
 
     url = f"{s3_bucket}/twice"
     cfg = load_config(sets=[*LONG, *FLEET, f"store={url}", f"s3.endpoint_url={fleet.s3}"])
@@ -349,8 +349,8 @@ def test_two_cli_processes_on_one_run_id(prefect_api_url, tmp_path, reference):
 def _preinfer_on(cfg, run_id: str, dataset_id: str) -> tuple[np.ndarray, np.ndarray]:
     from prefect import flow
 
-    from flows.visit import preinfer
-    from storage.activations import ActivationReader
+    from bcdflow.flows.visit import preinfer
+    from bcdflow.storage.activations import ActivationReader
 
     @flow
     def shards():
@@ -363,9 +363,9 @@ def _preinfer_on(cfg, run_id: str, dataset_id: str) -> tuple[np.ndarray, np.ndar
 
 
 def test_dask_preinference_equals_one_process_and_survives_a_lost_worker(prefect_server, tmp_path, monkeypatch):
-    from core.config import load_config
-    from tasks.data import prepare_data
-    from tasks.run import init_run
+    from bcdflow.core.config import load_config
+    from bcdflow.tasks.data import prepare_data
+    from bcdflow.tasks.run import init_run
 
     sets = [*LONG, "bcd.shard_rows=8", "bcd.max_steps=10"]  # 80 rows: 10 shards
     results = {}

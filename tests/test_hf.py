@@ -17,17 +17,17 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from core.config import load_config
-from core.context import RunContext
-from core.export import export_hf, written_whole
-from flows.cli import main
-from models import hf as hfmap
-from models.errors import ConfigError
-from storage import checkpoints, runs
-from storage.errors import DataError
-from storage.hf import Checkpoint
-from tasks.data import prepare_data
-from tasks.run import init_run
+from bcdflow.core.config import load_config
+from bcdflow.core.context import RunContext
+from bcdflow.core.export import export_hf, written_whole
+from bcdflow.flows.cli import main
+from bcdflow.models import hf as hfmap
+from bcdflow.models.errors import ConfigError
+from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.errors import DataError
+from bcdflow.storage.hf import Checkpoint
+from bcdflow.tasks.data import prepare_data
+from bcdflow.tasks.run import init_run
 from tests.hf_checkpoints import FAMILIES, ROWS, TEXT, VOCAB, load_clean, make_checkpoint, make_tokenizer
 
 
@@ -254,7 +254,7 @@ def test_config_json_checked_at_parse(tmp_path, tok_dir, corpus, over, sets, key
 def test_chat_needs_a_template_and_a_checkpoint(tmp_path, tok_dir, corpus):
     ck, _ = make_checkpoint(tmp_path / "ck", "qwen2", tok_dir)
     os.remove(os.path.join(ck, "chat_template.jinja"))
-    from core.hf import check_checkpoint
+    from bcdflow.core.hf import check_checkpoint
 
     with pytest.raises(DataError, match=r"^data\.format: chat needs a chat template"):
         check_checkpoint(run_cfg(tmp_path, ck, corpus, "data.format=chat"))
@@ -264,8 +264,8 @@ def test_chat_needs_a_template_and_a_checkpoint(tmp_path, tok_dir, corpus):
 
 def test_mapping_tables_are_inverse_and_cover_every_parameter():
     for family in ("tiny", "tiny-llama"):
-        from models import get_config
-        from models.build import param_shapes
+        from bcdflow.models import get_config
+        from bcdflow.models.build import param_shapes
 
         cfg = get_config(family, qkv_bias=family == "tiny-llama")
         for name in param_shapes(cfg):
@@ -303,7 +303,7 @@ def test_finetune_prompt_completion_through_the_cli(prefect_server, tmp_path, to
     ctx = RunContext.of(cfg, "ft", state.dataset)
     assert ctx.dataset.masked
 
-    from tasks.data import visit_rows
+    from bcdflow.tasks.data import visit_rows
 
     for visit in state.visits:
         rows = visit_rows(cfg, ctx.dataset.n_train, visit.cycle, visit.block)[: cfg.train.batch_size]
@@ -361,9 +361,9 @@ def test_chat_data_uses_the_checkpoints_template(tmp_path, tok_dir):
                                                                         "high_freq_factor": 4.0,
                                                                         "original_max_position_embeddings": 64}})])
 def test_config_to_hf_and_back_is_the_same_model(name, over):
-    from models import get_config
-    from models.build import param_shapes
-    from models.config import ModelConfig, count_params
+    from bcdflow.models import get_config
+    from bcdflow.models.build import param_shapes
+    from bcdflow.models.config import ModelConfig, count_params
 
     cfg = get_config(name, **over)
     back = hfmap.config_from_hf(hfmap.config_to_hf(cfg, hfmap.default_architecture(cfg), "float32"))

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import zarr
 
-from flows.cli import main
-from storage import activations, checkpoints
-from tasks.data import prepare_data
-from storage.runs import acts_key
-from tasks.preinfer import plan_shards, run_prefix
-from tasks.run import init_run
+from bcdflow.flows.cli import main
+from bcdflow.storage import activations, checkpoints
+from bcdflow.tasks.data import prepare_data
+from bcdflow.storage.runs import acts_key
+from bcdflow.tasks.preinfer import plan_shards, run_prefix
+from bcdflow.tasks.run import init_run
 
 
 def _visit_setup(cfg, run_id="r"):
@@ -84,7 +84,7 @@ def test_flipped_byte_in_block_file_is_refused(tiny_cfg, capsys):
 def _worker(cfg_json: str, ds: str, shards: list[int]) -> None:
     import torch
 
-    from core.config import RunConfig
+    from bcdflow.core.config import RunConfig
 
     torch.set_num_threads(1)
     cfg = RunConfig.model_validate_json(cfg_json)

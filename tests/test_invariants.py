@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-import tasks.train
-from core.context import RunContext
-from storage import runs
-from storage.checkpoints import commit_version, load_blocks, read_manifest
-from storage.store import Store
-from tasks.data import batch_ranges, prepare_data, sample_rows, visit_rows
-from tasks.preinfer import plan_shards, run_prefix
-from tasks.run import init_run
-from tasks.train import train_visit
+import bcdflow.tasks.train as train_mod
+from bcdflow.core.context import RunContext
+from bcdflow.storage import runs
+from bcdflow.storage.checkpoints import commit_version, load_blocks, read_manifest
+from bcdflow.storage.store import Store
+from bcdflow.tasks.data import batch_ranges, prepare_data, sample_rows, visit_rows
+from bcdflow.tasks.preinfer import plan_shards, run_prefix
+from bcdflow.tasks.run import init_run
+from bcdflow.tasks.train import train_visit
 
 _LAYER = re.compile(r"^h\.(\d+)\.")
 LLAMA = ("model.name=tiny-llama", "model.d_model=64", "model.n_head=4")
@@ -53,7 +53,7 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.models, self.opt_params, self.opts = [], [], []
-        real_load, real_opt = RunContext.load_part, tasks.train.make_optimizer
+        real_load, real_opt = RunContext.load_part, train_mod.make_optimizer
 
         def load_part(*args, **kwargs):
             model = real_load(*args, **kwargs)
@@ -68,7 +68,7 @@ class Spy:
             return opt
 
         monkeypatch.setattr(RunContext, "load_part", load_part)
-        monkeypatch.setattr(tasks.train, "make_optimizer", make_optimizer)
+        monkeypatch.setattr(train_mod, "make_optimizer", make_optimizer)
 
 
 def layers_of(names) -> set[int]:
@@ -156,7 +156,7 @@ def final_weights(cfg, run_id: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_i2_preinference_on_and_off_give_the_same_weights(tiny_cfg, prefect_server, flow_store):
-    from flows.bcd import bcd_train
+    from bcdflow.flows.bcd import bcd_train
 
     short = (flow_store, "bcd.max_steps=4")  # 4 steps x 8 rows: two pre-inference shards per visit
     on, off = tiny_cfg(*short, "bcd.preinfer=true"), tiny_cfg(*short, "bcd.preinfer=false")
@@ -184,8 +184,8 @@ def test_i2_preinference_on_and_off_give_the_same_weights(tiny_cfg, prefect_serv
 def plain_adamw(cfg, store: Store, run_id: str, steps: int) -> dict[str, torch.Tensor]:
     """Full-parameter training written out here, in plain PyTorch, independently of bcdflow's visit and step loop:
     the run's version 0 weights, AdamW over every parameter, gradient clipping at 1, the same batches."""
-    from models import build_model
-    from storage.tokens import TokenDataset
+    from bcdflow.models import build_model
+    from bcdflow.storage.tokens import TokenDataset
 
     ds = TokenDataset.open(store, runs.read_state(store, run_id).dataset)
     model = build_model(cfg.model_cfg(ds.vocab_size), init=False)
@@ -207,7 +207,7 @@ def plain_adamw(cfg, store: Store, run_id: str, steps: int) -> dict[str, torch.T
 
 @pytest.mark.slow
 def test_i3_one_block_bcd_equals_full_training(tiny_cfg, prefect_server, flow_store):
-    from flows.bcd import bcd_train, full_train
+    from bcdflow.flows.bcd import bcd_train, full_train
 
     cfg = tiny_cfg(flow_store, "bcd.blocks=1", "bcd.cycles=1", "bcd.sample_rate=1", "bcd.max_steps=4",
                    "train.steps=4", "train.eval_every=2")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from benchmarks.common import Workload
-from models import get_config
-from models.memory import GB, plan_visits, recommend, visit_memory
+from bcdflow.models import get_config
+from bcdflow.models.memory import GB, plan_visits, recommend, visit_memory
 
 # small enough for seconds on 2 cores, large enough that activations, logits and state all count
 SHAPE = {"n_layer": 6, "d_model": 128, "n_head": 4, "vocab_size": 2048}
@@ -71,7 +71,7 @@ def test_planner_orders_what_the_issue_is_about():
 
 
 def test_plan_memory_command(tmp_path, capsys):
-    from flows.cli import main
+    from bcdflow.flows.cli import main
 
     rc = main(["plan-memory", "--set", "model.name=G-1.6B", "--set", "data.seq_len=1024", "--set",
                "data.vocab_size=50304", "--set", "train.batch_size=2", "--set", "train.precision=bf16",

@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from models import REGISTRY, build_model, get_config
-from models.config import count_params
-from models.errors import ConfigError
+from bcdflow.models import REGISTRY, build_model, get_config
+from bcdflow.models.config import count_params
+from bcdflow.models.errors import ConfigError
 
 FAMILIES = ["tiny", "tiny-llama"]
 TABLE8 = ["G-1.6B", "G-5.4B", "G-10B", "G-20B", "L-1.5B", "L-6B", "L-11B", "L-23B"]

@@ -10,11 +10,11 @@ import re
 import pytest
 import torch
 
-from models import build_model, get_config, make_plan
-from models.errors import ConfigError
-from models.gpt import GPT
-from models.llama import LLaMA
-from models.plan import layer_bounds
+from bcdflow.models import build_model, get_config, make_plan
+from bcdflow.models.errors import ConfigError
+from bcdflow.models.gpt import GPT
+from bcdflow.models.llama import LLaMA
+from bcdflow.models.plan import layer_bounds
 
 _LAYER = re.compile(r"^h\.(\d+)\.")
 

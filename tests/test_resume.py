@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from flows.cli import main
-from storage import runs
-from storage.store import Store
+from bcdflow.flows.cli import main
+from bcdflow.storage import runs
+from bcdflow.storage.store import Store
 from tests.helpers import TINY, assert_same, finished_weights
 
 BCDFLOW = os.path.join(os.path.dirname(sys.executable), "bcdflow")

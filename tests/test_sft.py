@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import build_model, get_config
-from storage import sft
-from storage.errors import DataError
-from storage.store import Store
-from storage.tokens import IGNORE, TokenDataset, dataset_id, prepare_token_dataset
+from bcdflow.models import build_model, get_config
+from bcdflow.storage import sft
+from bcdflow.storage.errors import DataError
+from bcdflow.storage.store import Store
+from bcdflow.storage.tokens import IGNORE, TokenDataset, dataset_id, prepare_token_dataset
 from tests.hf_checkpoints import CHATML, make_tokenizer
 
 LLAMA3_LIKE = (  # a system block with a date, bos_token, {% generation %} markers, loop controls
@@ -180,7 +180,7 @@ def test_sft_records_need_their_fields(tmp_path, tok_dir):
 
 # -- the loss counts completion tokens only ----------------------------------------------------------------
 def test_masked_loss_and_evaluation_count_completion_tokens_only(tmp_path, tok_dir, tiny_cfg):
-    from tasks.train import evaluate_model, val_batches
+    from bcdflow.tasks.train import evaluate_model, val_batches
 
     store = Store(str(tmp_path / "store"))
     files = _records(tmp_path, "pc.jsonl", [{"prompt": p, "completion": c} for p, c in PAIRS * 40])

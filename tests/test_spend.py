@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from models.errors import ConfigError
-from storage import runs
-from storage.runs import VisitRecord
-from storage.store import Store
-from core import spend
-from core.config import SpendSection, load_config
+from bcdflow.models.errors import ConfigError
+from bcdflow.storage import runs
+from bcdflow.storage.runs import VisitRecord
+from bcdflow.storage.store import Store
+from bcdflow.core import spend
+from bcdflow.core.config import SpendSection, load_config
 
 
 def _v(sp, cycle, block, *, pre=0.0, train=0.0, ev=0.0, val=5.0, steps=10, seconds=None, **kw) -> VisitRecord:
@@ -109,7 +109,7 @@ def test_curve_is_cumulative_and_costs_intermediate_points_pro_rata():
 
 
 def test_stop_rule_precedence():
-    from flows.bcd import stale_cycles, stop_reason
+    from bcdflow.flows.bcd import stale_cycles, stop_reason
 
     cfg = load_config(sets=["stop.target_val_loss=3.0", "spend.prices=[x=3600]", "spend.train_device=x",
                             "spend.budget_usd=5"])
@@ -140,7 +140,7 @@ def test_stop_rule_precedence():
 
 @pytest.mark.slow
 def test_budget_stops_cleanly_and_resume_with_more_budget_finishes(tiny_cfg, prefect_server):
-    from flows.bcd import bcd_train
+    from bcdflow.flows.bcd import bcd_train
 
     # a budget far below one visit's spend: the first visit runs (nothing predicts it), the second would
     # exceed what is left, so the run stops cleanly at version 1

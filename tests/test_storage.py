@@ -9,13 +9,13 @@ import uuid
 import pytest
 import torch
 
-from storage.activations import (ActivationError, ActivationReader, complete_shards, create_group,
+from bcdflow.storage.activations import (ActivationError, ActivationReader, complete_shards, create_group,
                                  shard_complete, write_shard)
-from storage.checkpoints import (CheckpointError, commit_version, load_blocks, read_manifest, save_block,
+from bcdflow.storage.checkpoints import (CheckpointError, commit_version, load_blocks, read_manifest, save_block,
                                  write_manifest)
-from storage.runs import (RunStateError, VisitRecord, append_visit, list_runs, read_config, read_state,
+from bcdflow.storage.runs import (RunStateError, VisitRecord, append_visit, list_runs, read_config, read_state,
                           run_exists, write_config, write_state)
-from storage.store import Store
+from bcdflow.storage.store import Store
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -209,7 +209,7 @@ def test_create_is_exclusive(store):
 
 
 def test_a_manifest_is_never_overwritten(store):
-    from storage.checkpoints import drop_uncommitted, write_manifest
+    from bcdflow.storage.checkpoints import drop_uncommitted, write_manifest
 
     entry = save_block(store, "r", {"a": torch.ones(2)})
     other = save_block(store, "r", {"a": torch.zeros(2)})
@@ -223,7 +223,7 @@ def test_a_manifest_is_never_overwritten(store):
 
 
 def test_lease_held_expired_taken_over_and_lost(store):
-    from storage.lease import Lease, LeaseHeld, LeaseLost
+    from bcdflow.storage.lease import Lease, LeaseHeld, LeaseLost
 
     here = {"host": "elsewhere", "pid": 1, "started": 0.0, "flow_run_id": "f1"}
     a = Lease(store, "runs/r", "run 'r'", ttl=30, owner=here)
@@ -248,7 +248,7 @@ def test_lease_of_a_dead_process_on_this_machine_is_free_at_once(store):
     import subprocess
     import sys
 
-    from storage.lease import Lease, this_process
+    from bcdflow.storage.lease import Lease, this_process
 
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()

@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from flows.artifacts import RunArtifacts
+from bcdflow.flows.artifacts import RunArtifacts
 
 
 def _prefect_artifacts(flow_run_id: str) -> dict[str, list[dict]]:
@@ -30,7 +30,7 @@ def _prefect_artifacts(flow_run_id: str) -> dict[str, list[dict]]:
 
 @pytest.mark.slow
 def test_mlflow_and_prefect_contents_of_a_tiny_run(tiny_cfg, prefect_server, tmp_path, monkeypatch):
-    from flows.bcd import bcd_train
+    from bcdflow.flows.bcd import bcd_train
 
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
     cfg = tiny_cfg("bcd.blocks=2", "bcd.cycles=2", "stop.patience_cycles=0", tracking=True)
@@ -57,8 +57,8 @@ def test_mlflow_and_prefect_contents_of_a_tiny_run(tiny_cfg, prefect_server, tmp
 
     # a visit's run: its training curve and validation loss as metrics, its single values as the run summary
     # (tags and description), not one-point charts
-    from storage import runs
-    from storage.store import Store
+    from bcdflow.storage import runs
+    from bcdflow.storage.store import Store
 
     state = runs.read_state(Store(cfg.store), "t")
     by_version = {int(c.data.tags["bcdflow.version"]): c for c in children}
@@ -136,7 +136,7 @@ def test_mlflow_and_prefect_contents_of_a_tiny_run(tiny_cfg, prefect_server, tmp
 
 
 def test_tracker_off_is_a_no_op(tmp_path):
-    from tracking.tracker import Tracker
+    from bcdflow.tracking.tracker import Tracker
 
     t = Tracker("none")
     assert t.start("x", system_metrics=True) is None

@@ -13,9 +13,9 @@ import types
 import pytest
 import torch
 
-import models.trainer
-from models.errors import Diverged
-from models.trainer import LoopState, OptimSpec, StopRule, make_optimizer, run_steps
+import bcdflow.models.trainer as trainer_mod
+from bcdflow.models.errors import Diverged
+from bcdflow.models.trainer import LoopState, OptimSpec, StopRule, make_optimizer, run_steps
 
 
 def scripted(values, **loop):
@@ -65,7 +65,7 @@ def test_checkpoint_cadence_by_steps_never_at_the_last_step():
 
 def test_checkpoint_cadence_by_seconds(monkeypatch):
     clock = itertools.count()  # every perf_counter() call is one second later
-    monkeypatch.setattr(models.trainer, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    monkeypatch.setattr(trainer_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
     _, saved = scripted([1.0] * 10, stop=StopRule(max_steps=10, window=5), ckpt_seconds=2.5)
     assert saved == [(3, "seconds"), (6, "seconds"), (9, "seconds")]
 

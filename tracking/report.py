@@ -13,8 +13,8 @@ import matplotlib
 matplotlib.use("Agg")  # headless workers; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 
-from core import spend as spend_mod  # noqa: E402
-from storage.runs import VisitRecord  # noqa: E402
+from bcdflow.core import spend as spend_mod  # noqa: E402
+from bcdflow.storage.runs import VisitRecord  # noqa: E402
 
 def _fmt(v, fmt: str) -> str:
     if v is None or (isinstance(v, float) and v != v):  # None or NaN
@@ -105,9 +105,9 @@ def log_run_outputs(cfg, run_id: str, mlflow_run: str, version: int) -> None:
     the bcdflow format."""
     import tempfile
 
-    from core.export import export_hf, export_version
-    from storage import runs
-    from tracking.tracker import Tracker
+    from bcdflow.core.export import export_hf, export_version
+    from bcdflow.storage import runs
+    from bcdflow.tracking.tracker import Tracker
 
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
     store = cfg.open_store()
