@@ -142,10 +142,11 @@ def test_dockerfile_copies_every_package_and_installs_the_fleet_extras():
 
     text = open(os.path.join(REPO, "Dockerfile")).read()
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-        packages = tomllib.load(f)["tool"]["setuptools"]["packages"]
+        setup = tomllib.load(f)["tool"]["setuptools"]
+    folders = {setup.get("package-dir", {}).get(p, p) for p in setup["packages"]}  # bcdflow.core lives in core/
     copied = [line.split()[1:-1] for line in text.splitlines() if line.startswith("COPY ")]
     sources = {src for srcs in copied for src in srcs}
-    assert set(packages) <= sources, set(packages) - sources
+    assert folders <= sources, folders - sources
     assert all(os.path.exists(os.path.join(REPO, s)) for s in sources), sources
     assert "torch==2.13.0" in text and '".[fleet,gpu]"' in text and "-c constraints.txt" in text
     assert 'ENTRYPOINT ["bcdflow", "worker"]' in text and "BCDFLOW_HOME=/opt/bcdflow" in text
