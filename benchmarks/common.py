@@ -22,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from bcdflow.core.context import block_plan, model_config
 from bcdflow.models import build_model
 from bcdflow.models.build import frozen_in
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
@@ -415,7 +416,7 @@ class Workload:
         run = RunConfig(model={"name": self.c["model"], **over},
                         data={"vocab_size": max(self.cfg.vocab_size, 260), "seq_len": self.c["seq_len"]},
                         bcd={"blocks": blocks})
-        return run.plan(run.model_cfg(self.cfg.vocab_size))
+        return block_plan(run, model_config(run, self.cfg.vocab_size))
 
     def full(self) -> Visit:
         if self.isolated:

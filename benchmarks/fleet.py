@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from bcdflow.core.context import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
@@ -106,7 +107,7 @@ def dispatch(name: str, sets: list[str], root: Path) -> dict:
     for mode in ("in-process", "dispatch"):
         extra = [f"fleet.visit_pool={POOL}", "fleet.poll_seconds=0.5"] if mode == "dispatch" else []
         cfg = load_config(sets=[*sets, "tracking_uri=none", f"store={root / name / mode}", *extra])
-        ds = prepare_data(cfg, cfg.open_store())
+        ds = prepare_data(cfg, open_store(cfg))
         init_run(cfg, "b", ds)
 
         @flow(name=f"bench-{mode}")
@@ -123,7 +124,7 @@ def dispatch(name: str, sets: list[str], root: Path) -> dict:
             return times
 
         times = parent()
-        state = runs.read_state(cfg.open_store(), "b")
+        state = runs.read_state(open_store(cfg), "b")
         assert [v.block for v in state.visits] == [0, 1, 2]
         wall = sum(t for t, _ in times)
         own = sum(s for _, s in times)
@@ -150,7 +151,7 @@ def dask_throughput(sets: list[str], root: Path) -> dict:
             cfg = load_config(sets=[*sets, "tracking_uri=none", f"store={root / f'dask{n}'}", "bcd.shard_rows=32",
                                     "bcd.max_steps=64", "fleet.preinfer=dask",
                                     f"fleet.dask_address={cluster.scheduler_address}"])
-            ds = prepare_data(cfg, cfg.open_store())
+            ds = prepare_data(cfg, open_store(cfg))
             init_run(cfg, "d", ds)
             rows = len(visit_rows(cfg, RunContext.of(cfg, "d", ds).dataset.n_train, 0, 2))
 
@@ -161,7 +162,7 @@ def dask_throughput(sets: list[str], root: Path) -> dict:
                 return time.perf_counter() - t
 
             first = shards()  # the workers load the prefix and the token arrays on their first shards
-            cfg.open_store().rm(runs.acts_key("d", 0, 2))
+            open_store(cfg).rm(runs.acts_key("d", 0, 2))
             warm = shards()
         out[n] = {"rows": rows, "seconds_first": first, "seconds": warm, "rows_per_s": rows / warm}
     out["speedup"] = out[2]["rows_per_s"] / out[1]["rows_per_s"]

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import forward_flops, meta_model, step_flops
+from bcdflow.core.context import open_store
 
 _BOOKS: dict[tuple, "RunBook"] = {}
 
@@ -95,7 +96,7 @@ def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str
     from bcdflow.storage import runs
     from bcdflow.core import spend
 
-    store = cfg.open_store()
+    store = open_store(cfg)
     state = runs.read_state(store, run_id)
     conf = runs.read_config(store, run_id)
     curve = spend.curve(state.visits)

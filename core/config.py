@@ -1,25 +1,33 @@
-"""The run configuration: typed sections, each check next to its field (CONVENTIONS 3).
+"""The run configuration: typed sections, each check next to its field (docs/CONVENTIONS.md 3).
 
 Keys are addressed as ``section.field`` on the command line (``--set bcd.blocks=4``) and in YAML.
 Every error names the key: ``bcd.sample_rate: must be in (0, 1], got 1.5``.
+
+A config is data plus validation: it reads no file, opens no store and looks at no device. What needs those
+(the model of a Hugging Face checkpoint, the store, the device's memory) is resolved by the run context
+(``core/context.py``), which checks a checkpoint's model against the config with :func:`check_model`.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from bcdflow.models import Plan, model_plan
+from bcdflow.core.spend import DEFAULT_PRICES, parse_prices
 from bcdflow.models.config import REGISTRY, ModelConfig, get_config
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.plan import layer_bounds
 from bcdflow.models.trainer import OptimSpec, StopRule
-from bcdflow.core.spend import DEFAULT_PRICES, parse_prices
+from bcdflow.storage.store import check_url
 
-ORDERS = ("cyclic", "reverse", "random", "greedy")
+# the fixed choice sets, once: the config's fields and the flat Prefect form (flows/params.py) both use these
+ModelName = Literal[tuple(REGISTRY)]
+Order = Literal["cyclic", "reverse", "random", "greedy"]
+ORDERS: tuple[str, ...] = get_args(Order)
 
 
 class _Section(BaseModel):
@@ -29,7 +37,7 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    name: str = "tiny"
+    name: ModelName = "tiny"
     """A registry name: tiny, tiny-llama, gpt2-124m, G-1.6B ... L-23B."""
     n_layer: int | None = None
     d_model: int | None = None
@@ -42,12 +50,9 @@ class ModelSection(_Section):
     tokenizer.json), or a hub id already in the local HF cache (nothing is downloaded). Sizes, context and
     vocabulary come from its config.json, the tokenizer is its tokenizer.json; ``name`` is then ignored."""
 
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in REGISTRY:
-            raise ValueError(f"unknown model {v!r} (choose from {', '.join(REGISTRY)})")
-        return v
+    def overrides(self) -> dict:
+        """The size fields set here (None = the registry's), as ``get_config`` takes them."""
+        return self.model_dump(exclude={"name", "from_hf"})
 
 
 class DataSection(_Section):
@@ -81,7 +86,7 @@ class BcdSection(_Section):
     """How ``blocks`` cuts the layers: equal parameter counts (embeddings and head included; the
     paper updates one third of the parameters per visit) or equal layer counts."""
     cycles: int = Field(2, ge=1)
-    order: str = "cyclic"
+    order: Order = "cyclic"
     sample_rate: float = 0.9
     """Per-visit data sampling rate (paper §3.2.3)."""
     preinfer: bool = True
@@ -111,13 +116,6 @@ class BcdSection(_Section):
     @classmethod
     def _on_off(cls, v):
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as booleans
-
-    @field_validator("order")
-    @classmethod
-    def _order(cls, v: str) -> str:
-        if v not in ORDERS:
-            raise ValueError(f"unknown order {v!r} (choose from {', '.join(ORDERS)})")
-        return v
 
     @field_validator("sample_rate")
     @classmethod
@@ -277,8 +275,6 @@ class FleetSection(_Section):
     @field_validator("job_variables")
     @classmethod
     def _job_variables(cls, v: str) -> str:
-        import json
-
         try:
             parsed = json.loads(v)
         except ValueError as e:
@@ -311,8 +307,6 @@ class RunConfig(_Section):
     @field_validator("store")
     @classmethod
     def _store(cls, v: str) -> str:
-        from bcdflow.storage.store import check_url
-
         return check_url(v)
 
     @model_validator(mode="after")
@@ -326,53 +320,17 @@ class RunConfig(_Section):
         elif self.data.format == "chat":
             raise ValueError("data.format: chat needs model.from_hf (a checkpoint whose tokenizer has a chat "
                              "template)")
-        mc = self.model_cfg()
-        layer_bounds(mc.n_layer, self.bcd.blocks, self.bcd.boundaries)  # raises naming bcd.blocks/boundaries
         if self.train.gpus > self.train.batch_size:
             raise ValueError(f"train.gpus: {self.train.gpus} processes need at least one row each of a batch, but "
                              f"train.batch_size={self.train.batch_size}")
-        if self.data.seq_len > mc.n_ctx:
-            raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's context n_ctx={mc.n_ctx}")
-        if self.model.from_hf:
-            from bcdflow.core.hf import hf_config
-            from bcdflow.models.hf import attention_window
-
-            window = attention_window(hf_config(self.model.from_hf))
-            if window is not None and self.data.seq_len > window:
-                raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the checkpoint's sliding attention "
-                                 f"window {window} (bcdflow trains full causal attention; use data.seq_len <= "
-                                 f"{window})")
+        if not self.model.from_hf:  # a registry model is data: check against it now (a checkpoint's: core/hf.py)
+            check_model(self, get_config(self.model.name, **self.model.overrides(), vocab_size=self.data.vocab_size))
         return self
-
-    def model_cfg(self, vocab_size: int | None = None) -> ModelConfig:
-        """The resolved model config (vocab from the tokenizer when known). With ``model.from_hf`` it is the
-        checkpoint's (config.json), vocabulary = its embedding rows, whatever the tokenizer's size."""
-        if self.model.from_hf:
-            from bcdflow.core.hf import model_config
-
-            return model_config(self.model.from_hf)
-        over = self.model.model_dump(exclude={"name", "from_hf"})
-        over["vocab_size"] = vocab_size or self.data.vocab_size
-        return get_config(self.model.name, **over)
-
-    def plan(self, mcfg: ModelConfig) -> Plan:
-        """The block plan of this run's ``bcd`` section over model ``mcfg``."""
-        return model_plan(mcfg, self.bcd.blocks, self.bcd.boundaries, self.bcd.split)
 
     def optim_spec(self) -> OptimSpec:
         o = self.optim
         return OptimSpec(o.name, o.lr, o.weight_decay, o.momentum, grad_clip=o.grad_clip,
                          warmup_steps=o.warmup_steps)
-
-    def memory_budget(self, device) -> float | None:
-        """Bytes a visit may use on ``device``: ``train.memory_gb``, else the CUDA device's total, else None."""
-        if self.train.memory_gb is not None:
-            return self.train.memory_gb * 1e9
-        if getattr(device, "type", device) == "cuda":
-            import torch
-
-            return float(torch.cuda.get_device_properties(device).total_memory)
-        return None
 
     def stop_rule(self) -> StopRule:
         b = self.bcd
@@ -393,14 +351,6 @@ class RunConfig(_Section):
             opts["anon"] = True
         return opts
 
-    def open_store(self):
-        import zarr
-
-        from bcdflow.storage.store import Store
-
-        zarr.config.set({"async.concurrency": self.bcd.store_concurrency})
-        return Store(self.store, self.storage_options())
-
     def resolved_tracking_uri(self) -> str:
         if self.tracking_uri:
             return self.tracking_uri
@@ -408,6 +358,13 @@ class RunConfig(_Section):
             root = os.path.abspath(os.path.expanduser(self.store.removeprefix("file://")))
             return f"sqlite:///{root}/mlflow.db"
         return f"sqlite:///{os.path.abspath('bcdflow-mlflow.db')}"
+
+
+def check_model(cfg: RunConfig, mcfg: ModelConfig) -> None:
+    """The keys whose valid range depends on the model: the block cuts and the sequence length."""
+    layer_bounds(mcfg.n_layer, cfg.bcd.blocks, cfg.bcd.boundaries)  # raises naming bcd.blocks/boundaries
+    if cfg.data.seq_len > mcfg.n_ctx:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds the model's context n_ctx={mcfg.n_ctx}")
 
 
 def _one_line(err: ValidationError) -> str:
@@ -425,8 +382,6 @@ def parse_config(raw: dict) -> RunConfig:
         return RunConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_one_line(err)) from None
-    except ConfigError:
-        raise
 
 
 def _set_key(tree: dict, dotted: str, value) -> None:

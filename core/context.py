@@ -16,12 +16,14 @@ from functools import cached_property
 from typing import Collection
 
 import torch
+import zarr
 
+from bcdflow.core import hf
 from bcdflow.core.config import RunConfig
 from bcdflow.errors import BadInput
-from bcdflow.models import Plan, build_model
+from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.config import ModelConfig, get_config
 from bcdflow.storage import checkpoints, runs
 from bcdflow.storage.store import Store
 from bcdflow.storage.tokens import TokenDataset
@@ -29,6 +31,36 @@ from bcdflow.storage.tokens import TokenDataset
 _CACHE: dict[tuple[str, str, str], "RunContext"] = {}
 _CACHE_LOCK = threading.Lock()
 _CACHE_SIZE = 4
+
+
+def model_config(cfg: RunConfig, vocab_size: int | None = None) -> ModelConfig:
+    """The run's model config: a registry size with the ``model`` overrides (vocabulary from the tokenizer when
+    known), or with ``model.from_hf`` the checkpoint's (config.json; vocabulary = its embedding rows, whatever the
+    tokenizer's size), checked against the run config."""
+    if cfg.model.from_hf:
+        return hf.checkpoint_model(cfg)
+    return get_config(cfg.model.name, **cfg.model.overrides(), vocab_size=vocab_size or cfg.data.vocab_size)
+
+
+def block_plan(cfg: RunConfig, mcfg: ModelConfig) -> Plan:
+    """The block plan of the run's ``bcd`` section over model ``mcfg``."""
+    return model_plan(mcfg, cfg.bcd.blocks, cfg.bcd.boundaries, cfg.bcd.split)
+
+
+def open_store(cfg: RunConfig) -> Store:
+    """The run's store (``store`` with the ``s3`` options), with Zarr's requests in flight set from
+    ``bcd.store_concurrency``."""
+    zarr.config.set({"async.concurrency": cfg.bcd.store_concurrency})
+    return Store(cfg.store, cfg.storage_options())
+
+
+def memory_budget(cfg: RunConfig, device: torch.device) -> float | None:
+    """Bytes a visit may use on ``device``: ``train.memory_gb``, else the CUDA device's total, else None."""
+    if cfg.train.memory_gb is not None:
+        return cfg.train.memory_gb * 1e9
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,7 +119,7 @@ class RunContext:
 
     @cached_property
     def store(self) -> Store:
-        return self.cfg.open_store()
+        return open_store(self.cfg)
 
     @cached_property
     def dataset(self) -> TokenDataset:
@@ -95,11 +127,11 @@ class RunContext:
 
     @cached_property
     def model_cfg(self) -> ModelConfig:
-        return self.cfg.model_cfg(self.dataset.vocab_size)
+        return model_config(self.cfg, self.dataset.vocab_size)
 
     @cached_property
     def plan(self) -> Plan:
-        return self.cfg.plan(self.model_cfg)
+        return block_plan(self.cfg, self.model_cfg)
 
     @cached_property
     def device(self) -> torch.device:

@@ -2,7 +2,7 @@
 
 The mapping tables are ``models/hf.py`` (pure), the file reading ``storage/hf.py``; this module joins them:
 
-    mcfg = model_config(cfg.model.from_hf)             # config.json only: what config parsing needs
+    mcfg = checkpoint_model(cfg)                       # config.json only, checked against the run config
     ck = check_checkpoint(cfg)                         # every file, tensor and the tokenizer (CLI preflight,
                                                        # and again in the flow before anything is written)
     entries = write_version0(store, run_id, ck, mcfg, plan)   # block by block, never the whole model
@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
+from bcdflow.core.config import RunConfig, check_model
 from bcdflow.models import Plan, hf as hfmap
 from bcdflow.models.build import param_shapes
 from bcdflow.models.config import ModelConfig
+from bcdflow.models.errors import ConfigError
 from bcdflow.storage import checkpoints
 from bcdflow.storage.corpus import eos_id
 from bcdflow.storage.errors import DataError
 from bcdflow.storage.hf import KEY, ST_DTYPES, Checkpoint, read_config, resolve
 from bcdflow.storage.store import Store
-
-if TYPE_CHECKING:
-    from bcdflow.core.config import RunConfig
 
 
 @lru_cache(maxsize=8)
@@ -46,9 +44,20 @@ def hf_config(spec: str) -> dict:
     return _config_at(path, st.st_mtime_ns, st.st_size)
 
 
-def model_config(spec: str) -> ModelConfig:
-    """Our model config of a checkpoint (config.json only)."""
-    return hfmap.config_from_hf(hf_config(spec))
+def checkpoint_model(cfg: RunConfig) -> ModelConfig:
+    """Our model config of ``model.from_hf`` (its config.json only), checked against the run config: the block
+    cuts, the sequence length against the context and against a sliding attention window."""
+    try:
+        raw = hf_config(cfg.model.from_hf)
+    except DataError as e:  # no such directory, not in the HF cache, no config.json: the config key is at fault
+        raise ConfigError(str(e)) from None
+    mcfg = hfmap.config_from_hf(raw)
+    check_model(cfg, mcfg)
+    window = hfmap.attention_window(raw)
+    if window is not None and cfg.data.seq_len > window:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds the checkpoint's sliding attention window "
+                          f"{window} (bcdflow trains full causal attention; use data.seq_len <= {window})")
+    return mcfg
 
 
 def tensor_names(ck: Checkpoint, mcfg: ModelConfig) -> dict[str, str]:
@@ -77,7 +86,7 @@ def source_dtype(ck: Checkpoint, mcfg: ModelConfig) -> str:
     return ST_DTYPES[ck.info(tensor_names(ck, mcfg)["wte.weight"])[0]]
 
 
-def check_checkpoint(cfg: "RunConfig") -> Checkpoint:
+def check_checkpoint(cfg: RunConfig) -> Checkpoint:
     """Everything about ``model.from_hf`` that needs its files, before anything is written: config.json, the
     index and every shard it lists, each tensor's presence, shape and dtype, the tokenizer (its ids must fit
     the embedding rows; padded rows beyond the tokenizer are normal), the chat template for
@@ -85,7 +94,7 @@ def check_checkpoint(cfg: "RunConfig") -> Checkpoint:
     from tokenizers import Tokenizer
 
     ck = Checkpoint.open(cfg.model.from_hf)
-    mcfg = hfmap.config_from_hf(ck.config)
+    mcfg = checkpoint_model(cfg)
     tensor_names(ck, mcfg)
     try:
         tok = Tokenizer.from_file(ck.tokenizer_json)

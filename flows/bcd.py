@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, check_gpus
+from bcdflow.core.context import RunContext, check_gpus, open_store
 from bcdflow.flows import artifacts
 from bcdflow.flows.params import RunParams, new_run_id
 from bcdflow.flows.fleet import dispatch_visit
@@ -81,7 +81,7 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     naming this one; if this one dies, the lease expires and another may take the run over."""
     get_run_logger().info("bcdflow run %s (%s) on store %s", run_id, mode, cfg.store)
     check_run_id(run_id)
-    store = cfg.open_store()
+    store = open_store(cfg)
     store.probe()  # one clear line (no retries) when the store cannot be used, before anything is written
     if not cfg.fleet.visit_pool:  # visits train here; with a pool, on the workers' devices
         check_gpus(cfg)

@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 
+from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput, DamagedArtifact
 
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
@@ -148,7 +149,7 @@ def _preflight(cfg) -> None:
         if sum(os.path.getsize(f) for f in files) == 0:
             raise BadInput(f"data.files: corpus is empty (0 bytes in {len(files)} files)")
         check_text_files(files)
-    cfg.open_store().probe()
+    open_store(cfg).probe()
 
 
 def _config(args, base: list[str] | None = None):
@@ -218,7 +219,7 @@ def _run(args, mode: str, base: list[str] | None = None) -> dict:
     from bcdflow.flows.params import new_run_id
 
     run_id = args.run_id or new_run_id(mode)
-    _check_continuable(cfg.open_store(), run_id)
+    _check_continuable(open_store(cfg), run_id)
     summary = _call(full_train if mode == "full" else bcd_train, cfg, run_id)
     print(json.dumps(summary, indent=2))
     return {"cfg": cfg, "run_id": run_id, "summary": summary}
@@ -256,7 +257,7 @@ def cmd_resume(args) -> int:
 def cmd_demo(args) -> int:
     out = _run(args, "bcd", DEMO)
     cfg, run_id = out["cfg"], out["run_id"]
-    print(_status_table(status_dict(cfg.open_store(), run_id)))
+    print(_status_table(status_dict(open_store(cfg), run_id)))
     uri = cfg.resolved_tracking_uri()
     print(f"\nresults: store {cfg.store} run {run_id}")
     print(f"  bcdflow status {run_id} --store {cfg.store}")

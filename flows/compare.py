@@ -18,6 +18,7 @@ from prefect import flow
 
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig, SpendSection
+from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput
 from bcdflow.flows import artifacts
 from bcdflow.storage import runs
@@ -116,7 +117,7 @@ def markdown(result: dict) -> str:
 @flow(name="compare_runs")
 def compare_runs(run_ids: list[str], store: str = "./bcdflow-store", s3_endpoint_url: str | None = None) -> dict:
     """Compare runs of one store by loss and cost; the table is published as a markdown artifact."""
-    st = RunConfig(store=store, s3={"endpoint_url": s3_endpoint_url}).open_store()
+    st = open_store(RunConfig(store=store, s3={"endpoint_url": s3_endpoint_url}))
     result = compare(st, run_ids)
     artifacts.publish_markdown(artifacts.artifact_key("compare", "-".join(run_ids))[:200], result["markdown"],
                             description=f"bcdflow compare {' '.join(run_ids)}")

@@ -21,6 +21,7 @@ from prefect.deployments import run_deployment
 from prefect.states import Crashed
 
 from bcdflow.core.config import RunConfig
+from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows.params import RunParams
 from bcdflow.flows.visit import OUTCOME, committed, visit_lease
@@ -38,7 +39,7 @@ def deployment_name(pool: str) -> str:
 
 def dispatch_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str) -> VisitRecord:
     log = get_run_logger()
-    store = cfg.open_store()
+    store = open_store(cfg)
     fleet = cfg.fleet
     params = {"run_id": run_id, "cycle": cycle, "block": block, "version": version, "dataset_id": dataset_id,
               "config": RunParams.from_config(cfg).model_dump(mode="json")}

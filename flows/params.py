@@ -13,17 +13,14 @@ from __future__ import annotations
 import copy
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, create_model, model_validator
 
-from bcdflow.models.config import REGISTRY
-from bcdflow.core.config import ORDERS, RunConfig, parse_config
+from bcdflow.core.config import RunConfig, parse_config
 
 # flat name -> dotted config key, in RunConfig's order
 KEYS: dict[str, str] = {}
-# value sets the form shows as dropdowns
-_CHOICES = {"model.name": Literal[tuple(REGISTRY)], "bcd.order": Literal[ORDERS]}
 
 
 def _is_section(annotation) -> bool:
@@ -40,7 +37,7 @@ def _fields() -> dict[str, tuple[Any, Any]]:
             flat = dotted.replace(".", "_")
             info = copy.copy(f)
             info.description = f"`{dotted}`" + (f": {f.description}" if f.description else "")
-            out[flat] = (_CHOICES.get(dotted, f.annotation), info)
+            out[flat] = (f.annotation, info)  # a Literal field (core/config.py) is a dropdown in the form
             KEYS[flat] = dotted
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from bcdflow.core.context import model_config
 from bcdflow.errors import BadInput
 
 COLS = ("weights", "grads_total", "optim", "activations", "logits")
@@ -29,7 +30,7 @@ def plan(cfg, gpu_gb: float) -> dict:
     """Every visit of ``cfg``'s plan with and without recompute, full training, and the recommendation."""
     from bcdflow.models.memory import GB, plan_visits, recommend, visit_memory
 
-    mcfg = cfg.model_cfg()
+    mcfg = model_config(cfg)
     t = cfg.train
     B, T, p, opt = t.batch_size, cfg.data.seq_len, t.precision, cfg.optim.name
     kw = {"chunk_rows": t.loss_chunk_rows, "weight_decay": cfg.optim.weight_decay}

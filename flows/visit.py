@@ -21,6 +21,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
+from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows.params import RunParams
 from bcdflow.storage import checkpoints, runs
@@ -71,7 +72,7 @@ def visit(run_id: str, cycle: int, block: int, version: int, dataset_id: str,
         config: The run's settings (the flat form of `bcdflow train`).
     """
     cfg = config.to_config()
-    store = cfg.open_store()
+    store = open_store(cfg)
     lease = visit_lease(cfg, store, run_id, cycle, block)
     try:
         with lease.held():

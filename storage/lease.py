@@ -17,7 +17,6 @@ before it commits anything.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time

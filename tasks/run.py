@@ -18,7 +18,7 @@ from prefect import task
 
 from bcdflow.core import failpoints, hf
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext
+from bcdflow.core.context import RunContext, open_store
 from bcdflow.models import build_model
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.plan import block_tensors
@@ -112,7 +112,7 @@ init_run_task = task(init_run, name="init-run", **retrying())
 def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: dict) -> RunState:
     """Publish version ``record.version`` = the version before it with ``record.block`` replaced by
     ``block_file``, then append the record to the run state (the commit point)."""
-    store = cfg.open_store()
+    store = open_store(cfg)
     failpoints.hit("before-commit")
     state = runs.read_state(store, run_id)
     if state.version != record.version - 1:  # checked before the manifest is written (DESIGN I7)
@@ -125,7 +125,7 @@ def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: d
 @task(name="note-state", **retrying())
 def note_state(cfg: RunConfig, run_id: str, **fields) -> RunState:
     """Set run-level fields of state.json (status, stop reason, MLflow run id)."""
-    store = cfg.open_store()
+    store = open_store(cfg)
     state = runs.read_state(store, run_id).model_copy(update=fields)
     runs.write_state(store, state)
     return state

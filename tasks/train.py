@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from bcdflow.core import failpoints, preempt
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext
+from bcdflow.core.context import RunContext, memory_budget
 from bcdflow.errors import BadInput
 from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import needs_recompute
@@ -96,7 +96,7 @@ def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, pa
     (default: the CUDA device's memory; unlimited on the CPU)."""
     if cfg.bcd.recompute != "auto":
         return cfg.bcd.recompute == "on"
-    budget = cfg.memory_budget(ctx.device)
+    budget = memory_budget(cfg, ctx.device)
     return needs_recompute(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,
                            cfg.train.precision, budget, optim=cfg.optim.name, preinfer=cfg.bcd.preinfer,
                            chunk_rows=cfg.train.loss_chunk_rows, weight_decay=cfg.optim.weight_decay, gpus=gpus,

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from bcdflow.core import failpoints, preempt
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, check_gpus
+from bcdflow.core.context import RunContext, check_gpus, memory_budget
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.models import build_model
 from bcdflow.models import parallel as par
@@ -171,7 +171,7 @@ def choose_parallel(cfg: RunConfig, ctx: RunContext, block: int, world: int, rec
     fits ``train.memory_gb``; else fsdp."""
     if cfg.train.parallel != "auto":
         return cfg.train.parallel
-    budget = cfg.memory_budget(ctx.device)
+    budget = memory_budget(cfg, ctx.device)
     if budget is None:
         return "ddp"
     est = visit_memory(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,

@@ -13,6 +13,7 @@ import pytest
 import torch
 import zarr
 
+from bcdflow.core.context import open_store
 from bcdflow.flows.cli import main
 from bcdflow.storage import checkpoints, runs
 from bcdflow.storage.store import Store
@@ -66,19 +67,19 @@ def test_bf16_zstd_activations_through_a_real_visit(tiny_cfg):
     trained = {}
     for name, sets in (("fp32", []), ("bf16", ["bcd.act_dtype=bfloat16", "bcd.act_compression=zstd"])):
         cfg = tiny_cfg(*sets).model_copy(update={"store": str(Store(tiny_cfg().store).url) + f"-{name}"})
-        ds = prepare_data(cfg, cfg.open_store())
+        ds = prepare_data(cfg, open_store(cfg))
         init_run(cfg, "r", ds)
         for s in plan_shards.fn(cfg, "r", 0, 1, ds):
             run_prefix(cfg, "r", 0, 1, 0, ds, s)
-        group = zarr.open_group(cfg.open_store().zarr_store(acts_key("r", 0, 1), read_only=True), mode="r")
+        group = zarr.open_group(open_store(cfg).zarr_store(acts_key("r", 0, 1), read_only=True), mode="r")
         hidden = group["hidden"]
         if name == "bf16":
             assert hidden.dtype == np.uint16 and hidden.attrs["logical_dtype"] == "bfloat16"
             assert any("zstd" in type(c).__name__.lower() for c in hidden.compressors)
         out = train_visit(cfg, "r", 0, 1, 0, ds)
         assert math.isfinite(out.train_loss)
-        trained[name] = checkpoints.load_from_manifest(cfg.open_store(), "r", {"blocks": {"1": out.block_file}})
-    v0 = checkpoints.load_blocks(cfg.open_store(), "r", 0, [1])
+        trained[name] = checkpoints.load_from_manifest(open_store(cfg), "r", {"blocks": {"1": out.block_file}})
+    v0 = checkpoints.load_blocks(open_store(cfg), "r", 0, [1])
     moved = max((trained["fp32"][k] - v0[k]).abs().max().item() for k in trained["fp32"])
     diff = max((trained["fp32"][k] - trained["bf16"][k]).abs().max().item() for k in trained["fp32"])
     assert 0 < diff < 0.5 * moved  # bf16 rounds the inputs (so not identical); the visit's update stays the same
@@ -94,7 +95,7 @@ def test_greedy_picks_the_block_with_the_largest_gradient_norm(tiny_cfg):
     from bcdflow.tasks.train import greedy_block
 
     cfg = tiny_cfg()
-    ds = prepare_data(cfg, cfg.open_store())
+    ds = prepare_data(cfg, open_store(cfg))
     init_run(cfg, "g", ds)
     ctx = RunContext.of(cfg, "g", ds)
     model = ctx.load_part(ctx.manifest(0), (0, ctx.model_cfg.n_layer), True, True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from bcdflow.core.context import model_config
 from bcdflow.models.errors import ConfigError
 from bcdflow.core.config import RunConfig, load_config, parse_config
 
@@ -98,7 +99,7 @@ def test_set_value_parsing():
     assert cfg.data.files == ["a.txt", "b.txt"]
     assert cfg.bcd.preinfer is False
     assert cfg.data.max_chars is None
-    assert cfg.model.name == "tiny-llama" and cfg.model_cfg().family == "llama"
+    assert cfg.model.name == "tiny-llama" and model_config(cfg).family == "llama"
     assert cfg.store == "memory://bucket/x" and cfg.seed == 7
     for text, value in [("true", True), ("True", True), ("no", False), ("yes", True), ("0", False)]:
         assert load_config(sets=[f"bcd.preinfer={text}"]).bcd.preinfer is value

@@ -14,6 +14,7 @@ import torch
 
 import bcdflow.tasks.train as train_mod
 from bcdflow.core.config import load_config
+from bcdflow.core.context import block_plan, model_config
 from bcdflow.models.errors import ConfigError
 from bcdflow.storage.checkpoints import load_blocks, load_from_manifest
 from bcdflow.storage.store import Store
@@ -27,7 +28,7 @@ def test_bf16_visit_holds_frozen_weights_in_bf16_and_changes_only_its_block(tiny
     cfg = tiny_cfg("train.precision=bf16")
     ds_id = new_run(cfg)
     store = Store(cfg.store)
-    plan = cfg.plan(cfg.model_cfg(512))
+    plan = block_plan(cfg, model_config(cfg, 512))
     before = load_blocks(store, "r", 0)
     spy = Spy(monkeypatch)
     do_visit(cfg, "r", ds_id, cycle=0, block=block, version=0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
+from bcdflow.core.context import open_store
 from bcdflow.flows.cli import main
 from bcdflow.storage import runs
 from bcdflow.storage.store import Store
@@ -278,7 +278,7 @@ def test_two_workers_handed_the_same_visit(fleet, s3_bucket, tmp_path):
 
     url = f"{s3_bucket}/twice"
     cfg = load_config(sets=[*LONG, *FLEET, f"store={url}", f"s3.endpoint_url={fleet.s3}"])
-    ds = prepare_data(cfg, cfg.open_store())
+    ds = prepare_data(cfg, open_store(cfg))
     init_run(cfg, "w2", ds)
     params = {"run_id": "w2", "cycle": 0, "block": 0, "version": 0, "dataset_id": ds,
               "config": RunParams.from_config(cfg).model_dump(mode="json")}
@@ -288,7 +288,7 @@ def test_two_workers_handed_the_same_visit(fleet, s3_bucket, tmp_path):
     with fleet.client() as c:
         final = _wait(lambda: all((s := c.read_flow_run(i).state) and s.is_final() for i in ids) and
                       [c.read_flow_run(i) for i in ids], "both visit runs final", timeout=600, every=0.5)
-    store = cfg.open_store()
+    store = open_store(cfg)
     state = runs.read_state(store, "w2")
     assert [(v.cycle, v.block, v.version) for v in state.visits] == [(0, 0, 1)]  # committed once
     assert store.exists("runs/w2/versions/1.json") and not store.exists("runs/w2/versions/2.json")
@@ -357,7 +357,7 @@ def _preinfer_on(cfg, run_id: str, dataset_id: str) -> tuple[np.ndarray, np.ndar
         preinfer(cfg, run_id, 0, 1, 0, dataset_id)
 
     shards()
-    reader = ActivationReader(cfg.open_store(), runs.acts_key(run_id, 0, 1))
+    reader = ActivationReader(open_store(cfg), runs.acts_key(run_id, 0, 1))
     h, y = reader.read(0, reader.n_rows)
     return h.numpy(), y.numpy()
 
@@ -375,7 +375,7 @@ def test_dask_preinference_equals_one_process_and_survives_a_lost_worker(prefect
             monkeypatch.setenv("BCDFLOW_FAILPOINTS", "preinfer-computed:1")
             monkeypatch.setenv("BCDFLOW_FAILPOINTS_ONCE", str(tmp_path / "fired"))
         cfg = load_config(sets=[*sets, *extra, f"store={tmp_path / name}"])
-        ds = prepare_data(cfg, cfg.open_store())
+        ds = prepare_data(cfg, open_store(cfg))
         init_run(cfg, "d", ds)
         results[name] = _preinfer_on(cfg, "d", ds)
     assert (tmp_path / "fired").exists()  # a worker really died mid-shard

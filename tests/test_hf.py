@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from bcdflow.core.config import load_config
-from bcdflow.core.context import RunContext
+from bcdflow.core.context import RunContext, model_config, open_store
 from bcdflow.core.export import export_hf, written_whole
 from bcdflow.flows.cli import main
 from bcdflow.models import hf as hfmap
@@ -50,7 +50,7 @@ def run_cfg(tmp_path, ck: str, corpus: str, *sets: str):
 
 def start_run(cfg, run_id: str = "r"):
     """prepare data + version 0, as a flow does; returns the run context."""
-    ds = prepare_data(cfg, cfg.open_store())
+    ds = prepare_data(cfg, open_store(cfg))
     init_run(cfg, run_id, ds)
     return RunContext.of(cfg, run_id, ds)
 
@@ -127,7 +127,7 @@ def test_run_from_fresh_weights_exports_as_its_family(tmp_path, tiny_cfg, family
     """A run that did not start from a checkpoint exports as GPT2LMHeadModel / LlamaForCausalLM with the
     dataset's tokenizer, and transformers computes the same logits."""
     cfg = tiny_cfg(f"model.name={family}", "data.builtin_bytes=60000", "data.vocab_size=300", "bcd.blocks=2")
-    ds = prepare_data(cfg, cfg.open_store())
+    ds = prepare_data(cfg, open_store(cfg))
     init_run(cfg, "n", ds)
     ctx = RunContext.of(cfg, "n", ds)
     ours = ctx.load_part(ctx.manifest(0), (0, ctx.model_cfg.n_layer), embed=True, head=True).eval()
@@ -175,11 +175,11 @@ def test_hub_id_only_from_the_local_cache(tmp_path, tok_dir, corpus):
     with open(os.path.join(base, "refs", "main"), "w") as f:
         f.write(commit)
     try:
-        assert run_cfg(tmp_path, repo, corpus).model_cfg().family == "gpt"
+        assert model_config(run_cfg(tmp_path, repo, corpus)).family == "gpt"
     finally:
         shutil.rmtree(base)
     with pytest.raises(ConfigError, match=r"^model\.from_hf: .* neither a local directory nor in the local Hugging"):
-        run_cfg(tmp_path, "bcdflow-test/not-cached", corpus)
+        model_config(run_cfg(tmp_path, "bcdflow-test/not-cached", corpus))
 
 
 # -- bad input ------------------------------------------------------------------------------------------------
@@ -244,10 +244,10 @@ def test_tokenizer_ids_beyond_the_embedding_rows(tmp_path, capsys, tok_dir, corp
                           "original_max_position_embeddings": 32}}, [], "model.from_hf"),
     ({"hidden_act": "gelu"}, [], "model.from_hf"),
 ])
-def test_config_json_checked_at_parse(tmp_path, tok_dir, corpus, over, sets, key):
+def test_config_json_checked_against_the_run_config(tmp_path, tok_dir, corpus, over, sets, key):
     ck, _ = make_checkpoint(tmp_path / "ck", "mistral", tok_dir, **over)
     with pytest.raises(ConfigError) as e:
-        run_cfg(tmp_path, ck, corpus, *sets)
+        model_config(run_cfg(tmp_path, ck, corpus, *sets))
     assert str(e.value).startswith(f"{key}:") and "\n" not in str(e.value), str(e.value)
 
 
@@ -298,7 +298,7 @@ def test_finetune_prompt_completion_through_the_cli(prefect_server, tmp_path, to
         args += ["--set", s]
     assert main(args) == 0, capsys.readouterr().err
     cfg = load_config(sets=sets + [f"store={store}"])
-    state = runs.read_state(cfg.open_store(), "ft")
+    state = runs.read_state(open_store(cfg), "ft")
     assert [(v.cycle, v.block) for v in state.visits] == [(0, 0), (0, 1)]
     ctx = RunContext.of(cfg, "ft", state.dataset)
     assert ctx.dataset.masked
@@ -349,7 +349,7 @@ def test_chat_data_uses_the_checkpoints_template(tmp_path, tok_dir):
     path.write_text("".join(json.dumps({"messages": conv}) + "\n" for _ in range(12)))
     cfg = load_config(sets=[f"model.from_hf={ck}", f"data.files={path}", "data.format=chat", "data.seq_len=48",
                             "bcd.blocks=2", f"store={tmp_path / 'store'}", "tracking_uri=none"])
-    ds = RunContext.of(cfg, "c", prepare_data(cfg, cfg.open_store())).dataset
+    ds = RunContext.of(cfg, "c", prepare_data(cfg, open_store(cfg))).dataset
     x, y = ds.train_pairs(np.array([0]))
     tok = ds.tokenizer()
     assert tok.decode(y[0][y[0] != -100].tolist(), skip_special_tokens=False) == "yes.<|im_end|>\n"

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import zarr
 
+from bcdflow.core.context import open_store
 from bcdflow.flows.cli import main
 from bcdflow.storage import activations, checkpoints
 from bcdflow.tasks.data import prepare_data
@@ -18,7 +19,7 @@ from bcdflow.tasks.run import init_run
 
 
 def _visit_setup(cfg, run_id="r"):
-    store = cfg.open_store()
+    store = open_store(cfg)
     ds = prepare_data(cfg, store)
     init_run(cfg, run_id, ds)
     return store, ds

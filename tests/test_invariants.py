@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import bcdflow.tasks.train as train_mod
-from bcdflow.core.context import RunContext
+from bcdflow.core.context import RunContext, block_plan, model_config
 from bcdflow.storage import runs
 from bcdflow.storage.checkpoints import commit_version, load_blocks, read_manifest
 from bcdflow.storage.store import Store
@@ -83,7 +83,7 @@ def test_i1_a_visit_changes_only_its_block(tiny_cfg, monkeypatch, block, preinfe
     cfg = tiny_cfg(f"bcd.preinfer={str(preinfer).lower()}")
     ds_id = new_run(cfg)
     store = Store(cfg.store)
-    plan = cfg.plan(cfg.model_cfg(512))
+    plan = block_plan(cfg, model_config(cfg, 512))
     before = load_blocks(store, "r", 0)
     spy = Spy(monkeypatch)
 
@@ -114,8 +114,8 @@ def test_i1_a_visit_changes_only_its_block(tiny_cfg, monkeypatch, block, preinfe
 def test_i6_visit_holds_blocks_from_b_and_trains_block_b_only(tiny_cfg, monkeypatch, family):
     cfg = tiny_cfg(*(LLAMA if family == "tiny-llama" else ()), "bcd.preinfer=true")
     ds_id = new_run(cfg)
-    mcfg = cfg.model_cfg(512)
-    plan = cfg.plan(mcfg)
+    mcfg = model_config(cfg, 512)
+    plan = block_plan(cfg, mcfg)
     block = 1
     lo = plan[block].layers[0]
     spy = Spy(monkeypatch)
@@ -176,7 +176,7 @@ def test_i2_preinference_on_and_off_give_the_same_weights(tiny_cfg, prefect_serv
     assert diff <= 1e-4, f"max abs diff {diff}"
     # not vacuous: every block moved away from version 0
     v0 = load_blocks(store, "pre-on", 0)
-    plan = on.plan(on.model_cfg(512))
+    plan = block_plan(on, model_config(on, 512))
     for blk in plan.blocks:
         assert any(not torch.equal(v0[n], a[n]) for n in blk.params), f"block {blk.index} never trained"
 
@@ -188,7 +188,7 @@ def plain_adamw(cfg, store: Store, run_id: str, steps: int) -> dict[str, torch.T
     from bcdflow.storage.tokens import TokenDataset
 
     ds = TokenDataset.open(store, runs.read_state(store, run_id).dataset)
-    model = build_model(cfg.model_cfg(ds.vocab_size), init=False)
+    model = build_model(model_config(cfg, ds.vocab_size), init=False)
     model.load_state_dict(load_blocks(store, run_id, 0))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=cfg.optim.weight_decay, fused=True)

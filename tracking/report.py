@@ -14,6 +14,7 @@ matplotlib.use("Agg")  # headless workers; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bcdflow.core import spend as spend_mod  # noqa: E402
+from bcdflow.core.context import open_store
 from bcdflow.storage.runs import VisitRecord  # noqa: E402
 
 def _fmt(v, fmt: str) -> str:
@@ -110,7 +111,7 @@ def log_run_outputs(cfg, run_id: str, mlflow_run: str, version: int) -> None:
     from bcdflow.tracking.tracker import Tracker
 
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
-    store = cfg.open_store()
+    store = open_store(cfg)
     visits = runs.read_state(store, run_id).visits
     with tempfile.TemporaryDirectory(prefix="bcdflow-report-") as tmp:
         figures(visits, tracker.history(mlflow_run, "train_loss"), os.path.join(tmp, "figures"))
