@@ -140,7 +140,7 @@ def dask_throughput(sets: list[str], root: Path) -> dict:
     from bcdflow.core.config import load_config
     from bcdflow.core.context import RunContext
     from bcdflow.flows.visit import preinfer
-    from bcdflow.storage import runs
+    from bcdflow.storage import layout
     from bcdflow.tasks.data import prepare_data, visit_rows
     from bcdflow.tasks.run import init_run
 
@@ -162,7 +162,7 @@ def dask_throughput(sets: list[str], root: Path) -> dict:
                 return time.perf_counter() - t
 
             first = shards()  # the workers load the prefix and the token arrays on their first shards
-            open_store(cfg).rm(runs.acts_key("d", 0, 2))
+            open_store(cfg).rm(layout.acts_key("d", 0, 2))
             warm = shards()
         out[n] = {"rows": rows, "seconds_first": first, "seconds": warm, "rows_per_s": rows / warm}
     out["speedup"] = out[2]["rows_per_s"] / out[1]["rows_per_s"]

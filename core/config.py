@@ -372,6 +372,10 @@ def _one_line(err: ValidationError) -> str:
     key = ".".join(str(p) for p in e["loc"])
     if e["type"] == "extra_forbidden":
         return f"{key}: unknown config key"
+    if e["type"] == "literal_error":  # a choice field: "bcd.order: unknown order 'x' (choose from cyclic, ...)"
+        noun = e["loc"][-2] if e["loc"][-1] == "name" and len(e["loc"]) > 1 else e["loc"][-1]
+        choices = ", ".join(re.findall(r"'([^']*)'", e["ctx"]["expected"]))
+        return f"{key}: unknown {noun} {e['input']!r} (choose from {choices})"
     msg = e["msg"].removeprefix("Value error, ")
     return msg if not key or msg.startswith(f"{key}:") else f"{key}: {msg}"
 

@@ -24,7 +24,7 @@ from bcdflow.errors import BadInput
 from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
 from bcdflow.models.config import ModelConfig, get_config
-from bcdflow.storage import checkpoints, runs
+from bcdflow.storage import checkpoints, layout
 from bcdflow.storage.store import Store
 from bcdflow.storage.tokens import TokenDataset
 
@@ -182,7 +182,7 @@ class RunContext:
 
     # -- store keys -----------------------------------------------------------------------------------
     def visit_key(self, cycle: int, block: int) -> str:
-        return runs.visit_key(self.run_id, cycle, block)
+        return layout.visit_key(self.run_id, cycle, block)
 
     def acts_key(self, cycle: int, block: int) -> str:
-        return runs.acts_key(self.run_id, cycle, block)
+        return layout.acts_key(self.run_id, cycle, block)

@@ -37,7 +37,7 @@ from bcdflow.errors import BadInput
 from bcdflow.models import hf as hfmap
 from bcdflow.models.build import param_shapes
 from bcdflow.models.config import ModelConfig
-from bcdflow.storage import checkpoints, runs
+from bcdflow.storage import checkpoints, layout, runs
 from bcdflow.storage.store import Store
 
 FORMATS = ("bcdflow", "hf")
@@ -157,12 +157,12 @@ def _hf_config_and_files(store: Store, run_id: str, conf: dict, mcfg: ModelConfi
     """config.json and the tokenizer/generation files of the export."""
     src = conf.get("hf")
     if src:  # the source checkpoint's own files: the model is the same architecture, only trained
-        config = json.loads(store.read_bytes(runs.run_key(run_id, "hf", "config.json")))
+        config = json.loads(store.read_bytes(layout.hf_key(run_id, "config.json")))
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":
                 config[key] = dtype
-        files = {name: store.read_bytes(runs.run_key(run_id, "hf", name)) for name in _TOKENIZER_FILES
-                 if store.exists(runs.run_key(run_id, "hf", name))}
+        files = {name: store.read_bytes(layout.hf_key(run_id, name)) for name in _TOKENIZER_FILES
+                 if store.exists(layout.hf_key(run_id, name))}
         return config, files
     # a run that started from fresh weights: its family's natural architecture and the dataset's tokenizer
     ds = conf["dataset"]

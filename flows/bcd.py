@@ -24,9 +24,10 @@ from bcdflow.flows import artifacts
 from bcdflow.flows.params import RunParams, new_run_id
 from bcdflow.flows.fleet import dispatch_visit
 from bcdflow.flows.visit import prefect_tags, visit
-from bcdflow.storage import checkpoints, runs
+from bcdflow.storage import checkpoints, layout
 from bcdflow.storage.lease import Lease, this_process
-from bcdflow.storage.runs import RunState, VisitRecord, check_run_id
+from bcdflow.storage.layout import check_run_id
+from bcdflow.storage.runs import RunState, VisitRecord
 from bcdflow.tasks.data import prepare_data_task
 from bcdflow.tasks.report import report_run
 from bcdflow.tasks.run import init_run_task, note_state
@@ -86,7 +87,7 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     if not cfg.fleet.visit_pool:  # visits train here; with a pool, on the workers' devices
         check_gpus(cfg)
     dataset_id = prepare_data_task(cfg, store)  # shared and content-addressed: needs no lease (bad data: no run)
-    lease = Lease(store, runs.run_key(run_id), f"run {run_id!r}", ttl=cfg.fleet.lease_seconds,
+    lease = Lease(store, layout.run_key(run_id), f"run {run_id!r}", ttl=cfg.fleet.lease_seconds,
                   owner=this_process(flow_run.get_id()))
     with lease.held():
         return _run(cfg, store, lease, run_id, mode, dataset_id)

@@ -118,7 +118,7 @@ def _detach_temporary_server() -> None:
 # -- checks before anything runs ---------------------------------------------------------------------
 
 def _check_run_id(run_id: str | None) -> None:
-    from bcdflow.storage.runs import check_run_id
+    from bcdflow.storage.layout import check_run_id
 
     if run_id is not None:
         check_run_id(run_id)

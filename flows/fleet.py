@@ -24,8 +24,8 @@ from bcdflow.core.config import RunConfig
 from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows.params import RunParams
-from bcdflow.flows.visit import OUTCOME, committed, visit_lease
-from bcdflow.storage import runs
+from bcdflow.flows.visit import committed, visit_lease
+from bcdflow.storage import layout, runs
 from bcdflow.storage.runs import VisitRecord
 
 
@@ -103,9 +103,9 @@ def _wait_for(cfg: RunConfig, store, run_id: str, cycle: int, block: int, flow_r
 
 def _outcome(store, run_id: str, cycle: int, block: int, flow_run_id: str) -> dict | None:
     """What this visit run said about its failure, if it said anything (crashes say nothing)."""
-    key = runs.visit_key(run_id, cycle, block)
+    key = layout.outcome_key(run_id, cycle, block)
     try:
-        outcome = store.read_json(key, OUTCOME)
+        outcome = store.read_json(key)
     except FileNotFoundError:
         return None
     return outcome if outcome.get("flow_run_id") == flow_run_id else None

@@ -24,7 +24,7 @@ from bcdflow.core.config import RunConfig
 from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows.params import RunParams
-from bcdflow.storage import checkpoints, runs
+from bcdflow.storage import checkpoints, layout, runs
 from bcdflow.storage.lease import Lease, LeaseHeld, this_process
 from bcdflow.storage.runs import RunStateError, VisitRecord
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
@@ -39,7 +39,6 @@ VISIT_SERIES = ("steps", "seconds", "preinfer_seconds", "train_seconds", "eval_s
 VISIT_SUMMARY = ("version", "steps", "stopped_by", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "seconds",
                  "preinfer_seconds", "train_seconds", "eval_seconds", "gpu_hours", "spend_usd", "cum_spend_usd",
                  *(f"spend_{s}_usd" for s in spend.STAGES))
-OUTCOME = "outcome.json"
 
 
 def prefect_tags() -> dict:
@@ -50,7 +49,7 @@ def prefect_tags() -> dict:
 
 
 def visit_lease(cfg: RunConfig, store, run_id: str, cycle: int, block: int) -> Lease:
-    return Lease(store, runs.visit_key(run_id, cycle, block), f"visit c{cycle}-b{block} of run {run_id!r}",
+    return Lease(store, layout.visit_key(run_id, cycle, block), f"visit c{cycle}-b{block} of run {run_id!r}",
                  ttl=cfg.fleet.lease_seconds, owner=this_process(flow_run.get_id(), flow_run.get_run_count()))
 
 
@@ -77,12 +76,12 @@ def visit(run_id: str, cycle: int, block: int, version: int, dataset_id: str,
     try:
         with lease.held():
             record = _visit(cfg, store, lease, run_id, cycle, block, version, dataset_id)
-        store.rm(runs.visit_key(run_id, cycle, block))  # activations, checkpoints, lease: dead once committed
+        store.rm(layout.visit_key(run_id, cycle, block))  # activations, checkpoints, lease: dead once committed
         return record
     except (BadInput, DamagedArtifact) as e:  # final: the dispatcher must not resubmit it (LeaseHeld: the visit is busy)
         kind = "busy" if isinstance(e, LeaseHeld) else "bad_input" if isinstance(e, BadInput) else "damaged"
         store.write_json({"kind": kind, "message": str(e), "flow_run_id": flow_run.get_id()},
-                         runs.visit_key(run_id, cycle, block), OUTCOME)
+                         layout.outcome_key(run_id, cycle, block))
         raise
 
 
@@ -98,15 +97,15 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
                             f"run is at version {state.version if state else 'none'}")
     checkpoints.drop_uncommitted(store, run_id, version)  # a crashed earlier attempt's half-commit (we hold the lease)
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
-    vkey = runs.visit_key(run_id, cycle, block)
-    store.rm(vkey, OUTCOME)
+    store.rm(layout.outcome_key(run_id, cycle, block))
     # an interrupted visit continues its MLflow run instead of opening a second one
-    known = store.read_json(vkey, "mlflow.json")["run_id"] if store.exists(vkey, "mlflow.json") else None
+    mlkey = layout.mlflow_key(run_id, cycle, block)
+    known = store.read_json(mlkey)["run_id"] if store.exists(mlkey) else None
     mlrun = tracker.start(f"c{cycle}-b{block}", params={"cycle": cycle, "block": block, "base_version": version},
                           tags={**prefect_tags(), "bcdflow.run_id": run_id}, parent=state.mlflow_run_id,
                           resume_id=known)
     if mlrun and not known:
-        store.write_json({"run_id": mlrun}, vkey, "mlflow.json")
+        store.write_json({"run_id": mlrun}, mlkey)
     track_runs = tuple(r for r in (mlrun, state.mlflow_run_id) if r)
     track = TrackTarget(tracker.uri, cfg.experiment, track_runs, state.steps) if track_runs else None
 

@@ -13,11 +13,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bcdflow.constants import IGNORE_INDEX
 from bcdflow.models.config import ModelConfig
 
 EMBED_PREFIXES = ("wte.", "wpe.")
 HEAD_PREFIXES = ("ln_f.", "lm_head.")
-IGNORE_INDEX = -100  # a masked target (supervised fine-tuning): F.cross_entropy's default ignore_index
 # the loss over the vocabulary runs in row chunks whose fp32 logits take about this many bytes: never the
 # (B*T, V) logits and their gradient at once (gpt2-124m at 8x1024: 1.6 GB of fp32 logits -> 128 MB)
 LOSS_CHUNK_BYTES = 128 << 20

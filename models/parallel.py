@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from bcdflow.models.base import Decoder, IGNORE_INDEX
+from bcdflow.constants import IGNORE_INDEX
+from bcdflow.models.base import Decoder
 from bcdflow.models.visit import autocast, visit_loss
 
 

@@ -49,6 +49,7 @@ import zarr
 
 from bcdflow.errors import DamagedArtifact
 
+from .layout import shard_done_key
 from .store import Store
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -153,10 +154,6 @@ def _crcs(arr: np.ndarray, rows: int) -> tuple[int, list[int]]:
     return _crc(arr), [_xxh(arr[i:i + rows]) for i in range(0, len(arr), rows)]
 
 
-def _marker_key(key: str, shard: int) -> str:
-    return f"{key}/done/{shard}.json"
-
-
 def write_shard(store: Store, key: str, shard: int, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
     """Write exactly the rows of one shard (one region write of whole chunks), then its marker."""
     h_arr, t_arr, attrs = _open(store, key, read_only=False)
@@ -165,7 +162,7 @@ def write_shard(store: Store, key: str, shard: int, hidden: torch.Tensor, target
     if tuple(hidden.shape) != (hi - lo, T, d) or tuple(targets.shape) != (hi - lo, T):
         raise ActivationError(f"shard {shard} of {key} holds rows [{lo}, {hi}): expected hidden {(hi - lo, T, d)} "
                               f"and targets {(hi - lo, T)}, got {tuple(hidden.shape)} and {tuple(targets.shape)}")
-    store.rm(_marker_key(key, shard))  # a rewrite is incomplete until its new marker lands
+    store.rm(shard_done_key(key, shard))  # a rewrite is incomplete until its new marker lands
     cr = attrs["chunk_rows"]
     if hi == attrs["n_rows"] and hi % cr:  # the ragged last chunk: never merge with a damaged old object
         store.rm(key, "hidden", "c", str(hi // cr))
@@ -181,20 +178,20 @@ def write_shard(store: Store, key: str, shard: int, hidden: torch.Tensor, target
         marker = {"shard": shard, "lo": lo, "hi": hi, "dtype": attrs["dtype"],
                   "hidden_crc32": h_whole, "targets_crc32": y_whole,
                   "chunks": {"rows": cr, "hidden_xxh3": h_chunks, "targets_xxh3": y_chunks}}
-    store.write_json(marker, _marker_key(key, shard))
+    store.write_json(marker, shard_done_key(key, shard))
     return marker
 
 
 def complete_shards(store: Store, key: str) -> set[int]:
     """Shards with a completion marker (cheap: lists markers, reads no data)."""
-    return {int(name[:-5]) for name in store.listdir(key, "done") if name.endswith(".json") and name[:-5].isdigit()}
+    return {int(name[:-5]) for name in store.listdir(shard_done_key(key)) if name.endswith(".json") and name[:-5].isdigit()}
 
 
 def verify_shard(store: Store, key: str, shard: int) -> None:
     """Raise ActivationError unless the shard has a marker and its stored bytes match the marker's checksums."""
     h_arr, t_arr, attrs = _open(store, key, read_only=True)
     lo, hi = _rows(attrs, shard)
-    mkey = _marker_key(key, shard)
+    mkey = shard_done_key(key, shard)
     if not store.exists(mkey):
         raise ActivationError(f"shard {shard} (rows [{lo}, {hi})) of {key} has no completion marker {mkey}")
     marker = store.read_json(mkey)
@@ -333,7 +330,7 @@ class ActivationReader:
 
     def _marker(self, shard: int) -> dict:
         if shard not in self._markers:
-            self._markers[shard] = self.store.read_json(_marker_key(self.key, shard))
+            self._markers[shard] = self.store.read_json(shard_done_key(self.key, shard))
         return self._markers[shard]
 
     def _load(self, c: int) -> tuple[np.ndarray, np.ndarray]:

@@ -32,15 +32,12 @@ from safetensors.torch import save_file as st_save_file
 
 from bcdflow.errors import DamagedArtifact
 
+from .layout import block_file, blocks_key, manifest_key, run_key, versions_key
 from .store import Store, sha256_bytes
 
 
 class CheckpointError(DamagedArtifact):
     """A manifest or block file is missing, malformed or fails its checksum."""
-
-
-def _run_key(run_id: str, *parts: str) -> str:
-    return "/".join(["runs", run_id, *parts])
 
 
 def _to_cpu_contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -73,7 +70,7 @@ def save_block(store: Store, run_id: str, tensors: dict[str, torch.Tensor]) -> d
         raise CheckpointError("save_block got no tensors")
     tensors = _to_cpu_contiguous(tensors)
     # a local store gets the temporary file beside its final name (an atomic rename); others upload it
-    tmp_dir = store.path(_run_key(run_id, "blocks")) if store.is_local else None
+    tmp_dir = store.path(blocks_key(run_id)) if store.is_local else None
     if tmp_dir:
         os.makedirs(tmp_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=tmp_dir)
@@ -87,8 +84,8 @@ def save_block(store: Store, run_id: str, tensors: dict[str, torch.Tensor]) -> d
                 size += len(chunk)
             os.fsync(f.fileno())
         sha = h.hexdigest()
-        rel = f"blocks/{sha[:32]}.safetensors"
-        path = store.path(_run_key(run_id, rel))
+        rel = block_file(sha)
+        path = store.path(run_key(run_id, rel))
         if not (store.fs.exists(path) and store.fs.size(path) == size):
             if store.is_local:
                 os.replace(tmp, path)
@@ -114,7 +111,7 @@ def write_manifest(store: Store, run_id: str, version: int, blocks: dict[int, di
         raise CheckpointError(f"version must be an int >= 0, got {version!r}")
     if not blocks:
         raise CheckpointError(f"manifest of version {version} has no blocks")
-    manifest, key = _manifest(version, blocks), _run_key(run_id, "versions", f"{version}.json")
+    manifest, key = _manifest(version, blocks), manifest_key(run_id, version)
     if not store.create(json.dumps(manifest, indent=2, sort_keys=True).encode(), key):
         if store.read_json(key) != manifest:
             raise CheckpointError(f"manifest {store.url_of(key)} already exists with other blocks: another process "
@@ -125,10 +122,10 @@ def drop_uncommitted(store: Store, run_id: str, version: int) -> list[int]:
     """Remove manifests above ``version`` (the run state's): left by a writer that crashed between its manifest
     and its state. Only the lease holder calls this (storage/lease.py), so no live writer's manifest goes."""
     dropped = []
-    for name in store.listdir(_run_key(run_id, "versions")):
+    for name in store.listdir(versions_key(run_id)):
         v = name.removesuffix(".json")
         if v.isdigit() and int(v) > version:
-            store.rm(_run_key(run_id, "versions", name))
+            store.rm(versions_key(run_id), name)
             dropped.append(int(v))
     return sorted(dropped)
 
@@ -139,7 +136,7 @@ def _manifest(version: int, blocks: dict[int, dict[str, Any]]) -> dict[str, Any]
 
 
 def read_manifest(store: Store, run_id: str, version: int) -> dict[str, Any]:
-    key = _run_key(run_id, "versions", f"{version}.json")
+    key = manifest_key(run_id, version)
     try:
         manifest = store.read_json(key)
     except FileNotFoundError:
@@ -160,7 +157,7 @@ def check_version(store: Store, run_id: str, version: int) -> None:
     """Raise CheckpointError unless version ``version``'s manifest and every block file it names are present
     at their recorded sizes (cheap: one listing per file, no data read)."""
     for b, entry in read_manifest(store, run_id, version)["blocks"].items():
-        key = _run_key(run_id, entry["file"])
+        key = run_key(run_id, entry["file"])
         try:
             size = store.fs.size(store.path(key))
         except FileNotFoundError:
@@ -191,7 +188,7 @@ def load_from_manifest(store: Store, run_id: str, manifest: dict[str, Any], bloc
             raise CheckpointError(f"block {b} is not in manifest runs/{run_id}/versions/{version}.json "
                                   f"(blocks: {sorted(int(k) for k in entries)})")
         entry = entries[str(b)]
-        key = _run_key(run_id, entry["file"])
+        key = run_key(run_id, entry["file"])
         try:
             data = store.read_bytes(key)
         except FileNotFoundError as e:
@@ -222,7 +219,7 @@ def commit_version(store: Store, run_id: str, base_version: int, new_version: in
         if int(b) not in blocks:
             raise CheckpointError(f"changed block {b} is not in base version {base_version} "
                                   f"(blocks: {sorted(blocks)})")
-        if not store.exists(_run_key(run_id, _check_entry(b, entry)["file"])):
+        if not store.exists(run_key(run_id, _check_entry(b, entry)["file"])):
             raise CheckpointError(f"block file runs/{run_id}/{entry['file']} of changed block {b} was not written")
         blocks[int(b)] = entry
     write_manifest(store, run_id, new_version, blocks)

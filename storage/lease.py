@@ -29,6 +29,7 @@ import psutil
 
 from bcdflow.errors import BadInput, DamagedArtifact
 
+from .layout import lease_epoch, lease_key
 from .store import Store
 
 
@@ -72,10 +73,10 @@ class Lease:
     # -- reading -------------------------------------------------------------------------------------------
     def current(self) -> dict | None:
         """The highest-epoch lease object, or None when the thing was never leased."""
-        names = [n for n in self.store.listdir(self.key, "lease") if n.endswith(".json") and n[:-5].isdigit()]
+        names = [n for n in self.store.listdir(lease_key(self.key)) if lease_epoch(n) is not None]
         for name in sorted(names, reverse=True):
             try:
-                return self.store.read_json(self.key, "lease", name)
+                return self.store.read_json(lease_key(self.key), name)
             except (FileNotFoundError, ValueError):  # removed or half-visible meanwhile: look again
                 continue
         return None
@@ -100,7 +101,7 @@ class Lease:
 
     # -- holding -------------------------------------------------------------------------------------------
     def _write(self) -> None:
-        self.store.write_json(self._body(), self.key, "lease", f"{self.epoch:012d}.json")
+        self.store.write_json(self._body(), lease_key(self.key, self.epoch))
 
     def _body(self, expires: float | None = None) -> dict:
         return {"epoch": self.epoch, "token": self.token, "owner": self.owner,
@@ -112,11 +113,11 @@ class Lease:
             raise LeaseHeld(self.what, cur)
         self.epoch = 0 if cur is None else int(cur["epoch"]) + 1
         data = json.dumps(self._body(), indent=2).encode()
-        if not self.store.create(data, self.key, "lease", f"{self.epoch:012d}.json"):
+        if not self.store.create(data, lease_key(self.key, self.epoch)):
             raise LeaseHeld(self.what, self.current() or {})  # another process took this epoch first
-        for name in self.store.listdir(self.key, "lease"):  # older epochs are history
-            if name.endswith(".json") and name[:-5].isdigit() and int(name[:-5]) < self.epoch - 1:
-                self.store.rm(self.key, "lease", name)
+        for name in self.store.listdir(lease_key(self.key)):  # older epochs are history
+            if (e := lease_epoch(name)) is not None and e < self.epoch - 1:
+                self.store.rm(lease_key(self.key), name)
         return self
 
     def renew(self) -> None:
@@ -146,7 +147,7 @@ class Lease:
             return
         cur = self.current()
         if cur is not None and cur.get("token") == self.token:
-            self.store.write_json(self._body(expires=0.0), self.key, "lease", f"{self.epoch:012d}.json")
+            self.store.write_json(self._body(expires=0.0), lease_key(self.key, self.epoch))
         self.epoch = None
 
     def _keep_alive(self) -> None:

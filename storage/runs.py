@@ -13,40 +13,18 @@ documented) here once, and a state that does not parse is a damaged artifact, no
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from bcdflow.errors import BadInput, DamagedArtifact
+from bcdflow.errors import DamagedArtifact
 
+from .layout import RUNS, config_key, is_run_id, state_key
 from .store import Store
-
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 class RunStateError(DamagedArtifact):
     """A run's config.json or state.json is missing, truncated or malformed."""
-
-
-def check_run_id(run_id: str) -> str:
-    """A run id is a plain name (letters, digits, ``_ . -``; no path separators, not ``.``/``..``)."""
-    if not isinstance(run_id, str) or not _RUN_ID.match(run_id) or run_id in (".", ".."):
-        raise BadInput(f"--run-id: {run_id!r} is not a valid run id (letters, digits, '_', '.', '-'; "
-                       "at most 128 characters, starting with a letter or digit)")
-    return run_id
-
-
-def run_key(run_id: str, *parts: str) -> str:
-    return "/".join(["runs", check_run_id(run_id), *parts])
-
-
-def visit_key(run_id: str, cycle: int, block: int) -> str:
-    return run_key(run_id, "visits", f"c{cycle}-b{block}")
-
-
-def acts_key(run_id: str, cycle: int, block: int) -> str:
-    return f"{visit_key(run_id, cycle, block)}/activations.zarr"
 
 
 class _Record(BaseModel):
@@ -126,11 +104,11 @@ class RunState(_Record):
 
 
 def write_config(store: Store, run_id: str, config: dict[str, Any]) -> None:
-    store.write_json(config, run_key(run_id, "config.json"))
+    store.write_json(config, config_key(run_id))
 
 
 def read_config(store: Store, run_id: str) -> dict[str, Any]:
-    key = run_key(run_id, "config.json")
+    key = config_key(run_id)
     if not store.exists(key):
         raise RunStateError(f"run config {store.url_of(key)} is missing: the run cannot be continued from this "
                             "store (restore the object, or start a new run with another --run-id)")
@@ -146,7 +124,7 @@ def read_config(store: Store, run_id: str) -> dict[str, Any]:
 
 def read_state(store: Store, run_id: str) -> RunState | None:
     """The run's state, or None when the run does not exist."""
-    key = run_key(run_id, "state.json")
+    key = state_key(run_id)
     try:
         data = store.read_bytes(key)
     except FileNotFoundError:
@@ -162,7 +140,7 @@ def read_state(store: Store, run_id: str) -> RunState | None:
 
 
 def write_state(store: Store, state: RunState) -> None:
-    store.write_bytes(state.model_dump_json(indent=2).encode(), run_key(state.run_id, "state.json"))
+    store.write_bytes(state.model_dump_json(indent=2).encode(), state_key(state.run_id))
 
 
 def append_visit(store: Store, run_id: str, visit: VisitRecord) -> RunState:
@@ -179,8 +157,8 @@ def append_visit(store: Store, run_id: str, visit: VisitRecord) -> RunState:
 
 
 def run_exists(store: Store, run_id: str) -> bool:
-    return store.exists(run_key(run_id, "config.json")) or store.exists(run_key(run_id, "state.json"))
+    return store.exists(config_key(run_id)) or store.exists(state_key(run_id))
 
 
 def list_runs(store: Store) -> list[str]:
-    return [r for r in store.listdir("runs") if _RUN_ID.match(r) and run_exists(store, r)]
+    return [r for r in store.listdir(RUNS) if is_run_id(r) and run_exists(store, r)]

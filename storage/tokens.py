@@ -10,7 +10,7 @@
 ``data.format=text`` packs documents joined by the end-of-text token back to back; ``prompt_completion``
 and ``chat`` pack whole examples with a loss mask (storage/sft.py says how). Every reader gets rows as
 (inputs, targets) pairs from :meth:`TokenDataset.train_pairs` / :meth:`TokenDataset.val_pairs`, where a
-masked target is ``IGNORE`` (-100, ``F.cross_entropy``'s ignore_index), so training, pre-inference (which
+masked target is ``IGNORE_INDEX`` (-100, ``F.cross_entropy``'s ignore_index), so training, pre-inference (which
 stores the targets with the activations) and evaluation all see the same mask.
 
 The id hashes everything that decides the arrays (input bytes, tokenizer, seq_len, split), so a
@@ -37,12 +37,14 @@ import zarr
 from tokenizers import Tokenizer
 
 from . import corpus, sft
+from bcdflow.constants import IGNORE_INDEX
+
 from .errors import DataError
+from .layout import DATASET_META, DATASET_TOKENIZER, dataset_key
 from .store import Store, sha256_bytes
 
 FORMAT_VERSION = 1
 CHUNK_BYTES = 2 << 20  # ~2 MB of rows per Zarr chunk: big enough for object stores, small for random reads
-IGNORE = -100  # the target of a masked position: F.cross_entropy's default ignore_index
 
 
 def dataset_id(*, files: list[str] | None = None, path: str | None = None, name: str | None = None,
@@ -119,7 +121,7 @@ def prepare_token_dataset(store: Store, *, files: str | list[str] | None = None,
     sft_keys = dict(format=format, eos_token=eos_token, chat_template=chat_template, special_tokens=special_tokens)
     ds_id = _id_of(sources, text_field=text_field, seq_len=seq_len, vocab_size=vocab_size,
                    tokenizer_file=tokenizer_file, val_fraction=val_fraction, max_chars=max_chars, **sft_keys)
-    if store.exists("datasets", ds_id, "meta.json"):
+    if store.exists(dataset_key(ds_id, DATASET_META)):
         return ds_id  # content-addressed: complete and identical, nothing to do
 
     width = seq_len + 1
@@ -158,7 +160,7 @@ def prepare_token_dataset(store: Store, *, files: str | list[str] | None = None,
 
     for split_name, arr in splits.items():
         _write_array(store, ds_id, split_name, arr)
-    store.write_bytes(tok.to_str().encode(), "datasets", ds_id, "tokenizer.json")
+    store.write_bytes(tok.to_str().encode(), dataset_key(ds_id, DATASET_TOKENIZER))
     meta = {
         "id": ds_id, "format": FORMAT_VERSION, "seq_len": seq_len, "vocab_size": tok.get_vocab_size(),
         "eos_id": eos, "n_train": cut, "n_val": n_val, **counts,
@@ -170,7 +172,7 @@ def prepare_token_dataset(store: Store, *, files: str | list[str] | None = None,
     }
     if format != "text":
         meta["data_format"] = format
-    store.write_json(meta, "datasets", ds_id, "meta.json")  # last: the completion marker
+    store.write_json(meta, dataset_key(ds_id, DATASET_META))  # last: the completion marker
     return ds_id
 
 
@@ -227,12 +229,12 @@ class TokenDataset:
         key = (store.url, dataset_id)
         with _OPEN_LOCK:
             if key not in _OPEN:
-                if not store.exists("datasets", dataset_id, "meta.json"):
+                if not store.exists(dataset_key(dataset_id, DATASET_META)):
                     raise DataError(f"dataset {dataset_id!r}: not found "
-                                    f"(no {store.url_of('datasets', dataset_id, 'meta.json')})")
+                                    f"(no {store.url_of(dataset_key(dataset_id, DATASET_META))})")
                 if len(_OPEN) >= 2:
                     _OPEN.pop(next(iter(_OPEN)))
-                _OPEN[key] = cls(store, dataset_id, store.read_json("datasets", dataset_id, "meta.json"))
+                _OPEN[key] = cls(store, dataset_id, store.read_json(dataset_key(dataset_id, DATASET_META)))
             return _OPEN[key]
 
     def __repr__(self) -> str:
@@ -251,7 +253,7 @@ class TokenDataset:
         return self._whole("val")
 
     def train_pairs(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of train rows ``idx``: int64 (len(idx), seq_len) each; masked targets are IGNORE.
+        """(inputs, targets) of train rows ``idx``: int64 (len(idx), seq_len) each; masked targets are IGNORE_INDEX.
         The one way training, pre-inference and the greedy probe read rows, so none can miss the mask."""
         rows = self.train_rows(idx)
         return self._pairs(rows, self._train_array("train_mask", idx) if self.masked else None)
@@ -266,11 +268,11 @@ class TokenDataset:
         t = torch.from_numpy(rows).long()  # (n, T+1)
         inputs, targets = t[:, :-1], t[:, 1:]
         if mask is not None:  # position j is trained iff the token it predicts, row[j + 1], is
-            targets = targets.masked_fill(torch.from_numpy(mask[:, 1:] == 0), IGNORE)
+            targets = targets.masked_fill(torch.from_numpy(mask[:, 1:] == 0), IGNORE_INDEX)
         return inputs, targets
 
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer.from_str(self.store.read_bytes("datasets", self.id, "tokenizer.json").decode())
+        return Tokenizer.from_str(self.store.read_bytes(dataset_key(self.id, DATASET_TOKENIZER)).decode())
 
     def _train_array(self, name: str, idx: np.ndarray) -> np.ndarray:
         idx = np.asarray(idx, dtype=np.int64)
@@ -287,7 +289,7 @@ class TokenDataset:
             return self._cache[name]
 
     def _open(self, name: str) -> zarr.Array:
-        arr = zarr.open_array(store=self.store.zarr_store("datasets", self.id, f"{name}.zarr", read_only=True), mode="r")
+        arr = zarr.open_array(store=self.store.zarr_store(dataset_key(self.id, f"{name}.zarr"), read_only=True), mode="r")
         want = (self.meta[f"n_{name.split('_')[0]}"], self.seq_len + 1)
         if arr.shape != want:
             raise DataError(f"dataset {self.id!r}: {name}.zarr has shape {arr.shape}, meta.json says {want}")
@@ -316,7 +318,7 @@ def _encode(tok: Tokenizer, texts: list[str], eos: int, batch: int = 1024) -> np
 
 def _write_array(store: Store, ds_id: str, split: str, arr: np.ndarray) -> None:
     rows_per_chunk = max(1, min(len(arr), CHUNK_BYTES // (arr.shape[1] * arr.dtype.itemsize)))
-    z = zarr.create_array(store=store.zarr_store("datasets", ds_id, f"{split}.zarr"), shape=arr.shape,
+    z = zarr.create_array(store=store.zarr_store(dataset_key(ds_id, f"{split}.zarr")), shape=arr.shape,
                           chunks=(rows_per_chunk, arr.shape[1]), dtype=arr.dtype.name, compressors=None,
                           overwrite=True)  # token ids barely compress; overwrite a crashed earlier attempt
     z[:] = arr

@@ -17,15 +17,12 @@ from safetensors.torch import save as st_save
 
 from bcdflow.errors import DamagedArtifact
 
+from .layout import train_ckpt_key
 from .store import Store, sha256_bytes
 
 
 class TrainCheckpointError(DamagedArtifact):
     """A mid-visit checkpoint fails its checksum or does not load."""
-
-
-def _dir(visit_key: str) -> str:
-    return f"{visit_key}/train-ckpt"
 
 
 def save(store: Store, visit_key: str, step: int, params: dict[str, torch.Tensor], optim_state: dict,
@@ -39,7 +36,7 @@ def save(store: Store, visit_key: str, step: int, params: dict[str, torch.Tensor
     buf = io.BytesIO()
     torch.save(_to_cpu(optim_state), buf)
     obytes = buf.getvalue()
-    d = _dir(visit_key)
+    d = train_ckpt_key(visit_key)
     old = read_pointer(store, visit_key)
     pfile, ofile = f"params-{step}.safetensors", f"optim-{step}.pt"
     store.write_bytes(pbytes, d, pfile)
@@ -54,7 +51,7 @@ def save(store: Store, visit_key: str, step: int, params: dict[str, torch.Tensor
 
 
 def read_pointer(store: Store, visit_key: str) -> dict | None:
-    d = _dir(visit_key)
+    d = train_ckpt_key(visit_key)
     return store.read_json(d, "ckpt.json") if store.exists(d, "ckpt.json") else None
 
 
@@ -63,7 +60,7 @@ def load(store: Store, visit_key: str, device: str | torch.device = "cpu"):
     pointer = read_pointer(store, visit_key)
     if pointer is None:
         return None
-    d = _dir(visit_key)
+    d = train_ckpt_key(visit_key)
     pbytes = store.read_bytes(d, pointer["params"])
     obytes = store.read_bytes(d, pointer["optim"])
     for name, data, sha in ((pointer["params"], pbytes, pointer["params_sha256"]),

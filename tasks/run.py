@@ -22,7 +22,7 @@ from bcdflow.core.context import RunContext, open_store
 from bcdflow.models import build_model
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.plan import block_tensors
-from bcdflow.storage import checkpoints, runs
+from bcdflow.storage import checkpoints, layout, runs
 from bcdflow.storage.hf import Checkpoint
 from bcdflow.storage.runs import RunState, VisitRecord
 from bcdflow.tasks.retry import retrying
@@ -85,7 +85,7 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
     if ck is not None:  # version 0: the checkpoint, one block at a time
         blocks = hf.write_version0(store, run_id, ck, mcfg, plan)
         for name, data in ck.sidecars().items():
-            store.write_bytes(data, runs.run_key(run_id, "hf", name))
+            store.write_bytes(data, layout.hf_key(run_id, name))
     else:  # version 0: fresh weights, one block at a time (no process ever holds the whole model for this)
         blocks = {b.index: checkpoints.save_block(store, run_id, initial_block(mcfg, plan, b.index, cfg.seed))
                   for b in plan.blocks}

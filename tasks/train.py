@@ -31,7 +31,8 @@ from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
 from bcdflow.models.plan import block_tensors
 from bcdflow.models.visit import autocast, prefix_hidden, visit_loss
 from bcdflow.storage import activations, checkpoints, trainckpt
-from bcdflow.storage.tokens import IGNORE, TokenDataset
+from bcdflow.constants import IGNORE_INDEX
+from bcdflow.storage.tokens import TokenDataset
 from bcdflow.tasks.data import batch_ranges, sample_rows, visit_rows
 from bcdflow.tasks import preemption
 from bcdflow.tasks.retry import retrying
@@ -139,7 +140,7 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
                                              pin=device.type == "cuda").read  # (B, T, C), (B, T)
     else:
         def fetch(a: int, b: int):
-            return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE)
+            return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE_INDEX)
 
     def loss_fn(batch):
         with autocast(device, cfg.train.precision):
@@ -232,7 +233,7 @@ def evaluate_model(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     mask (supervised formats) over the trained (completion) tokens only."""
     total, count = 0.0, 0
     for x, y in batches:
-        n = int((y != IGNORE).sum())
+        n = int((y != IGNORE_INDEX).sum())
         if n == 0:  # a batch without a trained token has no loss (cross-entropy of nothing is NaN)
             continue
         with autocast(device, cfg.train.precision):

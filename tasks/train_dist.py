@@ -43,7 +43,7 @@ from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import visit_memory
 from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
 from bcdflow.storage import activations, checkpoints, trainckpt
-from bcdflow.storage.tokens import IGNORE
+from bcdflow.constants import IGNORE_INDEX
 from bcdflow.tasks import preemption
 from bcdflow.tasks.data import batch_ranges, visit_rows
 from bcdflow.tasks.train import (TrainResult, compile_layers, diverged_message, evaluate_model, prefetched, use_recompute,
@@ -249,7 +249,7 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
 
     def loss_fn(batch):
         x, y, _ = batch
-        return par.global_mean(mod(x, y), (y != IGNORE).sum())
+        return par.global_mean(mod(x, y), (y != IGNORE_INDEX).sum())
 
     track = TrackTarget(**spec["track"]) if spec.get("track") and rank == 0 else None
     val_points: list[tuple[int, float]] = []

@@ -58,7 +58,7 @@ def test_sgd_through_real_visits(tiny_cfg, prefect_server):
 
 def test_bf16_zstd_activations_through_a_real_visit(tiny_cfg):
     """Pre-inferred activations stored as bf16 bit patterns with zstd train the block close to fp32 ones."""
-    from bcdflow.storage.runs import acts_key
+    from bcdflow.storage.layout import acts_key
     from bcdflow.tasks.data import prepare_data
     from bcdflow.tasks.preinfer import plan_shards, run_prefix
     from bcdflow.tasks.run import init_run

@@ -24,6 +24,7 @@ import pytest
 
 from bcdflow.core.context import open_store
 from bcdflow.flows.cli import main
+from bcdflow.storage import layout
 from bcdflow.storage import runs
 from bcdflow.storage.store import Store
 from tests.helpers import TINY, assert_same, finished_weights
@@ -187,7 +188,7 @@ def _running_visit(fleet: Fleet, run_id: str, cycle: int, block: int):
 
 
 def _checkpoint(store: Store, run_id: str, cycle: int, block: int, at_least: int = 1) -> dict:
-    key = f"{runs.visit_key(run_id, cycle, block)}/train-ckpt/ckpt.json"
+    key = f"{layout.train_ckpt_key(layout.visit_key(run_id, cycle, block))}/ckpt.json"
 
     def found():
         try:
@@ -234,7 +235,7 @@ def test_sigterm_reschedules_the_visit_and_it_resumes_from_its_checkpoint(fleet,
     victim = _running_visit(fleet, "t1", 0, 1)
     first = _checkpoint(store, "t1", 0, 1, at_least=5)["step"]
     os.kill(_pid(victim), signal.SIGTERM)  # the spot rental's notice, to the flow-run process
-    pointer = _wait(lambda: (p := store.read_json(f"{runs.visit_key('t1', 0, 1)}/train-ckpt/ckpt.json"))["meta"].get(
+    pointer = _wait(lambda: (p := store.read_json(f"{layout.train_ckpt_key(layout.visit_key('t1', 0, 1))}/ckpt.json"))["meta"].get(
         "why") == "signal" and p, "the SIGTERM checkpoint")
     assert pointer["step"] > first
     assert parent.wait(timeout=900) == 0, fleet.parent_log("t1")[-3000:]
@@ -357,7 +358,7 @@ def _preinfer_on(cfg, run_id: str, dataset_id: str) -> tuple[np.ndarray, np.ndar
         preinfer(cfg, run_id, 0, 1, 0, dataset_id)
 
     shards()
-    reader = ActivationReader(open_store(cfg), runs.acts_key(run_id, 0, 1))
+    reader = ActivationReader(open_store(cfg), layout.acts_key(run_id, 0, 1))
     h, y = reader.read(0, reader.n_rows)
     return h.numpy(), y.numpy()
 

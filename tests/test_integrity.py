@@ -13,7 +13,7 @@ from bcdflow.core.context import open_store
 from bcdflow.flows.cli import main
 from bcdflow.storage import activations, checkpoints
 from bcdflow.tasks.data import prepare_data
-from bcdflow.storage.runs import acts_key
+from bcdflow.storage.layout import acts_key
 from bcdflow.tasks.preinfer import plan_shards, run_prefix
 from bcdflow.tasks.run import init_run
 

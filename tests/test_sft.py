@@ -16,7 +16,8 @@ from bcdflow.models import build_model, get_config
 from bcdflow.storage import sft
 from bcdflow.storage.errors import DataError
 from bcdflow.storage.store import Store
-from bcdflow.storage.tokens import IGNORE, TokenDataset, dataset_id, prepare_token_dataset
+from bcdflow.constants import IGNORE_INDEX
+from bcdflow.storage.tokens import TokenDataset, dataset_id, prepare_token_dataset
 from tests.hf_checkpoints import CHATML, make_tokenizer
 
 LLAMA3_LIKE = (  # a system block with a date, bos_token, {% generation %} markers, loop controls
@@ -137,14 +138,14 @@ def test_prompt_completion_dataset_masks_prompts(tmp_path, tok_dir, tok):
     rows = ds.train_rows(np.arange(ds.n_train))
     x, y = ds.train_pairs(np.arange(ds.n_train))
     assert torch.equal(x, torch.from_numpy(rows[:, :-1]).long())
-    kept = y != IGNORE
+    kept = y != IGNORE_INDEX
     assert torch.equal(y[kept], torch.from_numpy(rows[:, 1:]).long()[kept])
     # what is trained in the first row: exactly the completions and their end-of-text tokens
     trained = tok.decode(y[0][kept[0]].tolist(), skip_special_tokens=False)
     assert trained in {"".join(c + "<|endoftext|>" for _, c in PAIRS[i:i + k]) for i in range(3) for k in (1, 2, 3)}
     # the mask is checksummed like the tokens, and part of the dataset's identity
     vx, vy = ds.val_pairs()
-    assert vx.shape == vy.shape == (ds.n_val, 32) and bool((vy == IGNORE).any())
+    assert vx.shape == vy.shape == (ds.n_val, 32) and bool((vy == IGNORE_INDEX).any())
     same = dict(files=[files], seq_len=32, vocab_size=300, tokenizer_file=f"{tok_dir}/tokenizer.json",
                 eos_token="<|endoftext|>")
     assert dataset_id(**same, format="prompt_completion") == ds_id
@@ -195,7 +196,7 @@ def test_masked_loss_and_evaluation_count_completion_tokens_only(tmp_path, tok_d
         logits = model(x)  # (n, T, V)
     # by hand: mean negative log-likelihood over the unmasked positions of every row
     logp = torch.log_softmax(logits.double(), -1)
-    nll = [-logp[i, j, y[i, j]] for i in range(y.shape[0]) for j in range(y.shape[1]) if y[i, j] != IGNORE]
+    nll = [-logp[i, j, y[i, j]] for i in range(y.shape[0]) for j in range(y.shape[1]) if y[i, j] != IGNORE_INDEX]
     by_hand = float(torch.stack(nll).mean())
     assert len(nll) < y.numel()
     with torch.no_grad():

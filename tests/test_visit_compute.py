@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from benchmarks.common import LiveBytes
 from bcdflow.models import build_model, get_config, model_plan
-from bcdflow.models.base import IGNORE_INDEX, chunked_cross_entropy
+from bcdflow.constants import IGNORE_INDEX
+from bcdflow.models.base import chunked_cross_entropy
 from bcdflow.models.build import frozen_in
 from bcdflow.models.visit import autocast, visit_loss
 

@@ -1,0 +1,125 @@
+"""The store layout: every key bcdflow reads or writes is built here and nowhere else (docs/DESIGN.md §5).
+
+    datasets/{dataset_id}/                        a token dataset: {train,val}.zarr, {train,val}_mask.zarr
+                                                  (supervised formats), tokenizer.json, meta.json (written last)
+    runs/{run_id}/config.json                     the resolved run config
+    runs/{run_id}/state.json                      the committed visits (the commit point)
+    runs/{run_id}/lease/{epoch}.json              the run's lease (one writer per run)
+    runs/{run_id}/versions/{v}.json               manifest of version v: block -> file + checksum
+    runs/{run_id}/blocks/{sha256[:32]}.safetensors  one block's tensors, content-addressed
+    runs/{run_id}/hf/{name}                       a fine-tuned checkpoint's config and tokenizer files
+    runs/{run_id}/visits/c{c}-b{b}/               one visit's working objects, removed once it is committed:
+        activations.zarr/                         pre-inference output (one shard = one writer)
+        activations.zarr/done/{shard}.json        a shard's completion marker and checksums
+        train-ckpt/                               the mid-visit checkpoint
+        lease/{epoch}.json                        the visit's lease (every visit takes one)
+        outcome.json                              why a visit failed, for a dispatcher (bad input, damage, busy)
+        mlflow.json                               the visit's MLflow run id (an interrupted visit continues it)
+
+Beside these, a local store's root holds ``mlflow.db`` and ``mlartifacts/`` when MLflow defaults to SQLite there
+(``RunConfig.resolved_tracking_uri``, ``tracking/tracker.py``). Keys are ``/``-joined relative to the store root (``Store`` joins them onto its URL). A run id is checked once,
+where a key is first made from it.
+"""
+from __future__ import annotations
+
+import re
+
+from bcdflow.errors import BadInput
+
+RUNS, DATASETS = "runs", "datasets"
+CONFIG, STATE = "config.json", "state.json"
+OUTCOME, MLFLOW = "outcome.json", "mlflow.json"
+DATASET_META, DATASET_TOKENIZER = "meta.json", "tokenizer.json"
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id is a plain name (letters, digits, ``_ . -``; no path separators, not ``.``/``..``)."""
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id) or run_id in (".", ".."):
+        raise BadInput(f"--run-id: {run_id!r} is not a valid run id (letters, digits, '_', '.', '-'; "
+                       "at most 128 characters, starting with a letter or digit)")
+    return run_id
+
+
+def is_run_id(name: str) -> bool:
+    return bool(_RUN_ID.match(name))
+
+
+# -- a run ---------------------------------------------------------------------------------------------------
+def run_key(run_id: str, *parts: str) -> str:
+    return "/".join([RUNS, check_run_id(run_id), *parts])
+
+
+def config_key(run_id: str) -> str:
+    return run_key(run_id, CONFIG)
+
+
+def state_key(run_id: str) -> str:
+    return run_key(run_id, STATE)
+
+
+def versions_key(run_id: str) -> str:
+    return run_key(run_id, "versions")
+
+
+def manifest_key(run_id: str, version: int) -> str:
+    return run_key(run_id, "versions", f"{version}.json")
+
+
+def blocks_key(run_id: str) -> str:
+    return run_key(run_id, "blocks")
+
+
+def block_file(sha256: str) -> str:
+    """A block file's name as a manifest entry holds it, relative to the run (content-addressed)."""
+    return f"blocks/{sha256[:32]}.safetensors"
+
+
+def hf_key(run_id: str, name: str = "") -> str:
+    """Where a run from ``model.from_hf`` keeps the checkpoint's config and tokenizer files."""
+    return run_key(run_id, "hf", name) if name else run_key(run_id, "hf")
+
+
+# -- a visit --------------------------------------------------------------------------------------------------
+def visit_key(run_id: str, cycle: int, block: int) -> str:
+    return run_key(run_id, "visits", f"c{cycle}-b{block}")
+
+
+def acts_key(run_id: str, cycle: int, block: int) -> str:
+    return f"{visit_key(run_id, cycle, block)}/activations.zarr"
+
+
+def shard_done_key(acts: str, shard: int | None = None) -> str:
+    """The completion markers of an activation group's shards (``acts`` = the group's key)."""
+    return f"{acts}/done" if shard is None else f"{acts}/done/{shard}.json"
+
+
+def train_ckpt_key(visit: str) -> str:
+    """The mid-visit checkpoint of a visit (``visit`` = its key)."""
+    return f"{visit}/train-ckpt"
+
+
+def outcome_key(run_id: str, cycle: int, block: int) -> str:
+    return f"{visit_key(run_id, cycle, block)}/{OUTCOME}"
+
+
+def mlflow_key(run_id: str, cycle: int, block: int) -> str:
+    return f"{visit_key(run_id, cycle, block)}/{MLFLOW}"
+
+
+# -- leases -------------------------------------------------------------------------------------------------
+def lease_key(owner_key: str, epoch: int | None = None) -> str:
+    """The lease objects of a run or a visit (``owner_key`` = ``run_key(id)`` or ``visit_key(...)``)."""
+    return f"{owner_key}/lease" if epoch is None else f"{owner_key}/lease/{epoch:012d}.json"
+
+
+def lease_epoch(name: str) -> int | None:
+    """The epoch of a lease object's name (``000000000007.json`` -> 7); None for anything else."""
+    stem = name.removesuffix(".json")
+    return int(stem) if name.endswith(".json") and stem.isdigit() else None
+
+
+# -- datasets -------------------------------------------------------------------------------------------------
+def dataset_key(dataset_id: str, *parts: str) -> str:
+    return "/".join([DATASETS, dataset_id, *parts])
