@@ -3,7 +3,7 @@ a visit configuration (part of the model + optimizer + batch), analytic FLOPs, r
 machine description.
 
 A step is ``models.trainer.run_steps`` for one step (zero_grad, forward+loss as in
-``tasks/train.py::train_visit``, backward, clip, optimizer step), so a benchmark times the product's
+``tasks/train.py::train_block``, backward, clip, optimizer step), so a benchmark times the product's
 loop, not a copy of it.
 """
 from __future__ import annotations
@@ -210,7 +210,7 @@ class Visit:
         self.flops = matmul_flops(model, trainable, cfg)
         start, precision, from_acts = self.start, args.precision, not embed
 
-        def loss_fn(b):  # the loss path of tasks/train.py::train_visit
+        def loss_fn(b):  # the loss path of tasks/train.py::train_block
             with autocast(device, precision):
                 return visit_loss(model, *b, start, from_acts, hi=hi, recompute=recompute)
 

@@ -97,7 +97,6 @@ def dispatch(name: str, sets: list[str], root: Path) -> dict:
 
     from bcdflow.core.config import load_config
     from bcdflow.flows.fleet import dispatch_visit
-    from bcdflow.flows.params import RunParams
     from bcdflow.flows.visit import visit
     from bcdflow.storage import runs
     from bcdflow.tasks.data import prepare_data
@@ -107,8 +106,8 @@ def dispatch(name: str, sets: list[str], root: Path) -> dict:
     for mode in ("in-process", "dispatch"):
         extra = [f"fleet.visit_pool={POOL}", "fleet.poll_seconds=0.5"] if mode == "dispatch" else []
         cfg = load_config(sets=[*sets, "tracking_uri=none", f"store={root / name / mode}", *extra])
-        ds = prepare_data(cfg, open_store(cfg))
-        init_run(cfg, "b", ds)
+        ds = prepare_data.fn(cfg, open_store(cfg))
+        init_run.fn(cfg, "b", ds)
 
         @flow(name=f"bench-{mode}")
         def parent() -> list[tuple[float, float]]:
@@ -118,7 +117,7 @@ def dispatch(name: str, sets: list[str], root: Path) -> dict:
                 if mode == "dispatch":
                     rec = dispatch_visit(cfg, "b", 0, block, version, ds)
                 else:
-                    rec = visit("b", 0, block, version, ds, RunParams.from_config(cfg))
+                    rec = visit("b", 0, block, version, ds, cfg)
                 times.append((time.perf_counter() - t, rec.seconds))
                 version = rec.version
             return times
@@ -151,8 +150,8 @@ def dask_throughput(sets: list[str], root: Path) -> dict:
             cfg = load_config(sets=[*sets, "tracking_uri=none", f"store={root / f'dask{n}'}", "bcd.shard_rows=32",
                                     "bcd.max_steps=64", "fleet.preinfer=dask",
                                     f"fleet.dask_address={cluster.scheduler_address}"])
-            ds = prepare_data(cfg, open_store(cfg))
-            init_run(cfg, "d", ds)
+            ds = prepare_data.fn(cfg, open_store(cfg))
+            init_run.fn(cfg, "d", ds)
             rows = len(visit_rows(cfg, RunContext.of(cfg, "d", ds).dataset.n_train, 0, 2))
 
             @flow(name=f"bench-dask-{n}")

@@ -44,7 +44,7 @@ def prefix_timer(w: Workload, lo: int) -> Timed:
 
         frozen_in(prefix, torch.bfloat16)  # as the product's pre-inference holds it
 
-    def fn():  # tasks/preinfer.py::run_prefix, one batch
+    def fn():  # tasks/preinfer.py::preinfer_shard, one batch
         with torch.inference_mode(), autocast(w.device, w.args.precision):
             return prefix.run_layers(prefix.embed(w.x), 0, lo).float().cpu()
 

@@ -28,10 +28,10 @@ from bcdflow.storage import checkpoints, layout
 from bcdflow.storage.lease import Lease, this_process
 from bcdflow.storage.layout import check_run_id
 from bcdflow.storage.runs import RunState, VisitRecord
-from bcdflow.tasks.data import prepare_data_task
+from bcdflow.tasks.data import prepare_data
 from bcdflow.tasks.report import report_run
-from bcdflow.tasks.run import init_run_task, note_state
-from bcdflow.tasks.train import choose_greedy
+from bcdflow.tasks.run import init_run, note_state
+from bcdflow.tasks.train import choose_block
 from bcdflow.tracking.tracker import Tracker
 
 
@@ -86,7 +86,7 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     store.probe()  # one clear line (no retries) when the store cannot be used, before anything is written
     if not cfg.fleet.visit_pool:  # visits train here; with a pool, on the workers' devices
         check_gpus(cfg)
-    dataset_id = prepare_data_task(cfg, store)  # shared and content-addressed: needs no lease (bad data: no run)
+    dataset_id = prepare_data(cfg, store)  # shared and content-addressed: needs no lease (bad data: no run)
     lease = Lease(store, layout.run_key(run_id), f"run {run_id!r}", ttl=cfg.fleet.lease_seconds,
                   owner=this_process(flow_run.get_id()))
     with lease.held():
@@ -95,7 +95,7 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
 
 def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id: str) -> dict:
     log = get_run_logger()
-    state: RunState = init_run_task(cfg, run_id, dataset_id, mode)
+    state: RunState = init_run(cfg, run_id, dataset_id, mode)
     if dropped := checkpoints.drop_uncommitted(store, run_id, state.version):
         log.warning("dropped manifests of versions %s: written by a commit that crashed before its state", dropped)
     n_blocks = len(RunContext.of(cfg, run_id, dataset_id).plan)
@@ -118,7 +118,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
         for cycle in range(cfg.bcd.cycles):
             todo = [b for b in cycle_order(cfg, n_blocks, cycle) if (cycle, b) not in done]
             while todo and not (stop := stop_reason(cfg, visits, n_blocks)):
-                b = (choose_greedy(cfg, run_id, version, dataset_id, cycle, todo)
+                b = (choose_block(cfg, run_id, version, dataset_id, cycle, todo)
                      if cfg.bcd.order == "greedy" and len(todo) > 1 else todo[0])
                 if stop := stop_reason(cfg, visits, n_blocks, next_block=b):
                     break
@@ -127,7 +127,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
                     rec = dispatch_visit(cfg, run_id, cycle, b, version, dataset_id)
                 else:
                     with tags(f"run:{run_id}", f"cycle:{cycle}", f"block:{b}"):  # tell two runs' c0-b0 apart
-                        rec = visit(run_id, cycle, b, version, dataset_id, RunParams.from_config(cfg))
+                        rec = visit(run_id, cycle, b, version, dataset_id, cfg)
                 visits.append(rec)
                 version, steps = rec.version, steps + rec.steps
                 art.progress(len(visits))

@@ -23,7 +23,6 @@ from prefect.states import Crashed
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput, DamagedArtifact
-from bcdflow.flows.params import RunParams
 from bcdflow.flows.visit import committed, visit_lease
 from bcdflow.storage import layout, runs
 from bcdflow.storage.runs import VisitRecord
@@ -42,7 +41,7 @@ def dispatch_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version:
     store = open_store(cfg)
     fleet = cfg.fleet
     params = {"run_id": run_id, "cycle": cycle, "block": block, "version": version, "dataset_id": dataset_id,
-              "config": RunParams.from_config(cfg).model_dump(mode="json")}
+              "config": cfg.model_dump(mode="json")}
     last = None
     for attempt in range(fleet.visit_retries + 1):
         fr = run_deployment(deployment_name(fleet.visit_pool), parameters=params,

@@ -4,7 +4,7 @@
     lease -> pre-infer shards (paper §3.2.2) -> train block -> evaluate -> commit -> drop working objects
 
 The same flow runs in-process (a subflow of ``bcd_train``) or as a run of the ``bcd-visit`` deployment on a GPU
-work pool, picked up by any worker (DESIGN §6): its parameters are ids and the flat config form, and everything
+work pool, picked up by any worker (DESIGN §6): its parameters are ids and the run config, and everything
 else a visit needs (the global step so far, the spend so far, the parent's MLflow run) is read from the run's
 state.json, the store being all that workers share. A visit holds a lease of its own, so two workers handed the
 same visit never train it at once; one that finds its visit committed already returns that record. What a
@@ -23,13 +23,12 @@ from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput, DamagedArtifact
-from bcdflow.flows.params import RunParams
 from bcdflow.storage import checkpoints, layout, runs
 from bcdflow.storage.lease import Lease, LeaseHeld, this_process
 from bcdflow.storage.runs import RunStateError, VisitRecord
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.run import commit_visit
-from bcdflow.tasks.train import evaluate, train_block
+from bcdflow.tasks.train import evaluate_version, train_block
 from bcdflow.tracking.tracker import TrackTarget, Tracker
 
 # per-visit figures logged on the parent run as series over versions (step = version)
@@ -59,7 +58,7 @@ def committed(state, cycle: int, block: int) -> VisitRecord | None:
 
 @flow(name="bcd-visit", flow_run_name="c{cycle}-b{block}")
 def visit(run_id: str, cycle: int, block: int, version: int, dataset_id: str,
-          config: RunParams = RunParams()) -> VisitRecord:
+          config: RunConfig = RunConfig()) -> VisitRecord:
     """One (cycle, block) visit of a BCD run on version ``version``; returns the committed visit record.
 
     Args:
@@ -68,9 +67,10 @@ def visit(run_id: str, cycle: int, block: int, version: int, dataset_id: str,
         block: The block it trains.
         version: The version it trains on (the run's last committed version when it was planned).
         dataset_id: The run's token dataset.
-        config: The run's settings (the flat form of `bcdflow train`).
+        config: The run's settings, as its parent flow validated them (a dispatched visit's run validates the
+            same object again from its JSON).
     """
-    cfg = config.to_config()
+    cfg = config
     store = open_store(cfg)
     lease = visit_lease(cfg, store, run_id, cycle, block)
     try:
@@ -115,7 +115,7 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
         preinfer(cfg, run_id, cycle, block, version, dataset_id)
         preinfer_s = time.perf_counter() - t0
     tr = train_block(cfg, run_id, cycle, block, version, dataset_id, track=track)
-    ev = evaluate(cfg, run_id, version, dataset_id, {block: tr.block_file})
+    ev = evaluate_version(cfg, run_id, version, dataset_id, {block: tr.block_file})
     seconds = time.perf_counter() - t0
     cost = spend.visit_spend(cfg.spend, {"preinfer": preinfer_s, "train": tr.seconds, "eval": ev.seconds}, seconds,
                              spend.gpus_used(cfg))

@@ -29,6 +29,7 @@ def data_files(cfg: RunConfig) -> list[str] | None:
     return builtin_corpus_files(cfg.data.builtin_bytes)
 
 
+@task(name="prepare-data", **retrying())
 def prepare_data(cfg: RunConfig, store: Store) -> str:
     """Tokenize and pack the corpus once; later runs with the same inputs reuse it. Returns its id.
 
@@ -49,9 +50,6 @@ def prepare_data(cfg: RunConfig, store: Store) -> str:
         store, files=data_files(cfg), path=d.path if not d.files else None, name=d.name, split=d.split,
         text_field=d.text_field, seq_len=d.seq_len, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
         max_chars=d.max_chars, cache_dir=cache, format=d.format, **tok)
-
-
-prepare_data_task = task(prepare_data, name="prepare-data", **retrying())
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:

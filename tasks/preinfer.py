@@ -32,8 +32,9 @@ def plan_shards(cfg: RunConfig, run_id: str, cycle: int, block: int, dataset_id:
     return [s for s in range(n_shards) if not activations.shard_complete(ctx.store, key, s)]
 
 
-def run_prefix(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
-               shard: int) -> dict:
+@task(name="preinfer-shard", task_run_name="shard-{shard}", **retrying())
+def preinfer_shard(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
+                   shard: int) -> dict:
     """Compute and write one shard: the frozen prefix over the shard's rows, batch by batch."""
     ctx = RunContext.of(cfg, run_id, dataset_id)
     lo = shard * cfg.bcd.shard_rows
@@ -50,6 +51,3 @@ def run_prefix(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int
                                      targets.int())
     failpoints.hit("preinfer-shard")
     return marker
-
-
-preinfer_shard = task(run_prefix, name="preinfer-shard", task_run_name="shard-{shard}", **retrying())

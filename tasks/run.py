@@ -53,6 +53,7 @@ def _normalized(stored: dict) -> dict:
     return {**stored, **sections.model_dump(exclude={"store"})}
 
 
+@task(name="init-run", **retrying())
 def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") -> RunState:
     """Create version 0 of a new run, or check an existing run's config and return its state."""
     ctx = RunContext.of(cfg, run_id, dataset_id)
@@ -103,9 +104,6 @@ def initial_block(mcfg, plan, b: int, seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(int(np.random.SeedSequence([seed, b]).generate_state(1)[0]))
     part = build_model(mcfg, layers=blk.layers, embed=b == 0, head=b == last)
     return block_tensors(part, plan, b)
-
-
-init_run_task = task(init_run, name="init-run", **retrying())
 
 
 @task(name="commit", **retrying())

@@ -12,109 +12,36 @@ import functools
 import itertools
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel
 
 from bcdflow.core import failpoints, preempt
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, memory_budget
+from bcdflow.core.context import RunContext
 from bcdflow.errors import BadInput
 from bcdflow.models.errors import Diverged
-from bcdflow.models.memory import needs_recompute
-from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
 from bcdflow.models.plan import block_tensors
-from bcdflow.models.visit import autocast, prefix_hidden, visit_loss
+from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
+from bcdflow.models.visit import autocast, visit_loss
 from bcdflow.storage import activations, checkpoints, trainckpt
-from bcdflow.constants import IGNORE_INDEX
-from bcdflow.storage.tokens import TokenDataset
-from bcdflow.tasks.data import batch_ranges, sample_rows, visit_rows
 from bcdflow.tasks import preemption
+from bcdflow.tasks.data import batch_ranges, sample_rows, visit_rows
+from bcdflow.tasks.engine import (EvalResult, TrainResult, compile_layers, diverged_message, evaluate_model, prefetched,
+                                  use_recompute, val_batches, visit_val_batches, window_logger)
 from bcdflow.tasks.retry import retrying
+from bcdflow.tasks.train_dist import launch
 from bcdflow.tracking.tracker import TrackTarget
 
 
-class TrainResult(BaseModel):
-    """What training a block returns to its visit (steps are local to the visit)."""
-    steps: int
-    first_loss: float
-    train_loss: float
-    stopped_by: str
-    seconds: float
-    resumed_at: int
-    tokens: int
-    rows: int
-    val_points: list[tuple[int, float]]
-    peak_mem_bytes: int | None
-    block_file: dict
-    recompute: bool = False
-    """Whether the frozen suffix was recomputed in backward (bcd.recompute, or auto and the planner said so)."""
-    gpus: int = 1
-
-
-class EvalResult(BaseModel):
-    val_loss: float
-    val_ppl: float
-    seconds: float
-
-
-def window_logger(track: TrackTarget | None, eval_every: int, model: torch.nn.Module,
-                  evaluate: Callable[[], float], val_points: list[tuple[int, float]]) -> Callable:
-    """The trainer's per-window callback: each step's loss to MLflow and, when the window crossed a multiple of
-    ``eval_every``, the validation loss (``model`` in eval mode meanwhile), appended to ``val_points`` too."""
-    def on_window(step: int, losses: list[float]) -> None:
-        if track:
-            track.series("train_loss", [(step - len(losses) + i + 1, v) for i, v in enumerate(losses)])
-        if eval_every and step // eval_every > (step - len(losses)) // eval_every:
-            model.eval()
-            val = evaluate()
-            model.train()
-            val_points.append((step, val))
-            if track:
-                track.series("val_loss", [(step, val)])
-                track.series("val_ppl", [(step, math.exp(min(val, 50)))])
-    return on_window
-
-
-def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> Iterator:
-    """Read batch k+1 from the store while batch k trains (tensors of a batch go to the device, other items as
-    they are)."""
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(fetch, *next(ranges))
-        while True:
-            batch = fut.result()
-            fut = pool.submit(fetch, *next(ranges))
-            yield tuple(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch)
-
-
-def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single") -> bool:
-    """``bcd.recompute``: on, off, or (auto) on when the planner says the visit would not fit ``train.memory_gb``
-    (default: the CUDA device's memory; unlimited on the CPU)."""
-    if cfg.bcd.recompute != "auto":
-        return cfg.bcd.recompute == "on"
-    budget = memory_budget(cfg, ctx.device)
-    return needs_recompute(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,
-                           cfg.train.precision, budget, optim=cfg.optim.name, preinfer=cfg.bcd.preinfer,
-                           chunk_rows=cfg.train.loss_chunk_rows, weight_decay=cfg.optim.weight_decay, gpus=gpus,
-                           parallel=parallel)
-
-
-def compile_layers(model) -> None:
-    """torch.compile each layer in place (identical layers share one compiled graph)."""
-    for layer in model.h.values():
-        layer.compile()
-
-
-def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
+@task(name="train-block", **retrying(2))
+def train_block(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
                 track: TrackTarget | None = None) -> TrainResult:
+    """Train block ``block`` of ``version`` to local convergence (a visit's training); returns its result, the
+    block file written (content-addressed) but not committed."""
     if cfg.train.gpus > 1:  # torchrun: one process per GPU, rank 0 commits (tasks/train_dist.py)
-        from bcdflow.tasks.train_dist import launch
-
         return launch(cfg, run_id, cycle, block, version, dataset_id, track)
     ctx = RunContext.of(cfg, run_id, dataset_id)
     ds, device, n_layer = ctx.dataset, ctx.device, ctx.model_cfg.n_layer
@@ -193,56 +120,7 @@ def train_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
         recompute=recompute)
 
 
-def diverged_message(cfg: RunConfig, run_id: str, cycle: int, block: int, e: Diverged) -> str:
-    hint = " (or bf16 overflowed: try train.precision=fp32)" if cfg.train.precision == "bf16" else ""
-    return (f"visit c{cycle}-b{block} of run {run_id!r}: {e}; the learning rate optim.lr={cfg.optim_spec().base_lr:g} "
-            f"is likely too high{hint}. Nothing was committed; continue the run with a lower one: "
-            f"bcdflow train --run-id {run_id} --set optim.lr=... (and the run's other settings)")
-
-
-train_block = task(train_visit, name="train-block", **retrying(2))
-
-
-def val_batches(ds: TokenDataset, cfg: RunConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first ``train.eval_rows`` validation rows as (B, T) inputs and targets, in evaluation batches."""
-    inputs, targets = ds.val_pairs(cfg.train.eval_rows)
-    rows = cfg.train.eval_batch_size or cfg.train.batch_size
-    return list(zip(inputs.split(rows), targets.split(rows)))
-
-
-def visit_val_batches(cfg: RunConfig, ctx: RunContext, version: int, block: int) -> list[tuple[torch.Tensor,
-                                                                                              torch.Tensor]]:
-    """What a visit validates on within itself (``bcd.eval_every``): the validation batches or, for a visit
-    trained from stored activations (whose model starts at its block), the frozen prefix's hidden states of them,
-    computed once (the prefix is frozen for the whole visit) and rounded as the stored activations are; kept in
-    CPU memory (eval_rows × T × d_model × the activation dtype's bytes)."""
-    batches = val_batches(ctx.dataset, cfg)
-    if not (cfg.bcd.preinfer and block > 0):
-        return batches
-    lo = ctx.plan[block].layers[0]
-    prefix = ctx.frozen_prefix(version, block)  # pre-inference's, where this process ran it
-    dtype = getattr(torch, cfg.bcd.act_dtype)
-    with torch.inference_mode(), autocast(ctx.device, cfg.train.precision):
-        return [(prefix_hidden(prefix, x.to(ctx.device), lo).to("cpu", dtype), y) for x, y in batches]
-
-
-@torch.no_grad()
-def evaluate_model(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: RunConfig, device) -> float:
-    """Token-weighted mean validation loss over ``batches`` (``loss_of(x, y)``: a batch's mean loss); with a loss
-    mask (supervised formats) over the trained (completion) tokens only."""
-    total, count = 0.0, 0
-    for x, y in batches:
-        n = int((y != IGNORE_INDEX).sum())
-        if n == 0:  # a batch without a trained token has no loss (cross-entropy of nothing is NaN)
-            continue
-        with autocast(device, cfg.train.precision):
-            loss = loss_of(x.to(device).float() if x.is_floating_point() else x.to(device), y.to(device))
-        total += float(loss) * n
-        count += n
-    return total / count if count else float("nan")
-
-
+@task(name="evaluate", **retrying(2))
 def evaluate_version(cfg: RunConfig, run_id: str, base_version: int, dataset_id: str,
                      changed: dict[int, dict] | None = None) -> EvalResult:
     """Validation loss and perplexity of version ``base_version`` with ``changed`` blocks replaced."""
@@ -256,10 +134,8 @@ def evaluate_version(cfg: RunConfig, run_id: str, base_version: int, dataset_id:
     return EvalResult(val_loss=loss, val_ppl=math.exp(min(loss, 50)), seconds=time.perf_counter() - t0)
 
 
-evaluate = task(evaluate_version, name="evaluate", **retrying(2))
-
-
-def greedy_block(cfg: RunConfig, run_id: str, version: int, dataset_id: str, cycle: int,
+@task(name="choose-block", cache_policy=NO_CACHE)
+def choose_block(cfg: RunConfig, run_id: str, version: int, dataset_id: str, cycle: int,
                  candidates: list[int]) -> int:
     """The candidate block with the largest gradient norm on a probe batch (DESIGN §2, order greedy)."""
     ctx = RunContext.of(cfg, run_id, dataset_id)
@@ -271,6 +147,3 @@ def greedy_block(cfg: RunConfig, run_id: str, version: int, dataset_id: str, cyc
     norms = {b: float(torch.sqrt(sum((grads[n].grad.float() ** 2).sum() for n in ctx.plan[b].params)))
              for b in candidates}
     return max(candidates, key=lambda b: (norms[b], -b))
-
-
-choose_greedy = task(greedy_block, name="choose-block", cache_policy=NO_CACHE)

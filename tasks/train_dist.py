@@ -46,8 +46,8 @@ from bcdflow.storage import activations, checkpoints, trainckpt
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.tasks import preemption
 from bcdflow.tasks.data import batch_ranges, visit_rows
-from bcdflow.tasks.train import (TrainResult, compile_layers, diverged_message, evaluate_model, prefetched, use_recompute,
-                         visit_val_batches, window_logger)
+from bcdflow.tasks.engine import (TrainResult, compile_layers, diverged_message, evaluate_model, prefetched,
+                                  use_recompute, visit_val_batches, window_logger)
 from bcdflow.tracking.tracker import TrackTarget
 
 ERRORS = {"BadInput": BadInput, "DamagedArtifact": DamagedArtifact}
@@ -64,7 +64,7 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGTERM to torchru
 
 def launch(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
            track: TrackTarget | None = None) -> TrainResult:
-    """Train the visit with ``train.gpus`` processes and return rank 0's result (as ``train_visit`` does)."""
+    """Train the visit with ``train.gpus`` processes and return rank 0's result (as ``train_block`` does)."""
     n = cfg.train.gpus
     check_gpus(cfg)  # a worker that picked this visit up may have fewer GPUs than the one that planned it
     base = os.environ.get("BCDFLOW_DIST_DIR")
@@ -210,7 +210,7 @@ def _load(ctx: RunContext, version: int, layers, embed: bool, active: set[str], 
 
 
 def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
-    """One process of a distributed visit: ``tasks.train.train_visit``'s loop with a wrapped model, a slice of each
+    """One process of a distributed visit: ``tasks.train.train_block``'s loop with a wrapped model, a slice of each
     batch, the global loss, a synchronized stop flag and clock, and unsharded checkpoints written by rank 0."""
     run_id, cycle, block, version = spec["run_id"], spec["cycle"], spec["block"], spec["version"]
     rank, world = par.world()

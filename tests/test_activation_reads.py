@@ -14,8 +14,8 @@ import zarr
 from bcdflow.errors import DamagedArtifact
 from bcdflow.storage.activations import ActivationError, ActivationReader, create_group, write_shard
 from bcdflow.storage.store import Store
-from bcdflow.tasks.preinfer import plan_shards, run_prefix
-from bcdflow.tasks.train import train_visit
+from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
+from bcdflow.tasks.train import train_block
 from tests.test_invariants import new_run
 
 KEY = "runs/r/visits/c0-b1/activations.zarr"
@@ -88,11 +88,11 @@ def test_training_refuses_a_corrupt_shard_and_preinference_recomputes_it(tiny_cf
     ds = new_run(cfg)
     shards = plan_shards.fn(cfg, "r", 0, 1, ds)
     for s in shards:
-        run_prefix(cfg, "r", 0, 1, 0, ds, s)
+        preinfer_shard.fn(cfg, "r", 0, 1, 0, ds, s)
     store = Store(cfg.store)
     _flip_a_byte(store, KEY, "hidden", "c", "0", "0", "0", at=1000)  # shard 0's first chunk
     with pytest.raises(DamagedArtifact, match="shard 0 .*corrupt"):
-        train_visit(cfg, "r", 0, 1, 0, ds)
+        train_block.fn(cfg, "r", 0, 1, 0, ds)
     assert plan_shards.fn(cfg, "r", 0, 1, ds) == [0]  # the next pre-inference redoes exactly that shard
-    run_prefix(cfg, "r", 0, 1, 0, ds, 0)
-    assert train_visit(cfg, "r", 0, 1, 0, ds).steps == cfg.bcd.max_steps
+    preinfer_shard.fn(cfg, "r", 0, 1, 0, ds, 0)
+    assert train_block.fn(cfg, "r", 0, 1, 0, ds).steps == cfg.bcd.max_steps

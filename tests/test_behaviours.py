@@ -60,23 +60,23 @@ def test_bf16_zstd_activations_through_a_real_visit(tiny_cfg):
     """Pre-inferred activations stored as bf16 bit patterns with zstd train the block close to fp32 ones."""
     from bcdflow.storage.layout import acts_key
     from bcdflow.tasks.data import prepare_data
-    from bcdflow.tasks.preinfer import plan_shards, run_prefix
+    from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
     from bcdflow.tasks.run import init_run
-    from bcdflow.tasks.train import train_visit
+    from bcdflow.tasks.train import train_block
 
     trained = {}
     for name, sets in (("fp32", []), ("bf16", ["bcd.act_dtype=bfloat16", "bcd.act_compression=zstd"])):
         cfg = tiny_cfg(*sets).model_copy(update={"store": str(Store(tiny_cfg().store).url) + f"-{name}"})
-        ds = prepare_data(cfg, open_store(cfg))
-        init_run(cfg, "r", ds)
+        ds = prepare_data.fn(cfg, open_store(cfg))
+        init_run.fn(cfg, "r", ds)
         for s in plan_shards.fn(cfg, "r", 0, 1, ds):
-            run_prefix(cfg, "r", 0, 1, 0, ds, s)
+            preinfer_shard.fn(cfg, "r", 0, 1, 0, ds, s)
         group = zarr.open_group(open_store(cfg).zarr_store(acts_key("r", 0, 1), read_only=True), mode="r")
         hidden = group["hidden"]
         if name == "bf16":
             assert hidden.dtype == np.uint16 and hidden.attrs["logical_dtype"] == "bfloat16"
             assert any("zstd" in type(c).__name__.lower() for c in hidden.compressors)
-        out = train_visit(cfg, "r", 0, 1, 0, ds)
+        out = train_block.fn(cfg, "r", 0, 1, 0, ds)
         assert math.isfinite(out.train_loss)
         trained[name] = checkpoints.load_from_manifest(open_store(cfg), "r", {"blocks": {"1": out.block_file}})
     v0 = checkpoints.load_blocks(open_store(cfg), "r", 0, [1])
@@ -92,11 +92,11 @@ def test_greedy_picks_the_block_with_the_largest_gradient_norm(tiny_cfg):
     from bcdflow.core.context import RunContext
     from bcdflow.tasks.data import prepare_data, sample_rows
     from bcdflow.tasks.run import init_run
-    from bcdflow.tasks.train import greedy_block
+    from bcdflow.tasks.train import choose_block
 
     cfg = tiny_cfg()
-    ds = prepare_data(cfg, open_store(cfg))
-    init_run(cfg, "g", ds)
+    ds = prepare_data.fn(cfg, open_store(cfg))
+    init_run.fn(cfg, "g", ds)
     ctx = RunContext.of(cfg, "g", ds)
     model = ctx.load_part(ctx.manifest(0), (0, ctx.model_cfg.n_layer), True, True)
     probe = np.sort(sample_rows(ctx.dataset.n_train, 1.0, cfg.seed, 0, 10_000)[: cfg.train.batch_size])
@@ -107,7 +107,7 @@ def test_greedy_picks_the_block_with_the_largest_gradient_norm(tiny_cfg):
     norms = [math.sqrt(sum(float((grads[n].grad.double() ** 2).sum()) for n in blk.params)) for blk in ctx.plan.blocks]
     for candidates in ([0, 1, 2], [1, 2], [0, 2]):
         expect = max(candidates, key=lambda b: norms[b])
-        assert greedy_block(cfg, "g", 0, ds, 0, candidates) == expect, (candidates, norms)
+        assert choose_block.fn(cfg, "g", 0, ds, 0, candidates) == expect, (candidates, norms)
 
 
 @pytest.mark.slow

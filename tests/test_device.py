@@ -18,7 +18,7 @@ from bcdflow.core.context import block_plan, model_config
 from bcdflow.models.errors import ConfigError
 from bcdflow.storage.checkpoints import load_blocks, load_from_manifest
 from bcdflow.storage.store import Store
-from bcdflow.tasks.preinfer import plan_shards, run_prefix
+from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from tests.helpers import TINY
 from tests.test_invariants import Spy, do_visit, new_run
 
@@ -62,7 +62,7 @@ def test_the_pre_inference_prefix_is_freed_before_the_visit_trains(tiny_cfg, mon
     cfg = tiny_cfg()
     ds_id = new_run(cfg)
     for s in plan_shards.fn(cfg, "r", 0, 2, ds_id):
-        run_prefix(cfg, "r", 0, 2, 0, ds_id, s)
+        preinfer_shard.fn(cfg, "r", 0, 2, 0, ds_id, s)
     prefix = weakref.ref(RunContext.of(cfg, "r", ds_id).frozen_prefix(0, 2))
     alive, real = [], train_mod.make_optimizer
 
@@ -72,7 +72,7 @@ def test_the_pre_inference_prefix_is_freed_before_the_visit_trains(tiny_cfg, mon
         return real(params, spec)
 
     monkeypatch.setattr(train_mod, "make_optimizer", make_optimizer)
-    train_mod.train_visit(cfg, "r", 0, 2, 0, ds_id)
+    train_mod.train_block.fn(cfg, "r", 0, 2, 0, ds_id)
     assert alive == [False]
 
 
@@ -84,7 +84,7 @@ def test_validation_within_a_visit_is_the_whole_models(tiny_cfg, block, preinfer
     ds_id = new_run(cfg)
     out = do_visit(cfg, "r", ds_id, cycle=0, block=block, version=0)
     assert [s for s, _ in out.val_points] == [3, 6]
-    whole = train_mod.evaluate_version(cfg, "r", 1, ds_id).val_loss
+    whole = train_mod.evaluate_version.fn(cfg, "r", 1, ds_id).val_loss
     assert abs(out.val_points[-1][1] - whole) <= 1e-5
 
 
@@ -95,7 +95,7 @@ def test_recompute_setting_and_auto_choice(tiny_cfg, monkeypatch, setting, memor
     sets = [f"bcd.recompute={setting}"] + ([f"train.memory_gb={memory_gb}"] if memory_gb else [])
     cfg = tiny_cfg(*sets)
     ds_id = new_run(cfg)
-    out = train_mod.train_visit(cfg, "r", 0, 0, 0, ds_id)
+    out = train_mod.train_block.fn(cfg, "r", 0, 0, 0, ds_id)
     assert out.recompute is expect
 
 
@@ -104,9 +104,9 @@ def test_recompute_and_chunking_keep_the_visit_weights(tiny_cfg):
     cfg = tiny_cfg()
     ds_id = new_run(cfg)
     store = Store(cfg.store)
-    ref = train_mod.train_visit(cfg, "r", 0, 0, 0, ds_id)
-    redo = train_mod.train_visit(tiny_cfg("bcd.recompute=on"), "r", 0, 0, 0, ds_id)
-    chunk = train_mod.train_visit(tiny_cfg("train.loss_chunk_rows=7"), "r", 0, 0, 0, ds_id)
+    ref = train_mod.train_block.fn(cfg, "r", 0, 0, 0, ds_id)
+    redo = train_mod.train_block.fn(tiny_cfg("bcd.recompute=on"), "r", 0, 0, 0, ds_id)
+    chunk = train_mod.train_block.fn(tiny_cfg("train.loss_chunk_rows=7"), "r", 0, 0, 0, ds_id)
     assert redo.block_file == ref.block_file  # content-addressed: bitwise the same tensors
     t_ref = load_from_manifest(store, "r", {"blocks": {"0": ref.block_file}}, [0])
     t_chunk = load_from_manifest(store, "r", {"blocks": {"0": chunk.block_file}}, [0])
@@ -119,8 +119,8 @@ def test_compile_trains_to_the_eager_weights(tiny_cfg):
     cfg = tiny_cfg("bcd.max_steps=3")
     ds_id = new_run(cfg)
     store = Store(cfg.store)
-    eager = train_mod.train_visit(cfg, "r", 0, 0, 0, ds_id)
-    compiled = train_mod.train_visit(tiny_cfg("bcd.max_steps=3", "train.compile=true"), "r", 0, 0, 0, ds_id)
+    eager = train_mod.train_block.fn(cfg, "r", 0, 0, 0, ds_id)
+    compiled = train_mod.train_block.fn(tiny_cfg("bcd.max_steps=3", "train.compile=true"), "r", 0, 0, 0, ds_id)
     a = load_from_manifest(store, "r", {"blocks": {"0": eager.block_file}}, [0])
     b = load_from_manifest(store, "r", {"blocks": {"0": compiled.block_file}}, [0])
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4

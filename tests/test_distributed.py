@@ -19,8 +19,8 @@ import torch
 from bcdflow.core import preempt
 from bcdflow.storage import checkpoints
 from bcdflow.storage.store import Store
-from bcdflow.tasks.preinfer import plan_shards, run_prefix
-from bcdflow.tasks.train import train_visit
+from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
+from bcdflow.tasks.train import train_block
 from tests.test_invariants import new_run
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def setup_visit(cfg, block: int) -> str:
     ds = new_run(cfg)
     if block > 0:
         for s in plan_shards.fn(cfg, "r", 0, block, ds):
-            run_prefix(cfg, "r", 0, block, 0, ds, s)
+            preinfer_shard.fn(cfg, "r", 0, block, 0, ds, s)
     return ds
 
 
@@ -53,9 +53,9 @@ def test_two_processes_give_the_one_process_weights(tiny_cfg, mode, block, famil
     extra += ("bcd.eval_every=3",)  # in-visit validation: every process, the whole model
     one = tiny_cfg(*SGD, *extra)
     ds = setup_visit(one, block)
-    ref = train_visit(one, "r", 0, block, 0, ds)
+    ref = train_block.fn(one, "r", 0, block, 0, ds)
     two = tiny_cfg(*SGD, *extra, "train.gpus=2", f"train.parallel={mode}")
-    out = train_visit(two, "r", 0, block, 0, ds)
+    out = train_block.fn(two, "r", 0, block, 0, ds)
     assert [s for s, _ in out.val_points] == [s for s, _ in ref.val_points] == [3, 6]
     assert max(abs(a - b) for (_, a), (_, b) in zip(out.val_points, ref.val_points)) <= 1e-6
     assert (out.gpus, out.steps, out.tokens, out.stopped_by) == (2, ref.steps, ref.tokens, "max_steps")
@@ -67,8 +67,8 @@ def test_masked_targets_and_a_ragged_batch_keep_the_global_mean(tiny_cfg):
     """Batches of 3 rows over 2 processes (one gets 1 row, the other 2) still weigh every token alike."""
     one = tiny_cfg(*SGD, "train.batch_size=3", "bcd.max_steps=4")
     ds = setup_visit(one, 1)
-    ref = train_visit(one, "r", 0, 1, 0, ds)
-    out = train_visit(tiny_cfg(*SGD, "train.batch_size=3", "bcd.max_steps=4", "train.gpus=2",
+    ref = train_block.fn(one, "r", 0, 1, 0, ds)
+    out = train_block.fn(tiny_cfg(*SGD, "train.batch_size=3", "bcd.max_steps=4", "train.gpus=2",
                                "train.parallel=ddp"), "r", 0, 1, 0, ds)
     assert max_diff(block_of(one, 1, ref.block_file), block_of(one, 1, out.block_file)) <= 1e-6
 
@@ -99,17 +99,17 @@ def test_sigterm_to_one_process_checkpoints_once_and_resumes_on_one(tiny_cfg, tm
     watcher = threading.Thread(target=preempt_rank1, daemon=True)
     watcher.start()
     with pytest.raises(SystemExit) as exc:  # the task hands the preemption on: exit 143 (or Prefect reschedules)
-        train_visit(two, "r", 0, 0, 0, ds)
+        train_block.fn(two, "r", 0, 0, 0, ds)
     watcher.join()
     assert exc.value.code == 128 + signal.SIGTERM and sent
     pointer = store.read_json(ckpt)
     assert pointer["meta"]["why"] == "signal" and pointer["meta"]["gpus"] == 2 and pointer["step"] > sent[0]
     assert len([f for f in store.listdir("runs/r/visits/c0-b0/train-ckpt") if f.startswith("params-")]) == 1
     # the unsharded checkpoint resumes in one process, and ends where an uninterrupted visit ends
-    resumed = train_visit(one, "r", 0, 0, 0, ds)
+    resumed = train_block.fn(one, "r", 0, 0, 0, ds)
     assert resumed.resumed_at == pointer["step"]
     store.rm("runs/r/visits/c0-b0")
-    ref = train_visit(one, "r", 0, 0, 0, ds)
+    ref = train_block.fn(one, "r", 0, 0, 0, ds)
     assert max_diff(block_of(one, 0, ref.block_file), block_of(one, 0, resumed.block_file)) <= 1e-6
 
 
@@ -124,13 +124,13 @@ def test_a_one_process_checkpoint_resumes_on_two(tiny_cfg, monkeypatch):
 
     monkeypatch.setattr(preempt, "requested", requested)
     with pytest.raises(SystemExit):
-        train_visit(one, "r", 0, 1, 0, ds)
+        train_block.fn(one, "r", 0, 1, 0, ds)
     monkeypatch.undo()
     store = Store(one.store)
     pointer = store.read_json("runs/r/visits/c0-b1/train-ckpt/ckpt.json")
     assert (pointer["step"], pointer["meta"]["why"]) == (30, "signal")
-    resumed = train_visit(tiny_cfg(*SGD, *LONG, "train.gpus=2", "train.parallel=ddp"), "r", 0, 1, 0, ds)
+    resumed = train_block.fn(tiny_cfg(*SGD, *LONG, "train.gpus=2", "train.parallel=ddp"), "r", 0, 1, 0, ds)
     assert resumed.resumed_at == 30 and resumed.steps == 120
     store.rm("runs/r/visits/c0-b1/train-ckpt")
-    ref = train_visit(one, "r", 0, 1, 0, ds)
+    ref = train_block.fn(one, "r", 0, 1, 0, ds)
     assert max_diff(block_of(one, 1, ref.block_file), block_of(one, 1, resumed.block_file)) <= 1e-6

@@ -271,7 +271,6 @@ def test_worker_shutdown_lets_its_visit_checkpoint_and_another_worker_finish_it(
 
 def test_two_workers_handed_the_same_visit(fleet, s3_bucket, tmp_path):
     from bcdflow.core.config import load_config
-    from bcdflow.flows.params import RunParams
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from bcdflow.tasks.data import prepare_data
@@ -279,10 +278,10 @@ def test_two_workers_handed_the_same_visit(fleet, s3_bucket, tmp_path):
 
     url = f"{s3_bucket}/twice"
     cfg = load_config(sets=[*LONG, *FLEET, f"store={url}", f"s3.endpoint_url={fleet.s3}"])
-    ds = prepare_data(cfg, open_store(cfg))
-    init_run(cfg, "w2", ds)
+    ds = prepare_data.fn(cfg, open_store(cfg))
+    init_run.fn(cfg, "w2", ds)
     params = {"run_id": "w2", "cycle": 0, "block": 0, "version": 0, "dataset_id": ds,
-              "config": RunParams.from_config(cfg).model_dump(mode="json")}
+              "config": cfg.model_dump(mode="json")}
     with temporary_settings({PREFECT_API_URL: fleet.api}):
         ids = [run_deployment(f"bcd-visit/{POOL}", parameters=params, timeout=0, as_subflow=False,
                               tags=["run:w2", "cycle:0", "block:0"]).id for _ in range(2)]
@@ -376,8 +375,8 @@ def test_dask_preinference_equals_one_process_and_survives_a_lost_worker(prefect
             monkeypatch.setenv("BCDFLOW_FAILPOINTS", "preinfer-computed:1")
             monkeypatch.setenv("BCDFLOW_FAILPOINTS_ONCE", str(tmp_path / "fired"))
         cfg = load_config(sets=[*sets, *extra, f"store={tmp_path / name}"])
-        ds = prepare_data(cfg, open_store(cfg))
-        init_run(cfg, "d", ds)
+        ds = prepare_data.fn(cfg, open_store(cfg))
+        init_run.fn(cfg, "d", ds)
         results[name] = _preinfer_on(cfg, "d", ds)
     assert (tmp_path / "fired").exists()  # a worker really died mid-shard
     for name in ("dask", "dask-lost"):

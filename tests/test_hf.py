@@ -50,8 +50,8 @@ def run_cfg(tmp_path, ck: str, corpus: str, *sets: str):
 
 def start_run(cfg, run_id: str = "r"):
     """prepare data + version 0, as a flow does; returns the run context."""
-    ds = prepare_data(cfg, open_store(cfg))
-    init_run(cfg, run_id, ds)
+    ds = prepare_data.fn(cfg, open_store(cfg))
+    init_run.fn(cfg, run_id, ds)
     return RunContext.of(cfg, run_id, ds)
 
 
@@ -127,8 +127,8 @@ def test_run_from_fresh_weights_exports_as_its_family(tmp_path, tiny_cfg, family
     """A run that did not start from a checkpoint exports as GPT2LMHeadModel / LlamaForCausalLM with the
     dataset's tokenizer, and transformers computes the same logits."""
     cfg = tiny_cfg(f"model.name={family}", "data.builtin_bytes=60000", "data.vocab_size=300", "bcd.blocks=2")
-    ds = prepare_data(cfg, open_store(cfg))
-    init_run(cfg, "n", ds)
+    ds = prepare_data.fn(cfg, open_store(cfg))
+    init_run.fn(cfg, "n", ds)
     ctx = RunContext.of(cfg, "n", ds)
     ours = ctx.load_part(ctx.manifest(0), (0, ctx.model_cfg.n_layer), embed=True, head=True).eval()
     export_hf(ctx.store, "n", 0, str(tmp_path / "out"))
@@ -158,10 +158,10 @@ def test_resume_refuses_a_changed_checkpoint(tmp_path, tok_dir, corpus):
     ck, _ = make_checkpoint(tmp_path / "ck", "llama", tok_dir)
     cfg = run_cfg(tmp_path, ck, corpus)
     ctx = start_run(cfg)
-    init_run(cfg, "r", ctx.dataset_id)  # same checkpoint: resumes
+    init_run.fn(cfg, "r", ctx.dataset_id)  # same checkpoint: resumes
     make_checkpoint(tmp_path / "ck", "llama", tok_dir, seed=1)  # same path, other weights
     with pytest.raises(ConfigError, match=r"^model\.from_hf: the checkpoint .* changed"):
-        init_run(cfg, "r", ctx.dataset_id)
+        init_run.fn(cfg, "r", ctx.dataset_id)
 
 
 def test_hub_id_only_from_the_local_cache(tmp_path, tok_dir, corpus):
@@ -349,7 +349,7 @@ def test_chat_data_uses_the_checkpoints_template(tmp_path, tok_dir):
     path.write_text("".join(json.dumps({"messages": conv}) + "\n" for _ in range(12)))
     cfg = load_config(sets=[f"model.from_hf={ck}", f"data.files={path}", "data.format=chat", "data.seq_len=48",
                             "bcd.blocks=2", f"store={tmp_path / 'store'}", "tracking_uri=none"])
-    ds = RunContext.of(cfg, "c", prepare_data(cfg, open_store(cfg))).dataset
+    ds = RunContext.of(cfg, "c", prepare_data.fn(cfg, open_store(cfg))).dataset
     x, y = ds.train_pairs(np.array([0]))
     tok = ds.tokenizer()
     assert tok.decode(y[0][y[0] != -100].tolist(), skip_special_tokens=False) == "yes.<|im_end|>\n"

@@ -14,14 +14,14 @@ from bcdflow.flows.cli import main
 from bcdflow.storage import activations, checkpoints
 from bcdflow.tasks.data import prepare_data
 from bcdflow.storage.layout import acts_key
-from bcdflow.tasks.preinfer import plan_shards, run_prefix
+from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.run import init_run
 
 
 def _visit_setup(cfg, run_id="r"):
     store = open_store(cfg)
-    ds = prepare_data(cfg, store)
-    init_run(cfg, run_id, ds)
+    ds = prepare_data.fn(cfg, store)
+    init_run.fn(cfg, run_id, ds)
     return store, ds
 
 
@@ -35,7 +35,7 @@ def test_truncated_shard_is_detected_and_recomputed(tiny_cfg):
     todo = plan_shards.fn(cfg, "r", 0, 1, ds)
     assert len(todo) >= 3
     for s in todo:
-        run_prefix(cfg, "r", 0, 1, 0, ds, s)
+        preinfer_shard.fn(cfg, "r", 0, 1, 0, ds, s)
     key = acts_key("r", 0, 1)
     before = _hidden(store, key)
     assert plan_shards.fn(cfg, "r", 0, 1, ds) == []  # everything complete: nothing recomputed
@@ -45,7 +45,7 @@ def test_truncated_shard_is_detected_and_recomputed(tiny_cfg):
         f.truncate(os.path.getsize(shard_file) // 2)
     assert not activations.shard_complete(store, key, 1)
     assert plan_shards.fn(cfg, "r", 0, 1, ds) == [1]
-    run_prefix(cfg, "r", 0, 1, 0, ds, 1)
+    preinfer_shard.fn(cfg, "r", 0, 1, 0, ds, 1)
     assert plan_shards.fn(cfg, "r", 0, 1, ds) == []
     np.testing.assert_array_equal(_hidden(store, key), before)
 
@@ -54,7 +54,7 @@ def test_altered_shard_byte_is_detected(tiny_cfg):
     cfg = tiny_cfg("bcd.shard_rows=8")
     store, ds = _visit_setup(cfg)
     for s in plan_shards.fn(cfg, "r", 0, 1, ds):
-        run_prefix(cfg, "r", 0, 1, 0, ds, s)
+        preinfer_shard.fn(cfg, "r", 0, 1, 0, ds, s)
     key = acts_key("r", 0, 1)
     shard_file = store.path(key, "hidden", "c", "0", "0", "0")
     with open(shard_file, "r+b") as f:
@@ -90,7 +90,7 @@ def _worker(cfg_json: str, ds: str, shards: list[int]) -> None:
     torch.set_num_threads(1)
     cfg = RunConfig.model_validate_json(cfg_json)
     for s in shards:
-        run_prefix(cfg, "r", 0, 2, 0, ds, s)
+        preinfer_shard.fn(cfg, "r", 0, 2, 0, ds, s)
 
 
 @pytest.mark.slow
@@ -111,7 +111,7 @@ def test_four_processes_write_one_visit(tiny_cfg, tmp_path):
     single = cfg.model_copy(update={"store": str(tmp_path / "single")})
     store1, ds1 = _visit_setup(single)
     for s in plan_shards.fn(single, "r", 0, 2, ds1):
-        run_prefix(single, "r", 0, 2, 0, ds1, s)
+        preinfer_shard.fn(single, "r", 0, 2, 0, ds1, s)
     key = acts_key("r", 0, 2)
     r4, r1 = activations.ActivationReader(store, key), activations.ActivationReader(store1, key)
     h4, y4 = r4.read(0, r4.n_rows)

@@ -18,9 +18,9 @@ from bcdflow.storage import runs
 from bcdflow.storage.checkpoints import commit_version, load_blocks, read_manifest
 from bcdflow.storage.store import Store
 from bcdflow.tasks.data import batch_ranges, prepare_data, sample_rows, visit_rows
-from bcdflow.tasks.preinfer import plan_shards, run_prefix
+from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.run import init_run
-from bcdflow.tasks.train import train_visit
+from bcdflow.tasks.train import train_block
 
 _LAYER = re.compile(r"^h\.(\d+)\.")
 LLAMA = ("model.name=tiny-llama", "model.d_model=64", "model.n_head=4")
@@ -30,8 +30,8 @@ LLAMA = ("model.name=tiny-llama", "model.d_model=64", "model.n_head=4")
 
 def new_run(cfg, run_id: str = "r") -> str:
     """Prepare the dataset and create version 0; returns the dataset id."""
-    ds_id = prepare_data(cfg, Store(cfg.store))
-    init_run(cfg, run_id, ds_id)
+    ds_id = prepare_data.fn(cfg, Store(cfg.store))
+    init_run.fn(cfg, run_id, ds_id)
     return ds_id
 
 
@@ -41,15 +41,15 @@ def do_visit(cfg, run_id: str, ds_id: str, cycle: int, block: int, version: int)
         shards = plan_shards.fn(cfg, run_id, cycle, block, ds_id)
         assert shards, "a fresh visit has shards to compute"
         for s in shards:
-            run_prefix(cfg, run_id, cycle, block, version, ds_id, s)
+            preinfer_shard.fn(cfg, run_id, cycle, block, version, ds_id, s)
         assert plan_shards.fn(cfg, run_id, cycle, block, ds_id) == []  # all complete now
-    out = train_visit(cfg, run_id, cycle, block, version, ds_id)
+    out = train_block.fn(cfg, run_id, cycle, block, version, ds_id)
     commit_version(Store(cfg.store), run_id, version, version + 1, {block: out.block_file})
     return out
 
 
 class Spy:
-    """Records the model ``train_visit`` loads and the parameters its optimizer gets (no refactor needed)."""
+    """Records the model ``train_block`` loads and the parameters its optimizer gets (no refactor needed)."""
 
     def __init__(self, monkeypatch):
         self.models, self.opt_params, self.opts = [], [], []
