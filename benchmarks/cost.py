@@ -16,7 +16,7 @@ from benchmarks import report
 from benchmarks.runs import RunBook, first_reach
 from benchmarks.training import pair
 
-try:  # the product's catalog (DESIGN §7)
+try:  # the product's catalog (docs/DESIGN.md §7)
     from bcdflow.core.spend import DEFAULT_PRICES as CATALOG
 except ImportError:  # pragma: no cover - older trees
     CATALOG = {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}

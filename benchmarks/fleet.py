@@ -1,4 +1,4 @@
-"""Fleet overheads (DESIGN §6): what dispatching a visit to a work pool costs next to an in-process subflow, and
+"""Fleet overheads (docs/DESIGN.md §6): what dispatching a visit to a work pool costs next to an in-process subflow, and
 pre-inference throughput on 1 vs 2 Dask worker processes.
 
     python benchmarks/fleet.py                 # tiny and gpt2-124m at half width; a few minutes on 2 cores
@@ -157,7 +157,7 @@ def dask_throughput(sets: list[str], root: Path) -> dict:
             @flow(name=f"bench-dask-{n}")
             def shards() -> float:
                 t = time.perf_counter()
-                preinfer(cfg, "d", 0, 2, 0, ds)
+                preinfer(RunContext.of(cfg, "d", ds), 0, 2, 0)
                 return time.perf_counter() - t
 
             first = shards()  # the workers load the prefix and the token arrays on their first shards

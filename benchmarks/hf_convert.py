@@ -11,7 +11,7 @@ whole model.
    it touched included) and its RSS just before converting (Python, torch, safetensors imported).
 
 Target (issue): peak RSS below 1.5 x the largest block's bytes (as stored: the checkpoint's dtype), not the whole
-model. A miss prints MISS; the exit status stays 0 (CONVENTIONS 10).
+model. A miss prints MISS; the exit status stays 0 (docs/CONVENTIONS.md 10).
 
     python benchmarks/hf_convert.py                          # 1.24B params bf16, 3 blocks: ~3 minutes on 2 cores
     python benchmarks/hf_convert.py --layers 4 --dtype float32 --blocks 2 --dir /mnt/scratch

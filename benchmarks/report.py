@@ -3,7 +3,7 @@
 A benchmark returns a result dict with ``claims`` (rows of the summary table), ``markdown`` (its own
 section) and ``plots`` (PNG file names in the output directory). This module renders the summary table for
 the terminal and for report.md, writes results.json, and keeps the plotting boilerplate in one place.
-A miss is reported, never raised (CONVENTIONS 10).
+A miss is reported, never raised (docs/CONVENTIONS.md 10).
 """
 from __future__ import annotations
 

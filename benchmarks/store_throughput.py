@@ -22,7 +22,7 @@ reads first-touch a fresh shard-sized output array in every path; on a VM just a
 sometimes slow (kernel page clearing inside read()), so read/shard is the noisier figure. moto serves S3 from
 this process (it competes for the same CPU and GIL) and is slow, so S3 moves ``--s3-mb`` of the data, not ``--mb``.
 
-Target (issue): Zarr on local disk >= 70% of raw. A miss prints MISS; the exit status stays 0 (CONVENTIONS 10).
+Target (issue): Zarr on local disk >= 70% of raw. A miss prints MISS; the exit status stays 0 (docs/CONVENTIONS.md 10).
 
     python benchmarks/store_throughput.py                         # 256 MB local + 64 MB S3, about 2 minutes
     python benchmarks/store_throughput.py --no-s3 --dtype bfloat16 --compression zstd

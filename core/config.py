@@ -193,7 +193,7 @@ class CheckpointSection(_Section):
 
 
 class SpendSection(_Section):
-    """What the GPUs cost (DESIGN §7): spend of a stage = wall seconds x GPUs x USD per GPU-hour."""
+    """What the GPUs cost (docs/DESIGN.md §7): spend of a stage = wall seconds x GPUs x USD per GPU-hour."""
     prices: list[str] = []
     """Catalog additions/overrides as KIND=USD per GPU-hour, e.g. ["h100=2.49"]; built in (paper §4.4.2):
     rtx4090=0.29, a800=0.69, a100=1.20. A YAML mapping {h100: 2.49} works too."""
@@ -235,7 +235,7 @@ class SpendSection(_Section):
 
 
 class StopSection(_Section):
-    """Global stop rules (DESIGN §2): a run ends at the first of cycles done, target validation loss,
+    """Global stop rules (docs/DESIGN.md §2): a run ends at the first of cycles done, target validation loss,
     budget (``spend.budget_usd``), no validation improvement over whole cycles."""
     target_val_loss: float | None = Field(None, gt=0)
     """Stop once a visit's validation loss is at or below this; None = off."""
@@ -246,7 +246,7 @@ class StopSection(_Section):
 
 
 class FleetSection(_Section):
-    """Where a run's work goes beyond this process (DESIGN §6). Unset, everything runs here (the default)."""
+    """Where a run's work goes beyond this process (docs/DESIGN.md §6). Unset, everything runs here (the default)."""
     visit_pool: str | None = None
     """A Prefect work pool of GPU machines: each visit runs as a run of the deployment ``bcd-visit/{visit_pool}``
     (prefect.yaml), picked up by any worker on the pool, the store being all they share; None = each visit is

@@ -1,4 +1,4 @@
-"""The run context: what every task of a run needs, built once per process (CONVENTIONS 12).
+"""The run context: what every task of a run needs, built once per process (docs/CONVENTIONS.md 12).
 
     ctx = RunContext.of(cfg, run_id, dataset_id)    # the same object for every later call in this process
     ctx.store, ctx.dataset, ctx.model_cfg, ctx.plan, ctx.device

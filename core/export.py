@@ -32,6 +32,7 @@ from contextlib import contextmanager
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 
 from bcdflow.errors import BadInput
 from bcdflow.models import hf as hfmap
@@ -166,10 +167,8 @@ def _hf_config_and_files(store: Store, run_id: str, conf: dict, mcfg: ModelConfi
         return config, files
     # a run that started from fresh weights: its family's natural architecture and the dataset's tokenizer
     ds = conf["dataset"]
-    meta = store.read_json("datasets", ds, "meta.json")
-    tok_json = store.read_bytes("datasets", ds, "tokenizer.json")
-    from tokenizers import Tokenizer
-
+    meta = store.read_json(layout.dataset_key(ds, layout.DATASET_META))
+    tok_json = store.read_bytes(layout.dataset_key(ds, layout.DATASET_TOKENIZER))
     eos = Tokenizer.from_str(tok_json.decode()).id_to_token(meta["eos_id"])
     config = hfmap.config_to_hf(mcfg, hfmap.default_architecture(mcfg), dtype)
     config.update({"bos_token_id": meta["eos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": None})

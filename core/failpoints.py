@@ -1,4 +1,4 @@
-"""Named crash points for the kill -9 tests (DESIGN I4): ``BCDFLOW_FAILPOINTS=name[:n],...`` makes the
+"""Named crash points for the kill -9 tests (docs/DESIGN.md I4): ``BCDFLOW_FAILPOINTS=name[:n],...`` makes the
 process SIGKILL itself at the n-th (default first) time it reaches ``hit(name)``. Unset: a dict lookup.
 With ``BCDFLOW_FAILPOINTS_ONCE=PATH`` only the first process to fire creates PATH and dies; the others (a Dask
 worker started in its place, the other workers) go on.

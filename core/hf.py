@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
+from tokenizers import Tokenizer
+
 from bcdflow.core.config import RunConfig, check_model
 from bcdflow.models import Plan, hf as hfmap
 from bcdflow.models.build import param_shapes
@@ -91,8 +93,6 @@ def check_checkpoint(cfg: RunConfig) -> Checkpoint:
     index and every shard it lists, each tensor's presence, shape and dtype, the tokenizer (its ids must fit
     the embedding rows; padded rows beyond the tokenizer are normal), the chat template for
     ``data.format=chat``, and that ``data.tokenizer`` does not contradict the checkpoint's."""
-    from tokenizers import Tokenizer
-
     ck = Checkpoint.open(cfg.model.from_hf)
     mcfg = checkpoint_model(cfg)
     tensor_names(ck, mcfg)

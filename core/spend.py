@@ -1,4 +1,4 @@
-"""Spend: what a run's GPUs cost (DESIGN §7; paper §4.4.2 economic cost analysis).
+"""Spend: what a run's GPUs cost (docs/DESIGN.md §7; paper §4.4.2 economic cost analysis).
 
 A price catalog gives USD per GPU-hour per device kind; each stage of a visit (pre-inference,
 training, evaluation) runs on a configured kind and GPU count. The spend of a stage is

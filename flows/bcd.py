@@ -1,11 +1,11 @@
-"""The BCD run as Prefect flows (DESIGN §2; paper Algorithm 1).
+"""The BCD run as Prefect flows (docs/DESIGN.md §2; paper Algorithm 1).
 
 ``bcd_train`` (parent) prepares data, creates or resumes the run, and loops over cycles and blocks; each
 visit is its own flow run (``flows/visit.py``). ``full_train`` is the full-parameter baseline: a one-block,
 one-cycle run at sample rate 1 through the very same visit flow and step loop (invariant I3).
 
 A run ends at the first global stop rule (``stop_reason``): target validation loss, no validation
-improvement over whole cycles, budget (DESIGN §7) or all cycles done; the reason goes to state.json
+improvement over whole cycles, budget (docs/DESIGN.md §7) or all cycles done; the reason goes to state.json
 (``stop_reason``) and the MLflow tag ``bcdflow.stop_reason``. Both flows take one flat parameter
 model (``flows.params.RunParams``) so a deployment's run form in the Prefect UI is editable.
 """
@@ -61,7 +61,7 @@ def stale_cycles(visits: list[VisitRecord], n_blocks: int, min_delta: float = 0.
 
 def stop_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int,
                 next_block: int | None = None) -> tuple[str, str] | None:
-    """The global stop rule that holds now, as (reason, detail), or None to go on (DESIGN §2).
+    """The global stop rule that holds now, as (reason, detail), or None to go on (docs/DESIGN.md §2).
 
     Checked between visits, so whichever rule is met first ends the run; when several hold at once the
     precedence is: ``target_val_loss`` (the goal is reached), ``no_improvement`` (``stop.patience_cycles``
@@ -78,7 +78,7 @@ def stop_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int,
 
 
 def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
-    """The run, holding its lease throughout (DESIGN I7): a second process on the same run id stops at once,
+    """The run, holding its lease throughout (docs/DESIGN.md I7): a second process on the same run id stops at once,
     naming this one; if this one dies, the lease expires and another may take the run over."""
     get_run_logger().info("bcdflow run %s (%s) on store %s", run_id, mode, cfg.store)
     check_run_id(run_id)
@@ -118,7 +118,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
         for cycle in range(cfg.bcd.cycles):
             todo = [b for b in cycle_order(cfg, n_blocks, cycle) if (cycle, b) not in done]
             while todo and not (stop := stop_reason(cfg, visits, n_blocks)):
-                b = (choose_block(cfg, run_id, version, dataset_id, cycle, todo)
+                b = (choose_block(RunContext.of(cfg, run_id, dataset_id), version, cycle, todo)
                      if cfg.bcd.order == "greedy" and len(todo) > 1 else todo[0])
                 if stop := stop_reason(cfg, visits, n_blocks, next_block=b):
                     break

@@ -31,6 +31,8 @@ import sys
 from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput, DamagedArtifact
 
+# Prefect and what imports it (flows, tasks) are imported inside the subcommands, after _embedded_env: Prefect
+# reads PREFECT_HOME and its other settings when it is first imported, and `bcdflow --help` stays quick.
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
 DEMO = [

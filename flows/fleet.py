@@ -1,4 +1,4 @@
-"""Visits as deployment runs on a GPU work pool (``fleet.visit_pool``; DESIGN §6).
+"""Visits as deployment runs on a GPU work pool (``fleet.visit_pool``; docs/DESIGN.md §6).
 
 The parent submits the visit as a run of the deployment ``bcd-visit/{pool}`` (prefect.yaml) with the visit's ids
 and the flat config form, waits for it, and reads the committed record from the store: any worker on the pool

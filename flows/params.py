@@ -1,4 +1,4 @@
-"""Flow parameters as one flat pydantic model, so the Prefect UI renders an editable form (CONVENTIONS 3).
+"""Flow parameters as one flat pydantic model, so the Prefect UI renders an editable form (docs/CONVENTIONS.md 3).
 
 ``RunParams`` is generated from ``RunConfig``'s sections: ``bcd.blocks`` becomes the field
 ``bcd_blocks``, with the same type, default, constraints and docstring; top-level keys (``seed``,

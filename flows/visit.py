@@ -1,10 +1,10 @@
-"""One BCD visit as its own flow run (DESIGN §2; paper Algorithm 1, lines 5-9): block ``block`` of version
+"""One BCD visit as its own flow run (docs/DESIGN.md §2; paper Algorithm 1, lines 5-9): block ``block`` of version
 ``version`` trained to local convergence while every other block is frozen.
 
     lease -> pre-infer shards (paper §3.2.2) -> train block -> evaluate -> commit -> drop working objects
 
 The same flow runs in-process (a subflow of ``bcd_train``) or as a run of the ``bcd-visit`` deployment on a GPU
-work pool, picked up by any worker (DESIGN §6): its parameters are ids and the run config, and everything
+work pool, picked up by any worker (docs/DESIGN.md §6): its parameters are ids and the run config, and everything
 else a visit needs (the global step so far, the spend so far, the parent's MLflow run) is read from the run's
 state.json, the store being all that workers share. A visit holds a lease of its own, so two workers handed the
 same visit never train it at once; one that finds its visit committed already returns that record. What a
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import time
 
+import torch
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import open_store
+from bcdflow.core.context import RunContext, open_store
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.storage import checkpoints, layout, runs
 from bcdflow.storage.lease import Lease, LeaseHeld, this_process
@@ -109,13 +110,14 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     track_runs = tuple(r for r in (mlrun, state.mlflow_run_id) if r)
     track = TrackTarget(tracker.uri, cfg.experiment, track_runs, state.steps) if track_runs else None
 
+    ctx = RunContext.of(cfg, run_id, dataset_id)  # handed to every task of the visit
     t0 = time.perf_counter()
     preinfer_s = 0.0
     if cfg.bcd.preinfer and block > 0:  # paper §3.2.2
-        preinfer(cfg, run_id, cycle, block, version, dataset_id)
+        preinfer(ctx, cycle, block, version)
         preinfer_s = time.perf_counter() - t0
-    tr = train_block(cfg, run_id, cycle, block, version, dataset_id, track=track)
-    ev = evaluate_version(cfg, run_id, version, dataset_id, {block: tr.block_file})
+    tr = train_block(ctx, cycle, block, version, track=track)
+    ev = evaluate_version(ctx, version, {block: tr.block_file})
     seconds = time.perf_counter() - t0
     cost = spend.visit_spend(cfg.spend, {"preinfer": preinfer_s, "train": tr.seconds, "eval": ev.seconds}, seconds,
                              spend.gpus_used(cfg))
@@ -154,21 +156,19 @@ def shard_runner(cfg: RunConfig):
             return DaskTaskRunner(address=cfg.fleet.dask_address)
         return DaskTaskRunner(cluster_kwargs={"n_workers": cfg.fleet.dask_workers, "threads_per_worker": 1,
                                               "processes": True, "resources": {"GPU": 1}})
-    import torch
-
     n = cfg.bcd.preinfer_workers or (2 if cfg.train.device != "cpu" and torch.cuda.is_available() else 1)
     return ThreadPoolTaskRunner(max_workers=n)
 
 
-def preinfer(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str) -> None:
+def preinfer(ctx: RunContext, cycle: int, block: int, version: int) -> None:
     """The visit's shards still to compute, each a task on the shard runner; complete ones are skipped (a
     shard whose Dask worker dies is run again elsewhere, and costs only that shard)."""
-    shards = plan_shards(cfg, run_id, cycle, block, dataset_id)
+    cfg = ctx.cfg
+    shards = plan_shards(ctx, cycle, block)
     if not shards:
         return
     runner = shard_runner(cfg)
-    params = {"cfg": cfg, "run_id": run_id, "cycle": cycle, "block": block, "version": version,
-              "dataset_id": dataset_id}
+    params = {"ctx": ctx, "cycle": cycle, "block": block, "version": version}  # a context pickles as its ids
     with runner:
         if cfg.fleet.preinfer == "dask":
             import dask

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import psutil
 
-HOME = str(Path(__file__).resolve().parents[1])  # the checkout (or image directory) holding flows/, tasks/, ...
+# the checkout (or the installed bcdflow package): both hold flows/bcd.py, the path prefect.yaml's entrypoints name
+HOME = str(Path(__file__).resolve().parents[1])
 
 
 def run(pool: str, grace: float, extra: list[str]) -> int:

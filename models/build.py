@@ -28,7 +28,7 @@ def build_model(cfg: ModelConfig, layers: tuple[int, int] | None = None, embed: 
     ``init=True`` draws fresh weights from the current torch RNG (seed it first); ``init=False``
     allocates uninitialised storage for weights that are about to be loaded (no wasted init work).
     ``frozen_dtype`` (with ``init=False``): every weight matrix and embedding not named in ``trainable`` is
-    allocated in that dtype (bf16 frozen weights, DESIGN I6); see :func:`frozen_in`.
+    allocated in that dtype (bf16 frozen weights, docs/DESIGN.md I6); see :func:`frozen_in`.
     """
     cls = FAMILIES[cfg.family]
     if init:

@@ -150,23 +150,3 @@ def get_config(name: str, **overrides) -> ModelConfig:
     if name not in REGISTRY:
         raise ConfigError(f"model.name: unknown model {name!r} (choose from {', '.join(REGISTRY)})")
     return REGISTRY[name].replace(**{k: v for k, v in overrides.items() if v is not None})
-
-
-def count_params(cfg: ModelConfig) -> int:
-    """Parameter count without building the model (tied head counted once)."""
-    d, f, L = cfg.d_model, cfg.ffn_dim, cfg.n_layer
-    kv = cfg.kv_heads * cfg.head_dim
-    if cfg.family == "gpt":
-        b = 1 if cfg.bias else 0
-        layer = (d * 3 * d + b * 3 * d) + (d * d + b * d) + (d * f + b * f) + (f * d + b * d) + 2 * (d + b * d)
-        emb = cfg.vocab_size * d + cfg.n_ctx * d
-        head = 2 * d if cfg.bias else d
-    else:
-        layer = d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d
-        if cfg.qkv_bias:
-            layer += d + 2 * kv
-        emb = cfg.vocab_size * d
-        head = d
-    if not cfg.tied:
-        head += cfg.vocab_size * d
-    return L * layer + emb + head

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints as mapping tables (CONVENTIONS 11): parameter names, the one transform, configs.
+"""Hugging Face checkpoints as mapping tables (docs/CONVENTIONS.md 11): parameter names, the one transform, configs.
 
 Pure data and functions, no file access (storage/hf.py reads the files, core/hf.py wires the two):
 

@@ -8,7 +8,7 @@ from the model config alone (parameter shapes from a meta-device model: no weigh
 
 What a step holds (the product's path: tasks/train.py -> models/visit.visit_loss -> models/trainer.run_steps):
 
-- weights: held parameters only (a visit with pre-inference holds layers >= its block and the head; DESIGN I6).
+- weights: held parameters only (a visit with pre-inference holds layers >= its block and the head; docs/DESIGN.md I6).
   Trainable ones in fp32; frozen matrices in bf16 with ``precision=bf16`` (models/build.frozen_in), else fp32.
 - grads and optimizer state: the trainable parameters only, fp32; AdamW two moments, SGD one momentum buffer
   (plus one gradient-sized temporary: foreach SGD with weight decay adds ``wd * p`` out of place).
@@ -43,7 +43,6 @@ from bcdflow.models.config import ModelConfig
 from bcdflow.models.plan import Plan
 
 GB = 1e9
-GIB = 2**30
 PARTS = ("weights", "grads", "optim", "activations", "logits", "input", "temporaries")
 
 

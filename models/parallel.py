@@ -1,4 +1,4 @@
-"""One visit on several processes (DESIGN §6 "training a visit"), on PyTorch's own engines, as pure model code:
+"""One visit on several processes (docs/DESIGN.md §6 "training a visit"), on PyTorch's own engines, as pure model code:
 the train task launches them (tasks/train_dist.py); this module wraps the visit and moves its state.
 
 - ``ddp``: every process holds the visit (weights of blocks >= b, the active block in fp32 with its AdamW state)

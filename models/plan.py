@@ -1,6 +1,6 @@
-"""Block plans: which layers and which exact parameter names each block owns (DESIGN §1).
+"""Block plans: which layers and which exact parameter names each block owns (docs/DESIGN.md §1).
 
-Blocks are data, not code (CONVENTIONS 2). Ownership rules: block 0 owns the embeddings, the last
+Blocks are data, not code (docs/CONVENTIONS.md 2). Ownership rules: block 0 owns the embeddings, the last
 block owns the final norm and the LM head, and a tensor shared by several blocks (the tied
 embedding/head of GPT-2) belongs to the lowest block that uses it: named_parameters() lists a
 tied tensor once, under ``wte.weight``, so it lands in block 0.

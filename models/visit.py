@@ -1,4 +1,4 @@
-"""What a visit computes, as pure model code (paper §3.2.2, DESIGN §2 steps 2-3): the frozen prefix's
+"""What a visit computes, as pure model code (paper §3.2.2, docs/DESIGN.md §2 steps 2-3): the frozen prefix's
 forward pass (pre-inference) and the visit's loss. The train task, the pre-inference task and the
 benchmarks all call these, so they measure and run one computation.
 

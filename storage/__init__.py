@@ -1,1 +1,1 @@
-"""Storage layer: fsspec + Zarr + safetensors. Knows nothing of Prefect or MLflow (DESIGN §4)."""
+"""Storage layer: fsspec + Zarr + safetensors. Knows nothing of Prefect or MLflow (docs/DESIGN.md §4)."""

@@ -1,4 +1,4 @@
-"""Activation groups: the pre-inference output of one visit (paper §3.2.2; DESIGN §2 step 2, §5).
+"""Activation groups: the pre-inference output of one visit (paper §3.2.2; docs/DESIGN.md §2 step 2, §5).
 
 ``runs/{run_id}/visits/c{c}-b{b}/activations.zarr`` is a Zarr 3 group with two arrays::
 
@@ -17,7 +17,7 @@ write at raw-file speed (benchmarks/store_throughput.py).
 The array metadata is created once by the coordinator (``create_group``). Zarr has no native bfloat16, so
 its 16-bit pattern is stored. Activations barely compress, so compressors are off by default (zstd level 1
 on request). A shard counts as complete only when its marker exists and the stored bytes still match the
-marker's checksum (DESIGN §3 I5), so a truncated or altered shard is redone, never trained on.
+marker's checksum (docs/DESIGN.md §3 I5), so a truncated or altered shard is redone, never trained on.
 
 Reading (``ActivationReader``): an uncompressed chunk object's bytes are the array bytes (Zarr's ``bytes`` codec,
 little-endian, C order), so the reader fetches whole chunk objects straight from the store (one request each,
@@ -210,7 +210,7 @@ def verify_shard(store: Store, key: str, shard: int) -> None:
 
 
 def shard_complete(store: Store, key: str, shard: int) -> bool:
-    """True when the shard has a marker and its data re-read matches the marker (DESIGN §3 I5)."""
+    """True when the shard has a marker and its data re-read matches the marker (docs/DESIGN.md §3 I5)."""
     try:
         verify_shard(store, key, shard)
     except ActivationError:

@@ -1,4 +1,4 @@
-"""Versioned, copy-on-write model checkpoints (DESIGN §2 step 5, §5).
+"""Versioned, copy-on-write model checkpoints (docs/DESIGN.md §2 step 5, §5).
 
 Layout below a run::
 
@@ -9,14 +9,14 @@ An entry is ``{"file": "blocks/<name>.safetensors", "sha256": <hex>, "bytes": n}
 block it trained (``save_block``) and then a manifest that references every other block's file of the base
 version (``commit_version``): the model is never rewritten, and since block files are written before the
 small manifest object, a crash leaves either the old version or the complete new one (object stores have no
-rename). Every load verifies the sha256 of each file it reads (DESIGN §3 I5). Tensors go through safetensors
+rename). Every load verifies the sha256 of each file it reads (docs/DESIGN.md §3 I5). Tensors go through safetensors
 only; nothing is ever unpickled.
 
 Usage::
 
     entry = save_block(store, run_id, {"h.0.attn.c_attn.weight": w, ...})
     commit_version(store, run_id, base_version=3, new_version=4, changed={1: entry})
-    state = load_blocks(store, run_id, 4, blocks=[1, 2, 3])   # only the suffix, DESIGN §2 step 3
+    state = load_blocks(store, run_id, 4, blocks=[1, 2, 3])   # only the suffix, docs/DESIGN.md §2 step 3
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def _check_entry(block: Any, entry: Any) -> dict[str, Any]:
 
 def write_manifest(store: Store, run_id: str, version: int, blocks: dict[int, dict[str, Any]]) -> None:
     """Create ``runs/{run_id}/versions/{version}.json``, the pointer object, written after the block files. A
-    manifest is never overwritten (DESIGN I7): one that exists already is this very manifest (a retried write)
+    manifest is never overwritten (docs/DESIGN.md I7): one that exists already is this very manifest (a retried write)
     or the work of another writer, which is an error."""
     if not isinstance(version, int) or version < 0:
         raise CheckpointError(f"version must be an int >= 0, got {version!r}")
@@ -209,7 +209,7 @@ def commit_version(store: Store, run_id: str, base_version: int, new_version: in
                    changed: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Manifest of ``new_version`` = manifest of ``base_version`` with the ``changed`` blocks replaced.
 
-    Copy-on-write (DESIGN §2 step 5): unchanged blocks keep pointing at the base version's files. The changed
+    Copy-on-write (docs/DESIGN.md §2 step 5): unchanged blocks keep pointing at the base version's files. The changed
     blocks' files must already be written (``save_block``); this writes only the small manifest object."""
     if new_version <= base_version:
         raise CheckpointError(f"new_version ({new_version}) must be greater than base_version ({base_version})")

@@ -14,6 +14,7 @@ Python's standard library: real text on every machine, no download.
 """
 from __future__ import annotations
 
+import codecs
 import glob
 import itertools
 import os
@@ -85,8 +86,6 @@ def resolve_files(spec: str | Sequence[str]) -> list[str]:
 def check_text_files(files: list[str]) -> None:
     """Raise DataError (one line, naming the file) unless every text or json file is UTF-8: a binary file given as
     corpus is refused here, before ``datasets`` reads it. Parquet files are binary by design and skipped."""
-    import codecs
-
     for path in files:
         if _BUILDERS.get(os.path.splitext(path)[1].lower()) == "parquet":
             continue

@@ -1,4 +1,4 @@
-"""One writer per run, and per visit (DESIGN I7): a lease object in the store names the process that owns it.
+"""One writer per run, and per visit (docs/DESIGN.md I7): a lease object in the store names the process that owns it.
 
     {key}/lease/{epoch:012d}.json    {"epoch", "token", "owner": {host, pid, started, flow_run_id}, "expires": t}
 

@@ -1,4 +1,4 @@
-"""Run state: the resolved config and the committed visits, as typed records (DESIGN §2 step 5, §5).
+"""Run state: the resolved config and the committed visits, as typed records (docs/DESIGN.md §2 step 5, §5).
 
     runs/{run_id}/config.json                     the resolved run config (written once, before the first visit)
     runs/{run_id}/state.json                      a RunState: version, status, the VisitRecord of each visit
@@ -6,7 +6,7 @@
 
 ``state.json`` is the commit point of a visit: it is written last, after the block file and the version
 manifest, and each write replaces the whole object atomically (``Store.write_bytes``). A crash before it leaves
-the run at the previous version; a resumed run reads it to know which visits are done (DESIGN §3 I4).
+the run at the previous version; a resumed run reads it to know which visits are done (docs/DESIGN.md §3 I4).
 :class:`VisitRecord` and :class:`RunState` own the schema of ``state.json``: every field is declared (and
 documented) here once, and a state that does not parse is a damaged artifact, not a run to continue.
 """

@@ -2,7 +2,7 @@
 
 Every artifact goes through :class:`Store`, so the rest of the code never builds URLs by hand.
 Object stores have no rename: atomicity comes from writing immutable, content-addressed objects
-first and a small pointer object (manifest, state) last (DESIGN §5).
+first and a small pointer object (manifest, state) last (docs/DESIGN.md §5).
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ class Store:
         """Write a whole object only if none exists at that key; False when one does. Atomic on a local disk
         (a hard link of a complete temporary file) and on S3 (a conditional PUT, ``If-None-Match: *``), so of
         two processes creating the same key exactly one wins: the basis of leases and of manifests that are
-        never overwritten (DESIGN I7)."""
+        never overwritten (docs/DESIGN.md I7)."""
         p = self.path(*parts)
         if not self.is_local:
             try:

@@ -1,4 +1,4 @@
-"""Tokenized, packed token datasets in Zarr, content-addressed and shared across runs (DESIGN §5).
+"""Tokenized, packed token datasets in Zarr, content-addressed and shared across runs (docs/DESIGN.md §5).
 
     {root}/datasets/{id}/train.zarr      int32 [n_train, seq_len + 1]  (inputs = row[:-1], targets = row[1:])
     {root}/datasets/{id}/val.zarr        int32 [n_val,   seq_len + 1]  held-out tail of the corpus
@@ -297,7 +297,7 @@ class TokenDataset:
 
     def _load_checked(self, name: str, arr: zarr.Array) -> np.ndarray:
         data = np.asarray(arr[:], dtype=arr.dtype)
-        if _array_sha256(data) != self.meta[f"{name}_sha256"]:  # DESIGN I5: never train on altered data
+        if _array_sha256(data) != self.meta[f"{name}_sha256"]:  # docs/DESIGN.md I5: never train on altered data
             raise DataError(f"dataset {self.id!r}: {name}.zarr checksum mismatch (truncated or altered)")
         return data
 

@@ -1,4 +1,4 @@
-"""Mid-visit checkpoints (DESIGN §2.3, issue: nothing lost when a spot rental vanishes).
+"""Mid-visit checkpoints (docs/DESIGN.md §2.3, issue: nothing lost when a spot rental vanishes).
 
 ``{visit}/train-ckpt/`` holds, per checkpoint, a safetensors file of the active block's parameters and
 the RNG state, a ``torch.save`` file of the optimizer state, and last a small ``ckpt.json`` pointer with

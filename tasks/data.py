@@ -13,7 +13,8 @@ from typing import Iterator
 import numpy as np
 from prefect import task
 
-from bcdflow.storage.corpus import builtin_corpus_files, resolve_files
+from bcdflow.core.hf import check_checkpoint, eos_token
+from bcdflow.storage.corpus import builtin_corpus_files, read_tokenizer, resolve_files
 from bcdflow.storage.store import Store
 from bcdflow.storage.tokens import prepare_token_dataset
 from bcdflow.core.config import RunConfig
@@ -39,9 +40,6 @@ def prepare_data(cfg: RunConfig, store: Store) -> str:
     cache = os.environ.get("BCDFLOW_HF_CACHE") or os.path.join(tempfile.gettempdir(), "bcdflow-hf-cache")
     tok = {"tokenizer_file": d.tokenizer}
     if cfg.model.from_hf:
-        from bcdflow.core.hf import check_checkpoint, eos_token
-        from bcdflow.storage.corpus import read_tokenizer
-
         ck = check_checkpoint(cfg)
         tok = {"tokenizer_file": ck.tokenizer_json, "eos_token": eos_token(ck, read_tokenizer(ck.tokenizer_json)),
                "chat_template": ck.chat_template if d.format == "chat" else None,

@@ -2,7 +2,7 @@
 sampled rows, shard by shard, and store the hidden states and targets in the visit's Zarr group.
 
 The coordinator creates the arrays once (``plan_shards``); each ``preinfer_shard`` task owns whole
-storage objects, so any number of them can write concurrently (DESIGN §5). A shard that is already
+storage objects, so any number of them can write concurrently (docs/DESIGN.md §5). A shard that is already
 complete and valid is never recomputed.
 """
 from __future__ import annotations
@@ -11,7 +11,6 @@ import torch
 from prefect import task
 
 from bcdflow.core import failpoints
-from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext
 from bcdflow.models.visit import autocast, prefix_hidden
 from bcdflow.storage import activations
@@ -20,9 +19,9 @@ from bcdflow.tasks.retry import retrying
 
 
 @task(name="plan-shards", **retrying())
-def plan_shards(cfg: RunConfig, run_id: str, cycle: int, block: int, dataset_id: str) -> list[int]:
+def plan_shards(ctx: RunContext, cycle: int, block: int) -> list[int]:
     """Create the visit's activation arrays (once) and return the shards still to compute."""
-    ctx = RunContext.of(cfg, run_id, dataset_id)
+    cfg = ctx.cfg
     n = len(visit_rows(cfg, ctx.dataset.n_train, cycle, block))
     key = ctx.acts_key(cycle, block)
     activations.create_group(ctx.store, key, n_rows=n, seq_len=ctx.dataset.seq_len, d_model=ctx.model_cfg.d_model,
@@ -33,10 +32,9 @@ def plan_shards(cfg: RunConfig, run_id: str, cycle: int, block: int, dataset_id:
 
 
 @task(name="preinfer-shard", task_run_name="shard-{shard}", **retrying())
-def preinfer_shard(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
-                   shard: int) -> dict:
+def preinfer_shard(ctx: RunContext, cycle: int, block: int, version: int, shard: int) -> dict:
     """Compute and write one shard: the frozen prefix over the shard's rows, batch by batch."""
-    ctx = RunContext.of(cfg, run_id, dataset_id)
+    cfg = ctx.cfg
     lo = shard * cfg.bcd.shard_rows
     rows = visit_rows(cfg, ctx.dataset.n_train, cycle, block)[lo:lo + cfg.bcd.shard_rows]
     prefix = ctx.frozen_prefix(version, block)

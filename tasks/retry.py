@@ -1,6 +1,6 @@
 """Prefect retry policy for tasks that touch the store or a device: exponential backoff with jitter for
 transient faults (a flaky object store, a lost connection). Bad input and damaged artifacts are never
-retried, since waiting cannot fix them (``core.errors``). ``BCDFLOW_RETRY_BACKOFF`` (seconds, default 2)
+retried, since waiting cannot fix them (``bcdflow.errors``). ``BCDFLOW_RETRY_BACKOFF`` (seconds, default 2)
 scales the delays: 2, 4, 8, ... s."""
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ block (core/hf.py); such a run also keeps a copy of the checkpoint's config and 
 ``runs/{run_id}/hf/`` (so ``bcdflow export --format hf`` needs only the store) and its fingerprint, so a
 resume from a checkpoint that changed under the same path is refused.
 
-The commit is the single atomic point of a visit (DESIGN §2.5): block file first (content-addressed,
+The commit is the single atomic point of a visit (docs/DESIGN.md §2.5): block file first (content-addressed,
 already written by training), then the new version manifest (copy-on-write), then the run state.
 """
 from __future__ import annotations
@@ -113,7 +113,7 @@ def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: d
     store = open_store(cfg)
     failpoints.hit("before-commit")
     state = runs.read_state(store, run_id)
-    if state.version != record.version - 1:  # checked before the manifest is written (DESIGN I7)
+    if state.version != record.version - 1:  # checked before the manifest is written (docs/DESIGN.md I7)
         raise runs.RunStateError(f"visit c{record.cycle}-b{record.block} was trained on version {record.version - 1}, "
                                  f"but run {run_id!r} is at version {state.version}: another process committed")
     checkpoints.commit_version(store, run_id, record.version - 1, record.version, {record.block: block_file})

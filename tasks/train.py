@@ -1,4 +1,4 @@
-"""Train the active block of a visit (DESIGN §2.3), evaluate a version on the validation set, and pick
+"""Train the active block of a visit (docs/DESIGN.md §2.3), evaluate a version on the validation set, and pick
 the next block of a greedy order.
 
 Only blocks b..M-1 (and the head) of version v are loaded when training from pre-inferred
@@ -19,7 +19,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from bcdflow.core import failpoints, preempt
-from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext
 from bcdflow.errors import BadInput
 from bcdflow.models.errors import Diverged
@@ -37,13 +36,12 @@ from bcdflow.tracking.tracker import TrackTarget
 
 
 @task(name="train-block", **retrying(2))
-def train_block(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
-                track: TrackTarget | None = None) -> TrainResult:
+def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None) -> TrainResult:
     """Train block ``block`` of ``version`` to local convergence (a visit's training); returns its result, the
     block file written (content-addressed) but not committed."""
+    cfg, run_id = ctx.cfg, ctx.run_id
     if cfg.train.gpus > 1:  # torchrun: one process per GPU, rank 0 commits (tasks/train_dist.py)
-        return launch(cfg, run_id, cycle, block, version, dataset_id, track)
-    ctx = RunContext.of(cfg, run_id, dataset_id)
+        return launch(ctx, cycle, block, version, track)
     ds, device, n_layer = ctx.dataset, ctx.device, ctx.model_cfg.n_layer
     lo, hi = ctx.plan[block].layers
     from_acts = cfg.bcd.preinfer and block > 0
@@ -121,10 +119,9 @@ def train_block(cfg: RunConfig, run_id: str, cycle: int, block: int, version: in
 
 
 @task(name="evaluate", **retrying(2))
-def evaluate_version(cfg: RunConfig, run_id: str, base_version: int, dataset_id: str,
-                     changed: dict[int, dict] | None = None) -> EvalResult:
+def evaluate_version(ctx: RunContext, base_version: int, changed: dict[int, dict] | None = None) -> EvalResult:
     """Validation loss and perplexity of version ``base_version`` with ``changed`` blocks replaced."""
-    ctx = RunContext.of(cfg, run_id, dataset_id)
+    cfg = ctx.cfg
     manifest = ctx.manifest(base_version)
     manifest = {**manifest, "blocks": {**manifest["blocks"], **{str(b): f for b, f in (changed or {}).items()}}}
     model = ctx.load_part(manifest, (0, ctx.model_cfg.n_layer), True, True, trainable=()).eval()  # bf16: all bf16
@@ -135,10 +132,9 @@ def evaluate_version(cfg: RunConfig, run_id: str, base_version: int, dataset_id:
 
 
 @task(name="choose-block", cache_policy=NO_CACHE)
-def choose_block(cfg: RunConfig, run_id: str, version: int, dataset_id: str, cycle: int,
-                 candidates: list[int]) -> int:
-    """The candidate block with the largest gradient norm on a probe batch (DESIGN §2, order greedy)."""
-    ctx = RunContext.of(cfg, run_id, dataset_id)
+def choose_block(ctx: RunContext, version: int, cycle: int, candidates: list[int]) -> int:
+    """The candidate block with the largest gradient norm on a probe batch (docs/DESIGN.md §2, order greedy)."""
+    cfg = ctx.cfg
     model = ctx.load_part(ctx.manifest(version), (0, ctx.model_cfg.n_layer), True, True)
     probe = sample_rows(ctx.dataset.n_train, 1.0, cfg.seed, cycle, 10_000 + version)[: cfg.train.batch_size]
     x, y = ctx.dataset.train_pairs(np.sort(probe))

@@ -62,9 +62,9 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGTERM to torchru
         pass
 
 
-def launch(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
-           track: TrackTarget | None = None) -> TrainResult:
+def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None) -> TrainResult:
     """Train the visit with ``train.gpus`` processes and return rank 0's result (as ``train_block`` does)."""
+    cfg, run_id, dataset_id = ctx.cfg, ctx.run_id, ctx.dataset_id
     n = cfg.train.gpus
     check_gpus(cfg)  # a worker that picked this visit up may have fewer GPUs than the one that planned it
     base = os.environ.get("BCDFLOW_DIST_DIR")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from bcdflow.models.config import ModelConfig
 from bcdflow.storage import checkpoints, runs
 from bcdflow.storage.store import Store
 
@@ -27,3 +28,24 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameter count without building the model (tied head counted once): the analytic oracle the tests hold
+    the built models and the Hugging Face mapping to."""
+    d, f, L = cfg.d_model, cfg.ffn_dim, cfg.n_layer
+    kv = cfg.kv_heads * cfg.head_dim
+    if cfg.family == "gpt":
+        b = 1 if cfg.bias else 0
+        layer = (d * 3 * d + b * 3 * d) + (d * d + b * d) + (d * f + b * f) + (f * d + b * d) + 2 * (d + b * d)
+        emb = cfg.vocab_size * d + cfg.n_ctx * d
+        head = 2 * d if cfg.bias else d
+    else:
+        layer = d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d
+        if cfg.qkv_bias:
+            layer += d + 2 * kv
+        emb = cfg.vocab_size * d
+        head = d
+    if not cfg.tied:
+        head += cfg.vocab_size * d
+    return L * layer + emb + head

@@ -11,6 +11,7 @@ import pytest
 import torch
 import zarr
 
+from bcdflow.core.context import RunContext
 from bcdflow.errors import DamagedArtifact
 from bcdflow.storage.activations import ActivationError, ActivationReader, create_group, write_shard
 from bcdflow.storage.store import Store
@@ -86,13 +87,13 @@ def test_a_truncated_chunk_object_is_refused(tmp_path):
 def test_training_refuses_a_corrupt_shard_and_preinference_recomputes_it(tiny_cfg):
     cfg = tiny_cfg()
     ds = new_run(cfg)
-    shards = plan_shards.fn(cfg, "r", 0, 1, ds)
+    shards = plan_shards.fn(RunContext.of(cfg, "r", ds), 0, 1)
     for s in shards:
-        preinfer_shard.fn(cfg, "r", 0, 1, 0, ds, s)
+        preinfer_shard.fn(RunContext.of(cfg, "r", ds), 0, 1, 0, s)
     store = Store(cfg.store)
     _flip_a_byte(store, KEY, "hidden", "c", "0", "0", "0", at=1000)  # shard 0's first chunk
     with pytest.raises(DamagedArtifact, match="shard 0 .*corrupt"):
-        train_block.fn(cfg, "r", 0, 1, 0, ds)
-    assert plan_shards.fn(cfg, "r", 0, 1, ds) == [0]  # the next pre-inference redoes exactly that shard
-    preinfer_shard.fn(cfg, "r", 0, 1, 0, ds, 0)
-    assert train_block.fn(cfg, "r", 0, 1, 0, ds).steps == cfg.bcd.max_steps
+        train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0)
+    assert plan_shards.fn(RunContext.of(cfg, "r", ds), 0, 1) == [0]  # the next pre-inference redoes exactly that shard
+    preinfer_shard.fn(RunContext.of(cfg, "r", ds), 0, 1, 0, 0)
+    assert train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0).steps == cfg.bcd.max_steps

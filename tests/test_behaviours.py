@@ -13,7 +13,7 @@ import pytest
 import torch
 import zarr
 
-from bcdflow.core.context import open_store
+from bcdflow.core.context import RunContext, open_store
 from bcdflow.flows.cli import main
 from bcdflow.storage import checkpoints, runs
 from bcdflow.storage.store import Store
@@ -69,14 +69,14 @@ def test_bf16_zstd_activations_through_a_real_visit(tiny_cfg):
         cfg = tiny_cfg(*sets).model_copy(update={"store": str(Store(tiny_cfg().store).url) + f"-{name}"})
         ds = prepare_data.fn(cfg, open_store(cfg))
         init_run.fn(cfg, "r", ds)
-        for s in plan_shards.fn(cfg, "r", 0, 1, ds):
-            preinfer_shard.fn(cfg, "r", 0, 1, 0, ds, s)
+        for s in plan_shards.fn(RunContext.of(cfg, "r", ds), 0, 1):
+            preinfer_shard.fn(RunContext.of(cfg, "r", ds), 0, 1, 0, s)
         group = zarr.open_group(open_store(cfg).zarr_store(acts_key("r", 0, 1), read_only=True), mode="r")
         hidden = group["hidden"]
         if name == "bf16":
             assert hidden.dtype == np.uint16 and hidden.attrs["logical_dtype"] == "bfloat16"
             assert any("zstd" in type(c).__name__.lower() for c in hidden.compressors)
-        out = train_block.fn(cfg, "r", 0, 1, 0, ds)
+        out = train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0)
         assert math.isfinite(out.train_loss)
         trained[name] = checkpoints.load_from_manifest(open_store(cfg), "r", {"blocks": {"1": out.block_file}})
     v0 = checkpoints.load_blocks(open_store(cfg), "r", 0, [1])
@@ -107,7 +107,7 @@ def test_greedy_picks_the_block_with_the_largest_gradient_norm(tiny_cfg):
     norms = [math.sqrt(sum(float((grads[n].grad.double() ** 2).sum()) for n in blk.params)) for blk in ctx.plan.blocks]
     for candidates in ([0, 1, 2], [1, 2], [0, 2]):
         expect = max(candidates, key=lambda b: norms[b])
-        assert choose_block.fn(cfg, "g", 0, ds, 0, candidates) == expect, (candidates, norms)
+        assert choose_block.fn(RunContext.of(cfg, "g", ds), 0, 0, candidates) == expect, (candidates, norms)
 
 
 @pytest.mark.slow

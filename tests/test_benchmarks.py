@@ -1,7 +1,7 @@
 """Smoke tests of the benchmark suite (``python -m benchmarks run``): each benchmark on its smallest case
 (BCDFLOW_BENCH_SIZE=tiny), so the suite cannot rot when the training path changes under it.
 
-Benchmarks are programs, not timed tests (CONVENTIONS 10): nothing here checks a measured figure, only
+Benchmarks are programs, not timed tests (docs/CONVENTIONS.md 10): nothing here checks a measured figure, only
 that every benchmark runs through the product's code, returns its claims and writes its report, JSON and
 plots. The flow benchmarks share their runs within the session (``benchmarks.runs.book``).
 """

@@ -1,5 +1,5 @@
 """Run config: every bad input is a ConfigError that names its key; ``--set`` parsing; YAML precedence
-(tasks/config.py, DESIGN §8).
+(core/config.py, docs/DESIGN.md §8).
 
 Run: python -m pytest -q tests/test_config.py   (no I/O beyond tmp_path, a second or two)
 """
@@ -68,7 +68,7 @@ def test_parse_config_of_a_nested_dict():
 
 @pytest.mark.parametrize("bounds", ["[9]", "[-1]", "[0]", "[6]", "[2, 6]"])
 def test_out_of_range_boundaries_are_rejected_at_config_time(bounds):
-    # before anything is written to the store (DESIGN §8), not later in make_plan
+    # before anything is written to the store (docs/DESIGN.md §8), not later in make_plan
     with pytest.raises(ConfigError, match=r"^bcd\.boundaries:.*n_layer=6"):
         load_config(sets=[f"bcd.boundaries={bounds}"])
     assert load_config(sets=["bcd.boundaries=[2, 4]", "bcd.blocks=6"]).bcd.boundaries == [2, 4]

@@ -1,4 +1,4 @@
-"""The training device through the train task (tasks/train.py), on the CPU: frozen weights in bf16 (DESIGN I6)
+"""The training device through the train task (tasks/train.py), on the CPU: frozen weights in bf16 (docs/DESIGN.md I6)
 with the stored files untouched (I1), bcd.recompute on/auto, torch.compile, the chunked loss's key, and the
 distributed keys' checks. GPU-only checks are marked ``gpu`` and skip without CUDA.
 
@@ -14,7 +14,7 @@ import torch
 
 import bcdflow.tasks.train as train_mod
 from bcdflow.core.config import load_config
-from bcdflow.core.context import block_plan, model_config
+from bcdflow.core.context import RunContext, block_plan, model_config
 from bcdflow.models.errors import ConfigError
 from bcdflow.storage.checkpoints import load_blocks, load_from_manifest
 from bcdflow.storage.store import Store
@@ -61,8 +61,8 @@ def test_the_pre_inference_prefix_is_freed_before_the_visit_trains(tiny_cfg, mon
 
     cfg = tiny_cfg()
     ds_id = new_run(cfg)
-    for s in plan_shards.fn(cfg, "r", 0, 2, ds_id):
-        preinfer_shard.fn(cfg, "r", 0, 2, 0, ds_id, s)
+    for s in plan_shards.fn(RunContext.of(cfg, "r", ds_id), 0, 2):
+        preinfer_shard.fn(RunContext.of(cfg, "r", ds_id), 0, 2, 0, s)
     prefix = weakref.ref(RunContext.of(cfg, "r", ds_id).frozen_prefix(0, 2))
     alive, real = [], train_mod.make_optimizer
 
@@ -72,7 +72,7 @@ def test_the_pre_inference_prefix_is_freed_before_the_visit_trains(tiny_cfg, mon
         return real(params, spec)
 
     monkeypatch.setattr(train_mod, "make_optimizer", make_optimizer)
-    train_mod.train_block.fn(cfg, "r", 0, 2, 0, ds_id)
+    train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), 0, 2, 0)
     assert alive == [False]
 
 
@@ -84,7 +84,7 @@ def test_validation_within_a_visit_is_the_whole_models(tiny_cfg, block, preinfer
     ds_id = new_run(cfg)
     out = do_visit(cfg, "r", ds_id, cycle=0, block=block, version=0)
     assert [s for s, _ in out.val_points] == [3, 6]
-    whole = train_mod.evaluate_version.fn(cfg, "r", 1, ds_id).val_loss
+    whole = train_mod.evaluate_version.fn(RunContext.of(cfg, "r", ds_id), 1).val_loss
     assert abs(out.val_points[-1][1] - whole) <= 1e-5
 
 
@@ -95,7 +95,7 @@ def test_recompute_setting_and_auto_choice(tiny_cfg, monkeypatch, setting, memor
     sets = [f"bcd.recompute={setting}"] + ([f"train.memory_gb={memory_gb}"] if memory_gb else [])
     cfg = tiny_cfg(*sets)
     ds_id = new_run(cfg)
-    out = train_mod.train_block.fn(cfg, "r", 0, 0, 0, ds_id)
+    out = train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), 0, 0, 0)
     assert out.recompute is expect
 
 
@@ -104,9 +104,9 @@ def test_recompute_and_chunking_keep_the_visit_weights(tiny_cfg):
     cfg = tiny_cfg()
     ds_id = new_run(cfg)
     store = Store(cfg.store)
-    ref = train_mod.train_block.fn(cfg, "r", 0, 0, 0, ds_id)
-    redo = train_mod.train_block.fn(tiny_cfg("bcd.recompute=on"), "r", 0, 0, 0, ds_id)
-    chunk = train_mod.train_block.fn(tiny_cfg("train.loss_chunk_rows=7"), "r", 0, 0, 0, ds_id)
+    ref = train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), 0, 0, 0)
+    redo = train_mod.train_block.fn(RunContext.of(tiny_cfg("bcd.recompute=on"), "r", ds_id), 0, 0, 0)
+    chunk = train_mod.train_block.fn(RunContext.of(tiny_cfg("train.loss_chunk_rows=7"), "r", ds_id), 0, 0, 0)
     assert redo.block_file == ref.block_file  # content-addressed: bitwise the same tensors
     t_ref = load_from_manifest(store, "r", {"blocks": {"0": ref.block_file}}, [0])
     t_chunk = load_from_manifest(store, "r", {"blocks": {"0": chunk.block_file}}, [0])
@@ -119,8 +119,8 @@ def test_compile_trains_to_the_eager_weights(tiny_cfg):
     cfg = tiny_cfg("bcd.max_steps=3")
     ds_id = new_run(cfg)
     store = Store(cfg.store)
-    eager = train_mod.train_block.fn(cfg, "r", 0, 0, 0, ds_id)
-    compiled = train_mod.train_block.fn(tiny_cfg("bcd.max_steps=3", "train.compile=true"), "r", 0, 0, 0, ds_id)
+    eager = train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), 0, 0, 0)
+    compiled = train_mod.train_block.fn(RunContext.of(tiny_cfg("bcd.max_steps=3", "train.compile=true"), "r", ds_id), 0, 0, 0)
     a = load_from_manifest(store, "r", {"blocks": {"0": eager.block_file}}, [0])
     b = load_from_manifest(store, "r", {"blocks": {"0": compiled.block_file}}, [0])
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from bcdflow.core import preempt
+from bcdflow.core.context import RunContext
 from bcdflow.storage import checkpoints
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
@@ -30,8 +31,8 @@ SGD = ("optim.name=sgd", "optim.lr=0.1")  # gradients enter the weights linearly
 def setup_visit(cfg, block: int) -> str:
     ds = new_run(cfg)
     if block > 0:
-        for s in plan_shards.fn(cfg, "r", 0, block, ds):
-            preinfer_shard.fn(cfg, "r", 0, block, 0, ds, s)
+        for s in plan_shards.fn(RunContext.of(cfg, "r", ds), 0, block):
+            preinfer_shard.fn(RunContext.of(cfg, "r", ds), 0, block, 0, s)
     return ds
 
 
@@ -53,9 +54,9 @@ def test_two_processes_give_the_one_process_weights(tiny_cfg, mode, block, famil
     extra += ("bcd.eval_every=3",)  # in-visit validation: every process, the whole model
     one = tiny_cfg(*SGD, *extra)
     ds = setup_visit(one, block)
-    ref = train_block.fn(one, "r", 0, block, 0, ds)
+    ref = train_block.fn(RunContext.of(one, "r", ds), 0, block, 0)
     two = tiny_cfg(*SGD, *extra, "train.gpus=2", f"train.parallel={mode}")
-    out = train_block.fn(two, "r", 0, block, 0, ds)
+    out = train_block.fn(RunContext.of(two, "r", ds), 0, block, 0)
     assert [s for s, _ in out.val_points] == [s for s, _ in ref.val_points] == [3, 6]
     assert max(abs(a - b) for (_, a), (_, b) in zip(out.val_points, ref.val_points)) <= 1e-6
     assert (out.gpus, out.steps, out.tokens, out.stopped_by) == (2, ref.steps, ref.tokens, "max_steps")
@@ -67,9 +68,9 @@ def test_masked_targets_and_a_ragged_batch_keep_the_global_mean(tiny_cfg):
     """Batches of 3 rows over 2 processes (one gets 1 row, the other 2) still weigh every token alike."""
     one = tiny_cfg(*SGD, "train.batch_size=3", "bcd.max_steps=4")
     ds = setup_visit(one, 1)
-    ref = train_block.fn(one, "r", 0, 1, 0, ds)
-    out = train_block.fn(tiny_cfg(*SGD, "train.batch_size=3", "bcd.max_steps=4", "train.gpus=2",
-                               "train.parallel=ddp"), "r", 0, 1, 0, ds)
+    ref = train_block.fn(RunContext.of(one, "r", ds), 0, 1, 0)
+    out = train_block.fn(RunContext.of(tiny_cfg(*SGD, "train.batch_size=3", "bcd.max_steps=4", "train.gpus=2",
+                               "train.parallel=ddp"), "r", ds), 0, 1, 0)
     assert max_diff(block_of(one, 1, ref.block_file), block_of(one, 1, out.block_file)) <= 1e-6
 
 
@@ -99,17 +100,17 @@ def test_sigterm_to_one_process_checkpoints_once_and_resumes_on_one(tiny_cfg, tm
     watcher = threading.Thread(target=preempt_rank1, daemon=True)
     watcher.start()
     with pytest.raises(SystemExit) as exc:  # the task hands the preemption on: exit 143 (or Prefect reschedules)
-        train_block.fn(two, "r", 0, 0, 0, ds)
+        train_block.fn(RunContext.of(two, "r", ds), 0, 0, 0)
     watcher.join()
     assert exc.value.code == 128 + signal.SIGTERM and sent
     pointer = store.read_json(ckpt)
     assert pointer["meta"]["why"] == "signal" and pointer["meta"]["gpus"] == 2 and pointer["step"] > sent[0]
     assert len([f for f in store.listdir("runs/r/visits/c0-b0/train-ckpt") if f.startswith("params-")]) == 1
     # the unsharded checkpoint resumes in one process, and ends where an uninterrupted visit ends
-    resumed = train_block.fn(one, "r", 0, 0, 0, ds)
+    resumed = train_block.fn(RunContext.of(one, "r", ds), 0, 0, 0)
     assert resumed.resumed_at == pointer["step"]
     store.rm("runs/r/visits/c0-b0")
-    ref = train_block.fn(one, "r", 0, 0, 0, ds)
+    ref = train_block.fn(RunContext.of(one, "r", ds), 0, 0, 0)
     assert max_diff(block_of(one, 0, ref.block_file), block_of(one, 0, resumed.block_file)) <= 1e-6
 
 
@@ -124,13 +125,13 @@ def test_a_one_process_checkpoint_resumes_on_two(tiny_cfg, monkeypatch):
 
     monkeypatch.setattr(preempt, "requested", requested)
     with pytest.raises(SystemExit):
-        train_block.fn(one, "r", 0, 1, 0, ds)
+        train_block.fn(RunContext.of(one, "r", ds), 0, 1, 0)
     monkeypatch.undo()
     store = Store(one.store)
     pointer = store.read_json("runs/r/visits/c0-b1/train-ckpt/ckpt.json")
     assert (pointer["step"], pointer["meta"]["why"]) == (30, "signal")
-    resumed = train_block.fn(tiny_cfg(*SGD, *LONG, "train.gpus=2", "train.parallel=ddp"), "r", 0, 1, 0, ds)
+    resumed = train_block.fn(RunContext.of(tiny_cfg(*SGD, *LONG, "train.gpus=2", "train.parallel=ddp"), "r", ds), 0, 1, 0)
     assert resumed.resumed_at == 30 and resumed.steps == 120
     store.rm("runs/r/visits/c0-b1/train-ckpt")
-    ref = train_block.fn(one, "r", 0, 1, 0, ds)
+    ref = train_block.fn(RunContext.of(one, "r", ds), 0, 1, 0)
     assert max_diff(block_of(one, 1, ref.block_file), block_of(one, 1, resumed.block_file)) <= 1e-6

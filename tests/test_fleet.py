@@ -1,4 +1,4 @@
-"""A fleet on one machine (DESIGN §6, I7): visits as runs of the bcd-visit deployment on a work pool, preemption
+"""A fleet on one machine (docs/DESIGN.md §6, I7): visits as runs of the bcd-visit deployment on a work pool, preemption
 under real workers, one writer per run and per visit, pre-inference on Dask.
 
 Real processes: a ``prefect server start`` on loopback with its own PREFECT_HOME, two ``bcdflow worker``

@@ -363,7 +363,8 @@ def test_chat_data_uses_the_checkpoints_template(tmp_path, tok_dir):
 def test_config_to_hf_and_back_is_the_same_model(name, over):
     from bcdflow.models import get_config
     from bcdflow.models.build import param_shapes
-    from bcdflow.models.config import ModelConfig, count_params
+    from bcdflow.models.config import ModelConfig
+    from tests.helpers import count_params
 
     cfg = get_config(name, **over)
     back = hfmap.config_from_hf(hfmap.config_to_hf(cfg, hfmap.default_architecture(cfg), "float32"))

@@ -1,4 +1,4 @@
-"""DESIGN §3 invariants on the tiny config: I1 (a visit touches its block only), I2 (pre-inference on = off),
+"""docs/DESIGN.md §3 invariants on the tiny config: I1 (a visit touches its block only), I2 (pre-inference on = off),
 I3 (one-block BCD = full-parameter training), I6 (a visit holds blocks >= b, trains block b only), and the
 per-visit sampler (paper §3.2.3).
 
@@ -38,12 +38,12 @@ def new_run(cfg, run_id: str = "r") -> str:
 def do_visit(cfg, run_id: str, ds_id: str, cycle: int, block: int, version: int) -> dict:
     """One visit through the plain task functions: pre-infer (block > 0), train, commit."""
     if cfg.bcd.preinfer and block > 0:
-        shards = plan_shards.fn(cfg, run_id, cycle, block, ds_id)
+        shards = plan_shards.fn(RunContext.of(cfg, run_id, ds_id), cycle, block)
         assert shards, "a fresh visit has shards to compute"
         for s in shards:
-            preinfer_shard.fn(cfg, run_id, cycle, block, version, ds_id, s)
-        assert plan_shards.fn(cfg, run_id, cycle, block, ds_id) == []  # all complete now
-    out = train_block.fn(cfg, run_id, cycle, block, version, ds_id)
+            preinfer_shard.fn(RunContext.of(cfg, run_id, ds_id), cycle, block, version, s)
+        assert plan_shards.fn(RunContext.of(cfg, run_id, ds_id), cycle, block) == []  # all complete now
+    out = train_block.fn(RunContext.of(cfg, run_id, ds_id), cycle, block, version)
     commit_version(Store(cfg.store), run_id, version, version + 1, {block: out.block_file})
     return out
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bcdflow.models import REGISTRY, build_model, get_config
-from bcdflow.models.config import count_params
+from tests.helpers import count_params
 from bcdflow.models.errors import ConfigError
 
 FAMILIES = ["tiny", "tiny-llama"]

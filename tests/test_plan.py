@@ -1,4 +1,4 @@
-"""Block plans: which layers and parameter names each block owns (models/plan.py, DESIGN §1).
+"""Block plans: which layers and parameter names each block owns (models/plan.py, docs/DESIGN.md §1).
 
 Run: python -m pytest -q tests/test_plan.py   (CPU, well under a second per test)
 """

@@ -1,4 +1,4 @@
-"""DESIGN I4/I5 and the spot-preemption issue: kill -9 anywhere, SIGTERM, corrupt artifacts, S3.
+"""docs/DESIGN.md I4/I5 and the spot-preemption issue: kill -9 anywhere, SIGTERM, corrupt artifacts, S3.
 
 Killed runs are real ``bcdflow`` subprocesses (pointed at the session's Prefect test server); each is
 resumed with ``bcdflow resume`` and must end bitwise equal to an uninterrupted run.

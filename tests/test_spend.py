@@ -1,4 +1,4 @@
-"""Spend (DESIGN §7): price catalog, per-stage arithmetic, the cost curve, the budget rule, and the
+"""Spend (docs/DESIGN.md §7): price catalog, per-stage arithmetic, the cost curve, the budget rule, and the
 global stop rules' precedence; end to end, a budget that stops a run cleanly and a resume that lifts it."""
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ def test_run_state(store):
         read_config(store, "t")
 
 
-# -- one writer (DESIGN I7): exclusive create, manifests never overwritten, the lease ------------------------------
+# -- one writer (docs/DESIGN.md I7): exclusive create, manifests never overwritten, the lease ------------------------------
 
 def test_create_is_exclusive(store):
     assert store.create(b"one", "x/obj") and not store.create(b"two", "x/obj")

@@ -1,5 +1,5 @@
 """The visit's computation in models/: the chunked loss over the vocabulary (no full logits), recompute of the
-frozen suffix, and frozen weights stored in bf16 (DESIGN I6), on the CPU.
+frozen suffix, and frozen weights stored in bf16 (docs/DESIGN.md I6), on the CPU.
 
     python -m pytest -q tests/test_visit_compute.py
 """

@@ -7,6 +7,7 @@ the exported final model to the run's MLflow run. Prefect's artifacts are ``flow
 from __future__ import annotations
 
 import os
+import tempfile
 
 import matplotlib
 
@@ -14,8 +15,11 @@ matplotlib.use("Agg")  # headless workers; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bcdflow.core import spend as spend_mod  # noqa: E402
-from bcdflow.core.context import open_store
+from bcdflow.core.context import open_store  # noqa: E402
+from bcdflow.core.export import export_hf, export_version  # noqa: E402
+from bcdflow.storage import runs  # noqa: E402
 from bcdflow.storage.runs import VisitRecord  # noqa: E402
+from bcdflow.tracking.tracker import Tracker  # noqa: E402
 
 def _fmt(v, fmt: str) -> str:
     if v is None or (isinstance(v, float) and v != v):  # None or NaN
@@ -104,12 +108,6 @@ def log_run_outputs(cfg, run_id: str, mlflow_run: str, version: int) -> None:
     """Log the figures and (``log_model``) the exported final model to the run's MLflow run: a run that started
     from a Hugging Face checkpoint logs the Hugging Face directory (``bcdflow export --format hf``), others
     the bcdflow format."""
-    import tempfile
-
-    from bcdflow.core.export import export_hf, export_version
-    from bcdflow.storage import runs
-    from bcdflow.tracking.tracker import Tracker
-
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
     store = open_store(cfg)
     visits = runs.read_state(store, run_id).visits

@@ -1,4 +1,4 @@
-"""The one seam to MLflow (CONVENTIONS 6). ``Tracker("none")`` is a no-op.
+"""The one seam to MLflow (docs/CONVENTIONS.md 6). ``Tracker("none")`` is a no-op.
 
 One MLflow run per training run, a nested run per visit (tag ``mlflow.parentRunId``). Metrics are
 batched (``log_batch``) so a SQLite backend never sits on the training hot path per step. A run started
