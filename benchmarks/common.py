@@ -77,44 +77,6 @@ def one_step(loss_fn, params, batch, opt, spec) -> None:
     run_steps(loss_fn, params, itertools.repeat(batch), opt, spec, StopRule(max_steps=1))
 
 
-def check_tracker() -> dict:
-    """Analytic case: an nn.Linear AdamW step (as ``make_optimizer`` builds it) after a first step, so the
-    moments exist.
-
-    Alive at the optimizer step: weights W, two moments 2W, grads W and, for foreach AdamW only, one
-    W-sized temporary (sqrt of the second moment; fused AdamW has none); activations (B x out) are gone
-    by then. Peak = 4W (fused) or 5W (foreach) + input.
-    """
-    lin = torch.nn.Linear(512, 512)
-    x, W = torch.randn(4, 512), tensor_bytes(list(lin.parameters()))
-    params, spec = list(lin.parameters()), OptimSpec("adamw", grad_clip=1.0)
-    opt = make_optimizer(params, spec)
-    fused = bool(opt.defaults.get("fused"))
-    loss_fn = lambda b: lin(b).square().mean()  # noqa: E731
-    one_step(loss_fn, params, x, opt, spec)
-    opt.zero_grad(set_to_none=True)
-    base = tensor_bytes(params, opt.state, x)
-    with LiveBytes() as tr:
-        one_step(loss_fn, params, x, opt, spec)
-    n = 4 if fused else 5
-    measured, expected = base + tr.peak, n * W + x.nbytes
-    ok = abs(measured - expected) <= 0.01 * expected
-    print(f"tracker check, Linear AdamW step ({'fused' if fused else 'foreach'}): {measured / MB:.3f} MB, "
-          f"analytic {n}W + input {expected / MB:.3f} MB -> {'ok' if ok else 'MISMATCH'}")
-    return {"measured_bytes": measured, "expected_bytes": expected, "ok": ok, "fused": fused}
-
-
-def matmul_flops(model, trainable: set[str], cfg) -> int:
-    """Matmul FLOPs per token of a step: forward 2P and input-grad 2P over every weight the step runs,
-    weight-grad 2P over the trainable ones (attention scores, norms and the optimizer not counted)."""
-    run = sum(p.numel() for n, p in model.named_parameters() if n.startswith("h.") and p.dim() == 2)
-    train = sum(p.numel() for n, p in model.named_parameters()
-                if n.startswith("h.") and p.dim() == 2 and n in trainable)
-    head = cfg.vocab_size * cfg.d_model
-    head_trainable = ("wte.weight" if cfg.tied else "lm_head.weight") in trainable
-    return 4 * (run + head) + 2 * (train + (head if head_trainable else 0))
-
-
 def layer_matmul_params(model) -> dict[int, int]:
     """Layer index -> elements of its matrices (what the matmuls of that layer multiply by)."""
     out: dict[int, int] = {}
@@ -206,7 +168,6 @@ class Visit:
         self.params = [p for n, p in model.named_parameters() if n in trainable]
         self.spec = OptimSpec(args.optim)
         self.opt = make_optimizer(self.params, self.spec)
-        self.flops = matmul_flops(model, trainable, cfg)
         start, precision, from_acts = self.start, args.precision, not embed
 
         def loss_fn(b):  # the loss path of tasks/train.py::train_visit
@@ -263,14 +224,6 @@ class Visit:
             loss = self.loss_fn(self.batch)
         del loss
         return sum(seen.values())
-
-    def report(self) -> dict:
-        ms = [1e3 * t for t in self.times]
-        return {"name": self.name, "layers": list(self.layers), "embed": self.embed,
-                "trainable_params": sum(p.numel() for p in self.params),
-                "step_ms_median": statistics.median(ms), "step_ms_mean": statistics.fmean(ms), "step_ms_all": ms,
-                **self.peak(), "matmul_flops_per_token": self.flops}
-
 
 class Timed:
     """Anything timed in a round-robin: ``fn()`` runs once; ``times`` holds the timed seconds."""

@@ -15,11 +15,7 @@ from pathlib import Path
 from benchmarks import report
 from benchmarks.runs import RunBook, first_reach
 from benchmarks.training import pair
-
-try:  # the product's catalog (DESIGN §7)
-    from bcdflow.core.spend import DEFAULT_PRICES as CATALOG
-except ImportError:  # pragma: no cover - older trees
-    CATALOG = {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}
+from bcdflow.core.spend import DEFAULT_PRICES as CATALOG  # the product's catalog (DESIGN §7)
 
 # paper Tables 12-14, G-1.6B: GPU-hour reduction of BCD (on RTX 4090) vs full (average B-F / worst B-F)
 PAPER_GPUH = {"rtx4090": (0.802, 0.561), "a100": (0.556, 0.015), "a800": (0.578, 0.064)}

@@ -22,9 +22,8 @@ from benchmarks import report
 from benchmarks.common import MB, Workload, best, round_robin
 from bcdflow.models.memory import visit_memory
 
-# paper Table 11 (GPT-2, Adam / SGD): memory at 1/UFP unfrozen over the full update's
+# paper Table 11 (GPT-2, Adam): memory at 1/UFP unfrozen over the full update's
 PAPER_ADAM = {1: 2432.60, 2: 1520.38, 3: 1216.30, 4: 1064.26}
-PAPER_SGD = {1: 1824.45, 2: 1216.30, 3: 1013.58, 4: 912.23}
 
 
 def analytic(w: Workload, v) -> dict:
