@@ -18,7 +18,6 @@ share the cores that one worker's torch already uses; on a GPU fleet each worker
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
@@ -178,7 +177,10 @@ def main(argv=None) -> dict:
     os.environ.update({"PREFECT_HOME": str(root / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                        "DO_NOT_TRACK": "1", "PREFECT_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
                        "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+    # after the environment above: torch reads OMP_NUM_THREADS when imported (and report imports numpy)
     import torch
+
+    from benchmarks import report
 
     torch.set_num_threads(1)
     result: dict = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}}
@@ -200,10 +202,7 @@ def main(argv=None) -> dict:
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {out}")
+    report.write_json(args.out, result)
     return result
 
 

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # benchmarks.report, when run as a script
 
 MB = 1 << 20
 TARGET = 1.5
@@ -144,6 +144,8 @@ def main(argv=None) -> dict:
     if args.convert:  # the child
         print(json.dumps(convert(args.convert[0], args.convert[1], int(args.convert[2]))))
         return {}
+    # not at the top: the --convert child runs this file too, and its RSS is the measurement (report loads matplotlib)
+    from benchmarks import report
 
     scratch = tempfile.mkdtemp(prefix="bcdflow-hf-bench-", dir=args.dir or REPO.parent)
     t_start = time.perf_counter()
@@ -181,10 +183,7 @@ def main(argv=None) -> dict:
               "checkpoint": written, "conversion": child, "peak_rss": peak, "largest_block_bytes": largest,
               "model_bytes": whole, "peak_over_block": ratio_block, "peak_over_model": ratio_model,
               "target": TARGET, "pass": ok, "wall_s": time.perf_counter() - t_start}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out} ({result['wall_s']:.0f} s)")
+    report.write_json(args.out, result)
     return result
 
 
