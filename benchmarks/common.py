@@ -22,8 +22,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from bcdflow.models import build_model
-from bcdflow.models.build import frozen_in
+from benchmarks.isolate import Remote, time_each
+from bcdflow.core.config import RunConfig
+from bcdflow.models import build_model, get_config
+from bcdflow.models.build import frozen_in, param_sizes
+from bcdflow.models.gpt import GPT
+from bcdflow.models.llama import LLaMA
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
 from bcdflow.models.visit import autocast, visit_loss
 
@@ -125,9 +129,6 @@ def forward_flops(model, cfg, seq_len: int, lo: int, hi: int, head: bool = False
 
 def meta_model(cfg):
     """The whole model on the meta device: shapes and names, no memory (for analytic counts)."""
-    from bcdflow.models.gpt import GPT
-    from bcdflow.models.llama import LLaMA
-
     with torch.device("meta"):
         return {"gpt": GPT, "llama": LLaMA}[cfg.family](cfg)
 
@@ -261,8 +262,6 @@ def round_robin(items, warmup: int, steps: int, max_steps: int | None = None, bu
     fastest steps still differ by more than ``tol``: on a busy machine a configuration whose every step
     was disturbed gets more chances to show what it costs. Returns how many rounds ran and the worst
     remaining spread (fastest two) and median/fastest ratio, which the reports print as timing quality."""
-    from benchmarks.isolate import Remote, time_each
-
     remote = [it for it in items if isinstance(it, Remote)]
     if remote:  # CUDA: configurations in their own processes, one after the other; local probes take turns
         local = [it for it in items if not isinstance(it, Remote)]
@@ -325,14 +324,11 @@ class Workload:
     Block plans come from the product (``RunConfig.plan``: the split ``bcd.split`` picks, by
     parameter count by default), so the benchmark measures the blocks a run would train.
 
-    On CUDA (``isolated``) ``full``/``visit`` return ``benchmarks.isolate.Remote`` configurations, each measured
-    in its own process; there (``random_weights``) parts are initialised on the device, with no master copy."""
+    On CUDA (``isolated``) ``full``/``visit``/``prefix`` return ``benchmarks.isolate.Remote`` configurations, each
+    measured in its own process; there (``random_weights``) parts are initialised on the device, with no master copy."""
 
     def __init__(self, c: dict, device: torch.device, optim: str = "adamw", seed: int = 0,
                  random_weights: bool = False):
-        from bcdflow.models import get_config
-        from bcdflow.models.build import param_sizes
-
         self.c, self.device, self.seed = c, device, seed
         self.cfg = get_config(c["model"], **c["overrides"])
         sizes = param_sizes(self.cfg)  # from a meta-device model
@@ -362,8 +358,6 @@ class Workload:
         return self.x.numel()
 
     def plan(self, blocks: int):
-        from bcdflow.core.config import RunConfig
-
         over = {k: v for k, v in self.c["overrides"].items() if k != "vocab_size"}
         run = RunConfig(model={"name": self.c["model"], **over},
                         data={"vocab_size": max(self.cfg.vocab_size, 260), "seq_len": self.c["seq_len"]},
@@ -372,8 +366,6 @@ class Workload:
 
     def full(self) -> Visit:
         if self.isolated:
-            from benchmarks.isolate import Remote
-
             return Remote(self, "full", "full")
         return Visit("full", self.cfg, self.master, self.device, self.args, (0, self.cfg.n_layer), True,
                      set(self.names), (self.x, self.y))
@@ -391,8 +383,6 @@ class Workload:
         hidden states; without, the whole model with the prefix under no_grad every step."""
         (lo, hi), n = blk.layers, self.cfg.n_layer
         if self.isolated:
-            from benchmarks.isolate import Remote
-
             blocks = len(self.plan_of(blk))
             return Remote(self, name, "visit", blocks=blocks, block=blk.index, preinfer=preinfer,
                           recompute=recompute)
@@ -401,6 +391,28 @@ class Workload:
                          (self.hidden(lo), self.y), hi=hi, recompute=recompute)
         return Visit(name, self.cfg, self.master, self.device, self.args, (0, n), True, set(blk.params),
                      (self.x, self.y), start=lo, hi=hi, recompute=recompute)
+
+    def prefix(self, lo: int) -> Timed:
+        """The pre-inference forward of the frozen prefix, layers [0, lo), over one batch (``tasks/preinfer.py``)."""
+        if self.isolated:  # CUDA: timed in a process of its own (benchmarks/isolate.py)
+            meta = build_model(self.cfg, layers=(0, lo), head=False, device="meta", init=False)
+            return Remote(self, f"pre-infer layers 0-{lo}", "prefix", lo=lo,
+                          info={"lo": lo, "flops_per_token": forward_flops(meta, self.cfg, self.x.size(1), 0, lo)})
+        if self.random_weights:
+            prefix = build_model(self.cfg, layers=(0, lo), head=False, device=self.device)
+        else:
+            prefix = build_model(self.cfg, layers=(0, lo), head=False, device=self.device, init=False)
+            prefix.load_state_dict({k: self.master[k] for k in prefix.state_dict()}, strict=True)
+        prefix.eval().requires_grad_(False)
+        if self.args.precision == "bf16":
+            frozen_in(prefix, torch.bfloat16)  # as the product's pre-inference holds it
+
+        def fn():  # tasks/preinfer.py::run_prefix, one batch
+            with torch.inference_mode(), autocast(self.device, self.args.precision):
+                return prefix.run_layers(prefix.embed(self.x), 0, lo).float().cpu()
+
+        return Timed(f"pre-infer layers 0-{lo}", fn, self.device, lo=lo,
+                     flops_per_token=forward_flops(prefix, self.cfg, self.x.size(1), 0, lo))
 
     def plan_of(self, blk):
         """The plan ``blk`` comes from (the block count whose plan holds this very block)."""

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
@@ -49,8 +51,6 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, root: Path):
-        import httpx
-
         self.root = root
         port = free_port()
         self.api = f"http://127.0.0.1:{port}/api"
@@ -91,6 +91,8 @@ class Server:
 
 
 def dispatch(name: str, sets: list[str], root: Path) -> dict:
+    # local, here and in dask_throughput: Prefect and torch (under bcdflow) read PREFECT_HOME and OMP_NUM_THREADS when
+    # imported, which main() sets first
     from prefect import flow
 
     from bcdflow.core.config import load_config
@@ -132,7 +134,7 @@ def dispatch(name: str, sets: list[str], root: Path) -> dict:
 
 
 def dask_throughput(sets: list[str], root: Path) -> dict:
-    from distributed import LocalCluster
+    from distributed import LocalCluster  # the fleet extra (prefect-dask)
     from prefect import flow
 
     from bcdflow.core.config import load_config

@@ -275,7 +275,7 @@ class S3Server:
     """moto's S3 on loopback, as tests/conftest.py::S3Server (a benchmark does not import the test harness)."""
 
     def __init__(self):
-        from moto.server import ThreadedMotoServer
+        from moto.server import ThreadedMotoServer  # local: moto is a test dependency, needed only for S3
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
         with socket.socket() as s:

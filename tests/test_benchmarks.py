@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.cli import main
 from benchmarks.common import LiveBytes, one_step, tensor_bytes
 from bcdflow.models.trainer import OptimSpec, make_optimizer
 
@@ -24,8 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(names: list[str], out: Path, monkeypatch) -> dict:
-    from benchmarks.cli import main
-
     monkeypatch.setenv("BCDFLOW_BENCH_SIZE", "tiny")
     rc = main(["run", "--quick", "--only", *names, "--out", str(out)])
     data = json.loads((out / "results.json").read_text())
