@@ -27,6 +27,14 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
+from benchmarks import cost, iteration, memory, report, training, utilization
+from benchmarks.common import machine
+from benchmarks.profiles import profile
+from benchmarks.runs import book, flow_server
+from bcdflow.core.context import resolve_device
+
 STEP = ("memory", "iteration", "utilization")
 FLOWS = ("validity", "sampling", "order", "cost")
 NAMES = STEP + FLOWS
@@ -34,7 +42,10 @@ NAMES = STEP + FLOWS
 
 def setup_env() -> None:
     """For the command line (``__main__``): telemetry off, Prefect's and Hugging Face's homes in a temp
-    dir. In-process callers (the tests) bring their own environment."""
+    dir. In-process callers (the tests) bring their own environment.
+
+    It runs after this module is imported, so what this module imports must not import Prefect (which reads its
+    settings on import): ``runs`` and ``cost`` import it when runs start."""
     if "prefect" in sys.modules:  # too late: Prefect has read its settings
         return
     home = tempfile.mkdtemp(prefix="bcdflow-bench-home-")
@@ -96,13 +107,6 @@ def compute_profile(c: dict, args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    import torch
-
-    from benchmarks import report
-    from benchmarks.common import machine
-    from benchmarks.profiles import profile
-    from bcdflow.core.context import resolve_device
-
     size = "tiny" if args.tiny or os.environ.get("BCDFLOW_BENCH_SIZE") == "tiny" else (
         "quick" if args.quick else "full")
     prof = profile(size)
@@ -126,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = _one(name, prof, device, out, threads=threads)
     flow_names = [n for n in names if n in FLOWS]
     if flow_names:
-        from benchmarks.runs import book, flow_server
-
         bk = book(size, prof, flow_threads)
         try:
             with flow_server():
@@ -153,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one(name: str, prof: dict, device, out: Path, **kw) -> dict:
-    from benchmarks import report
-
     fn = _load(name)
     print(f"\n== {name}", flush=True)
     t = time.perf_counter()
@@ -171,8 +171,6 @@ def _one(name: str, prof: dict, device, out: Path, **kw) -> dict:
 
 
 def _load(name: str):
-    from benchmarks import cost, iteration, memory, training, utilization
-
     step = {"memory": memory.run, "iteration": iteration.run, "utilization": utilization.run}
     if name in step:
         return step[name]

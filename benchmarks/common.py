@@ -22,9 +22,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from benchmarks.isolate import Remote, time_each
+from bcdflow.core.config import RunConfig
 from bcdflow.core.context import block_plan, model_config
-from bcdflow.models import build_model
-from bcdflow.models.build import frozen_in
+from bcdflow.models import build_model, get_config
+from bcdflow.models.build import frozen_in, param_sizes
+from bcdflow.models.gpt import GPT
+from bcdflow.models.llama import LLaMA
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
 from bcdflow.models.visit import autocast, visit_loss
 
@@ -78,44 +82,6 @@ def one_step(loss_fn, params, batch, opt, spec) -> None:
     run_steps(loss_fn, params, itertools.repeat(batch), opt, spec, StopRule(max_steps=1))
 
 
-def check_tracker() -> dict:
-    """Analytic case: an nn.Linear AdamW step (as ``make_optimizer`` builds it) after a first step, so the
-    moments exist.
-
-    Alive at the optimizer step: weights W, two moments 2W, grads W and, for foreach AdamW only, one
-    W-sized temporary (sqrt of the second moment; fused AdamW has none); activations (B x out) are gone
-    by then. Peak = 4W (fused) or 5W (foreach) + input.
-    """
-    lin = torch.nn.Linear(512, 512)
-    x, W = torch.randn(4, 512), tensor_bytes(list(lin.parameters()))
-    params, spec = list(lin.parameters()), OptimSpec("adamw", grad_clip=1.0)
-    opt = make_optimizer(params, spec)
-    fused = bool(opt.defaults.get("fused"))
-    loss_fn = lambda b: lin(b).square().mean()  # noqa: E731
-    one_step(loss_fn, params, x, opt, spec)
-    opt.zero_grad(set_to_none=True)
-    base = tensor_bytes(params, opt.state, x)
-    with LiveBytes() as tr:
-        one_step(loss_fn, params, x, opt, spec)
-    n = 4 if fused else 5
-    measured, expected = base + tr.peak, n * W + x.nbytes
-    ok = abs(measured - expected) <= 0.01 * expected
-    print(f"tracker check, Linear AdamW step ({'fused' if fused else 'foreach'}): {measured / MB:.3f} MB, "
-          f"analytic {n}W + input {expected / MB:.3f} MB -> {'ok' if ok else 'MISMATCH'}")
-    return {"measured_bytes": measured, "expected_bytes": expected, "ok": ok, "fused": fused}
-
-
-def matmul_flops(model, trainable: set[str], cfg) -> int:
-    """Matmul FLOPs per token of a step: forward 2P and input-grad 2P over every weight the step runs,
-    weight-grad 2P over the trainable ones (attention scores, norms and the optimizer not counted)."""
-    run = sum(p.numel() for n, p in model.named_parameters() if n.startswith("h.") and p.dim() == 2)
-    train = sum(p.numel() for n, p in model.named_parameters()
-                if n.startswith("h.") and p.dim() == 2 and n in trainable)
-    head = cfg.vocab_size * cfg.d_model
-    head_trainable = ("wte.weight" if cfg.tied else "lm_head.weight") in trainable
-    return 4 * (run + head) + 2 * (train + (head if head_trainable else 0))
-
-
 def layer_matmul_params(model) -> dict[int, int]:
     """Layer index -> elements of its matrices (what the matmuls of that layer multiply by)."""
     out: dict[int, int] = {}
@@ -164,9 +130,6 @@ def forward_flops(model, cfg, seq_len: int, lo: int, hi: int, head: bool = False
 
 def meta_model(cfg):
     """The whole model on the meta device: shapes and names, no memory (for analytic counts)."""
-    from bcdflow.models.gpt import GPT
-    from bcdflow.models.llama import LLaMA
-
     with torch.device("meta"):
         return {"gpt": GPT, "llama": LLaMA}[cfg.family](cfg)
 
@@ -207,7 +170,6 @@ class Visit:
         self.params = [p for n, p in model.named_parameters() if n in trainable]
         self.spec = OptimSpec(args.optim)
         self.opt = make_optimizer(self.params, self.spec)
-        self.flops = matmul_flops(model, trainable, cfg)
         start, precision, from_acts = self.start, args.precision, not embed
 
         def loss_fn(b):  # the loss path of tasks/train.py::train_block
@@ -265,14 +227,6 @@ class Visit:
         del loss
         return sum(seen.values())
 
-    def report(self) -> dict:
-        ms = [1e3 * t for t in self.times]
-        return {"name": self.name, "layers": list(self.layers), "embed": self.embed,
-                "trainable_params": sum(p.numel() for p in self.params),
-                "step_ms_median": statistics.median(ms), "step_ms_mean": statistics.fmean(ms), "step_ms_all": ms,
-                **self.peak(), "matmul_flops_per_token": self.flops}
-
-
 class Timed:
     """Anything timed in a round-robin: ``fn()`` runs once; ``times`` holds the timed seconds."""
 
@@ -309,8 +263,6 @@ def round_robin(items, warmup: int, steps: int, max_steps: int | None = None, bu
     fastest steps still differ by more than ``tol``: on a busy machine a configuration whose every step
     was disturbed gets more chances to show what it costs. Returns how many rounds ran and the worst
     remaining spread (fastest two) and median/fastest ratio, which the reports print as timing quality."""
-    from benchmarks.isolate import Remote, time_each
-
     remote = [it for it in items if isinstance(it, Remote)]
     if remote:  # CUDA: configurations in their own processes, one after the other; local probes take turns
         local = [it for it in items if not isinstance(it, Remote)]
@@ -373,14 +325,11 @@ class Workload:
     Block plans come from the product (``RunConfig.plan``: the split ``bcd.split`` picks, by
     parameter count by default), so the benchmark measures the blocks a run would train.
 
-    On CUDA (``isolated``) ``full``/``visit`` return ``benchmarks.isolate.Remote`` configurations, each measured
-    in its own process; there (``random_weights``) parts are initialised on the device, with no master copy."""
+    On CUDA (``isolated``) ``full``/``visit``/``prefix`` return ``benchmarks.isolate.Remote`` configurations, each
+    measured in its own process; there (``random_weights``) parts are initialised on the device, with no master copy."""
 
     def __init__(self, c: dict, device: torch.device, optim: str = "adamw", seed: int = 0,
                  random_weights: bool = False):
-        from bcdflow.models import get_config
-        from bcdflow.models.build import param_sizes
-
         self.c, self.device, self.seed = c, device, seed
         self.cfg = get_config(c["model"], **c["overrides"])
         sizes = param_sizes(self.cfg)  # from a meta-device model
@@ -410,8 +359,6 @@ class Workload:
         return self.x.numel()
 
     def plan(self, blocks: int):
-        from bcdflow.core.config import RunConfig
-
         over = {k: v for k, v in self.c["overrides"].items() if k != "vocab_size"}
         run = RunConfig(model={"name": self.c["model"], **over},
                         data={"vocab_size": max(self.cfg.vocab_size, 260), "seq_len": self.c["seq_len"]},
@@ -420,8 +367,6 @@ class Workload:
 
     def full(self) -> Visit:
         if self.isolated:
-            from benchmarks.isolate import Remote
-
             return Remote(self, "full", "full")
         return Visit("full", self.cfg, self.master, self.device, self.args, (0, self.cfg.n_layer), True,
                      set(self.names), (self.x, self.y))
@@ -439,8 +384,6 @@ class Workload:
         hidden states; without, the whole model with the prefix under no_grad every step."""
         (lo, hi), n = blk.layers, self.cfg.n_layer
         if self.isolated:
-            from benchmarks.isolate import Remote
-
             blocks = len(self.plan_of(blk))
             return Remote(self, name, "visit", blocks=blocks, block=blk.index, preinfer=preinfer,
                           recompute=recompute)
@@ -449,6 +392,28 @@ class Workload:
                          (self.hidden(lo), self.y), hi=hi, recompute=recompute)
         return Visit(name, self.cfg, self.master, self.device, self.args, (0, n), True, set(blk.params),
                      (self.x, self.y), start=lo, hi=hi, recompute=recompute)
+
+    def prefix(self, lo: int) -> Timed:
+        """The pre-inference forward of the frozen prefix, layers [0, lo), over one batch (``tasks/preinfer.py``)."""
+        if self.isolated:  # CUDA: timed in a process of its own (benchmarks/isolate.py)
+            meta = build_model(self.cfg, layers=(0, lo), head=False, device="meta", init=False)
+            return Remote(self, f"pre-infer layers 0-{lo}", "prefix", lo=lo,
+                          info={"lo": lo, "flops_per_token": forward_flops(meta, self.cfg, self.x.size(1), 0, lo)})
+        if self.random_weights:
+            prefix = build_model(self.cfg, layers=(0, lo), head=False, device=self.device)
+        else:
+            prefix = build_model(self.cfg, layers=(0, lo), head=False, device=self.device, init=False)
+            prefix.load_state_dict({k: self.master[k] for k in prefix.state_dict()}, strict=True)
+        prefix.eval().requires_grad_(False)
+        if self.args.precision == "bf16":
+            frozen_in(prefix, torch.bfloat16)  # as the product's pre-inference holds it
+
+        def fn():  # tasks/preinfer.py::preinfer_shard, one batch
+            with torch.inference_mode(), autocast(self.device, self.args.precision):
+                return prefix.run_layers(prefix.embed(self.x), 0, lo).float().cpu()
+
+        return Timed(f"pre-infer layers 0-{lo}", fn, self.device, lo=lo,
+                     flops_per_token=forward_flops(prefix, self.cfg, self.x.size(1), 0, lo))
 
     def plan_of(self, blk):
         """The plan ``blk`` comes from (the block count whose plan holds this very block)."""

@@ -15,11 +15,8 @@ from pathlib import Path
 from benchmarks import report
 from benchmarks.runs import RunBook, first_reach
 from benchmarks.training import pair
-
-try:  # the product's catalog (docs/DESIGN.md §7)
-    from bcdflow.core.spend import DEFAULT_PRICES as CATALOG
-except ImportError:  # pragma: no cover - older trees
-    CATALOG = {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}
+from bcdflow.core.spend import DEFAULT_PRICES as CATALOG  # the product's catalog (docs/DESIGN.md §7)
+from bcdflow.storage.store import Store
 
 # paper Tables 12-14, G-1.6B: GPU-hour reduction of BCD (on RTX 4090) vs full (average B-F / worst B-F)
 PAPER_GPUH = {"rtx4090": (0.802, 0.561), "a100": (0.556, 0.015), "a800": (0.578, 0.064)}
@@ -87,8 +84,8 @@ def cost(book: RunBook, out: Path, **_) -> dict:
 def product_compare(book: RunBook, a: dict) -> str:
     """The product's own comparison (``bcdflow compare full bcd``), when flows.compare is there."""
     try:
+        # local: flows.compare imports Prefect, which must not be imported before cli.setup_env (see runs.py)
         from bcdflow.flows.compare import compare
-        from bcdflow.storage.store import Store
 
         out = compare(Store(a["full"]["store"]), [a["full"]["run_id"], a["bcd"]["run_id"]])
         return "`bcdflow compare` of the AdamW pair (the product's table; L* = the worse of the two best losses):\n\n" \

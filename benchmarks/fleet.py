@@ -18,7 +18,6 @@ share the cores that one worker's torch already uses; on a GPU fleet each worker
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
@@ -28,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 from bcdflow.core.context import open_store
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
@@ -51,8 +52,6 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, root: Path):
-        import httpx
-
         self.root = root
         port = free_port()
         self.api = f"http://127.0.0.1:{port}/api"
@@ -79,7 +78,7 @@ class Server:
         subprocess.run([prefect, "work-pool", "create", POOL, "--type", "process"], env=env, check=True,
                        capture_output=True)
         # the repository's visit deployment, under this pool's name (a deployment per pool, named after it)
-        code = ("from flows.visit import visit\n"
+        code = ("from bcdflow.flows.visit import visit\n"
                 f"visit.from_source('{ROOT}', 'flows/visit.py:visit').deploy(name='{POOL}', work_pool_name='{POOL}')")
         subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, cwd=ROOT)
         self.worker = subprocess.Popen([Path(sys.executable).parent / "bcdflow", "worker", "--pool", POOL],
@@ -93,6 +92,8 @@ class Server:
 
 
 def dispatch(name: str, sets: list[str], root: Path) -> dict:
+    # local, here and in dask_throughput: Prefect and torch (under bcdflow) read PREFECT_HOME and OMP_NUM_THREADS when
+    # imported, which main() sets first
     from prefect import flow
 
     from bcdflow.core.config import load_config
@@ -133,7 +134,7 @@ def dispatch(name: str, sets: list[str], root: Path) -> dict:
 
 
 def dask_throughput(sets: list[str], root: Path) -> dict:
-    from distributed import LocalCluster
+    from distributed import LocalCluster  # the fleet extra (prefect-dask)
     from prefect import flow
 
     from bcdflow.core.config import load_config
@@ -178,7 +179,10 @@ def main(argv=None) -> dict:
     os.environ.update({"PREFECT_HOME": str(root / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                        "DO_NOT_TRACK": "1", "PREFECT_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
                        "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+    # after the environment above: torch reads OMP_NUM_THREADS when imported (and report imports numpy)
     import torch
+
+    from benchmarks import report
 
     torch.set_num_threads(1)
     result: dict = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}}
@@ -200,10 +204,7 @@ def main(argv=None) -> dict:
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {out}")
+    report.write_json(args.out, result)
     return result
 
 

@@ -31,8 +31,20 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+import torch
+
+from bcdflow.core import hf
+from bcdflow.models import hf as hfmap
+from bcdflow.models import model_plan
+from bcdflow.models.build import param_shapes
+from bcdflow.models.config import ModelConfig, RopeScaling
+from bcdflow.models.hf import config_from_hf
+from bcdflow.storage.hf import Checkpoint
+from bcdflow.storage.store import Store
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # benchmarks.report, when run as a script
 
 MB = 1 << 20
 TARGET = 1.5
@@ -40,8 +52,6 @@ ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def llama_config(args):
-    from bcdflow.models.config import ModelConfig, RopeScaling
-
     return ModelConfig(family="llama", n_layer=args.layers, d_model=2048, n_head=32, n_kv_head=8, d_ff=8192,
                        n_ctx=131072, vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0, tie_embeddings=True,
                        bias=False, rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192))
@@ -49,11 +59,6 @@ def llama_config(args):
 
 def write_checkpoint(directory: str, args) -> dict:
     """Random weights under HF names in ``args.shards`` files, streamed tensor by tensor."""
-    import torch
-
-    from bcdflow.models import hf as hfmap
-    from bcdflow.models.build import param_shapes
-
     mcfg = llama_config(args)
     dtype = hfmap.DTYPES[args.dtype]
     tensors = [(hfmap.hf_name(mcfg, n), hfmap.hf_shape(mcfg, n, s)) for n, s in param_shapes(mcfg).items()]
@@ -96,14 +101,6 @@ def write_checkpoint(directory: str, args) -> dict:
 
 def convert(ckpt: str, store_dir: str, blocks: int) -> dict:
     """The child: the product's conversion, nothing else, with its memory sampled."""
-    import psutil
-
-    from bcdflow.core import hf
-    from bcdflow.models import model_plan
-    from bcdflow.models.hf import config_from_hf
-    from bcdflow.storage.hf import Checkpoint
-    from bcdflow.storage.store import Store
-
     proc = psutil.Process()
     peak = [0]
     stop = threading.Event()
@@ -144,6 +141,8 @@ def main(argv=None) -> dict:
     if args.convert:  # the child
         print(json.dumps(convert(args.convert[0], args.convert[1], int(args.convert[2]))))
         return {}
+    # not at the top: the --convert child runs this file too, and its RSS is the measurement (report loads matplotlib)
+    from benchmarks import report
 
     scratch = tempfile.mkdtemp(prefix="bcdflow-hf-bench-", dir=args.dir or REPO.parent)
     t_start = time.perf_counter()
@@ -181,10 +180,7 @@ def main(argv=None) -> dict:
               "checkpoint": written, "conversion": child, "peak_rss": peak, "largest_block_bytes": largest,
               "model_bytes": whole, "peak_over_block": ratio_block, "peak_over_model": ratio_model,
               "target": TARGET, "pass": ok, "wall_s": time.perf_counter() - t_start}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out} ({result['wall_s']:.0f} s)")
+    report.write_json(args.out, result)
     return result
 
 

@@ -3,11 +3,14 @@
 On the CPU the step benchmarks build every configuration in one process and time them round-robin (a busy
 machine then slows them all alike). On a GPU that holds every configuration's weights, optimizer state and batch
 at once, which overflows even an 80 GB card for a 1.6B model; and one configuration's allocations would blur the
-next one's peak. So on CUDA, ``Workload.full``/``visit`` and ``iteration.prefix_timer`` return a :class:`Remote`:
-the configuration's description plus a meta-device model (for FLOP counts, no memory), and each measurement
-(peak, saved activations, timed steps) runs in a fresh spawned process that builds just that configuration with
-random weights on the GPU (memory and time do not depend on the weights' values), measures it and exits: every
-configuration starts from an empty card. GPU timings are steady, so no round-robin is needed there.
+next one's peak. So on CUDA, ``Workload.full``/``visit``/``prefix`` return a :class:`Remote`: the configuration's
+description plus a meta-device model (for FLOP counts, no memory), and each measurement (peak, saved activations,
+timed steps) runs in a fresh spawned process that builds just that configuration with random weights on the GPU
+(memory and time do not depend on the weights' values), measures it and exits: every configuration starts from an
+empty card. GPU timings are steady, so no round-robin is needed there.
+
+This module imports none of the other benchmark modules (``common`` imports it): the child gets the workload's
+class and the measurement to run as arguments, which the process pool pickles by reference.
 """
 from __future__ import annotations
 
@@ -48,20 +51,20 @@ class Remote:
     def best_s(self) -> float:
         return min(self.times)
 
-    def _call(self, what: str, **kw):
+    def in_child(self, fn, **kw):
+        """``fn(w, v, **kw)`` in a fresh process, where ``w`` is this workload rebuilt with random weights on the
+        device and ``v`` this configuration built from it; returns what ``fn`` returns. ``fn`` is a module-level
+        function (the pool pickles it by reference), e.g. ``memory.measure``."""
         ctx = mp.get_context("spawn")
         with ctx.Pool(1) as pool:  # a fresh process: the card is empty when it starts and when it ends
-            return pool.apply(_child, (self.w.c, str(self.device), self.w.args.optim, self.kind, self.name, self.spec,
-                                       what, kw))
-
-    def measure_memory(self) -> dict:
-        return self._call("memory")
+            return pool.apply(_child, (type(self.w), self.w.c, str(self.device), self.w.args.optim, self.kind,
+                                       self.name, self.spec, fn, kw))
 
     def peak(self) -> dict:
-        return self._call("peak")
+        return self.in_child(_peak)
 
     def time(self, warmup: int, steps: int) -> list[float]:
-        self.times = self._call("time", warmup=warmup, steps=steps)
+        self.times = self.in_child(_time, warmup=warmup, steps=steps)
         return self.times
 
 
@@ -75,30 +78,30 @@ def time_each(items, warmup: int, steps: int) -> dict:
             "isolated": True}
 
 
-def _child(c: dict, device: str, optim: str, kind: str, name: str, spec: dict, what: str, kw: dict):
-    """In the spawned process: build the one configuration with random weights on the device and measure it."""
-    from benchmarks import memory
-    from benchmarks.common import Workload
-
+def _child(workload: type, c: dict, device: str, optim: str, kind: str, name: str, spec: dict, fn, kw: dict):
+    """In the spawned process: build the one configuration with random weights on the device and measure it.
+    ``workload`` is the parent's workload class (``common.Workload``)."""
     dev = torch.device(device)
     torch.cuda.set_device(dev) if dev.type == "cuda" else None
-    w = Workload(c, dev, optim=optim, random_weights=True)
+    w = workload(c, dev, optim=optim, random_weights=True)
     if kind == "prefix":
-        from benchmarks.iteration import prefix_timer
-
-        v = prefix_timer(w, spec["lo"])
+        v = w.prefix(spec["lo"])
     elif kind == "full":
         v = w.full()
     else:
         v = w.visit(name, w.plan(spec["blocks"])[spec["block"]], preinfer=spec["preinfer"],
                     recompute=spec.get("recompute", False))
-    if what == "memory":
-        return memory.measure(w, v)
-    if what == "peak":
+    return fn(w, v, **kw)
+
+
+def _peak(w, v) -> dict:
+    v.step(timed=False)
+    return v.peak()
+
+
+def _time(w, v, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
         v.step(timed=False)
-        return v.peak()
-    for _ in range(kw["warmup"]):
-        v.step(timed=False)
-    for _ in range(kw["steps"]):
+    for _ in range(steps):
         v.step(timed=True)
     return v.times

@@ -18,38 +18,10 @@ from pathlib import Path
 import torch
 
 from benchmarks import report
-from benchmarks.common import Timed, Workload, best, forward_flops, round_robin, step_flops
-from bcdflow.models import build_model
-from bcdflow.models.visit import autocast
+from benchmarks.common import Workload, best, round_robin, step_flops
 
 # paper Tables 15/16: mean ms per iteration at 1/3, 1/4, 1/5 unfrozen
 PAPER_T15 = {"G-1.6B": (378.49, 331.7375, 305.52), "L-1.5B": (414.81, 331.81, 276.266)}
-
-
-def prefix_timer(w: Workload, lo: int) -> Timed:
-    if w.isolated:  # CUDA: timed in a process of its own (benchmarks/isolate.py)
-        from benchmarks.isolate import Remote
-
-        meta = build_model(w.cfg, layers=(0, lo), head=False, device="meta", init=False)
-        return Remote(w, f"pre-infer layers 0-{lo}", "prefix", lo=lo,
-                      info={"lo": lo, "flops_per_token": forward_flops(meta, w.cfg, w.x.size(1), 0, lo)})
-    if w.random_weights:
-        prefix = build_model(w.cfg, layers=(0, lo), head=False, device=w.device)
-    else:
-        prefix = build_model(w.cfg, layers=(0, lo), head=False, device=w.device, init=False)
-        prefix.load_state_dict({k: w.master[k] for k in prefix.state_dict()}, strict=True)
-    prefix.eval().requires_grad_(False)
-    if w.args.precision == "bf16":
-        from bcdflow.models.build import frozen_in
-
-        frozen_in(prefix, torch.bfloat16)  # as the product's pre-inference holds it
-
-    def fn():  # tasks/preinfer.py::preinfer_shard, one batch
-        with torch.inference_mode(), autocast(w.device, w.args.precision):
-            return prefix.run_layers(prefix.embed(w.x), 0, lo).float().cpu()
-
-    return Timed(f"pre-infer layers 0-{lo}", fn, w.device, lo=lo,
-                 flops_per_token=forward_flops(prefix, w.cfg, w.x.size(1), 0, lo))
 
 
 def run(prof: dict, device, out: Path, **_) -> dict:
@@ -69,7 +41,7 @@ def run(prof: dict, device, out: Path, **_) -> dict:
                 meta[v] = {"name": v.name, "blocks": M, "block": blk.index, "preinfer": pre if lo > 0 else None,
                            "lo": lo}
             if M == primary and lo > 0:
-                prefixes[lo] = prefix_timer(w, lo)
+                prefixes[lo] = w.prefix(lo)
     items += list(prefixes.values())
     timing = round_robin(items, c["warmup"], c["steps"], c["max_steps"], c["budget_s"])
 

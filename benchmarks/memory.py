@@ -20,11 +20,11 @@ import torch
 
 from benchmarks import report
 from benchmarks.common import MB, Workload, best, round_robin
+from benchmarks.isolate import Remote
 from bcdflow.models.memory import visit_memory
 
-# paper Table 11 (GPT-2, Adam / SGD): memory at 1/UFP unfrozen over the full update's
+# paper Table 11 (GPT-2, Adam): memory at 1/UFP unfrozen over the full update's
 PAPER_ADAM = {1: 2432.60, 2: 1520.38, 3: 1216.30, 4: 1064.26}
-PAPER_SGD = {1: 1824.45, 2: 1216.30, 3: 1013.58, 4: 912.23}
 
 
 def analytic(w: Workload, v) -> dict:
@@ -51,10 +51,8 @@ def analytic(w: Workload, v) -> dict:
 
 
 def measure(w: Workload, v) -> dict:
-    from benchmarks.isolate import Remote
-
-    if isinstance(v, Remote):  # CUDA: measured in a process of its own
-        return v.measure_memory()
+    if isinstance(v, Remote):  # CUDA: this very function, run in a process of its own on the configuration there
+        return v.in_child(measure)
     v.step(timed=False)  # a first step, so the optimizer state exists (as in every step but the first)
     peak = v.peak()
     an = analytic(w, v)

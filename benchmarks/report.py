@@ -82,6 +82,16 @@ def write(out: Path, meta: dict, results: dict[str, dict], claims: list[dict]) -
     (out / "report.md").write_text(markdown(meta, results, claims))
 
 
+def write_json(path: str | Path, result: dict) -> Path:
+    """A standalone benchmark's result (``python benchmarks/<name>.py``) as JSON at ``path`` (folders made), and
+    where it went on the terminal, with the benchmark's wall time (``wall_s``) when it has one."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=_json_default))
+    print(f"wrote {out}" + (f" ({result['wall_s']:.0f} s)" if "wall_s" in result else ""))
+    return out
+
+
 def _json_default(o):
     if hasattr(o, "item"):
         return o.item()

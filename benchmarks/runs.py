@@ -23,7 +23,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import forward_flops, meta_model, step_flops
+from bcdflow.core import spend
+from bcdflow.core.config import load_config
 from bcdflow.core.context import open_store
+from bcdflow.models.config import ModelConfig
+from bcdflow.storage import runs
+
+# Prefect and the flows (which import it) are imported inside the functions below, when runs start: Prefect reads
+# its settings (PREFECT_HOME, ...) on import, and the command line sets them (cli.setup_env) after importing this.
 
 _BOOKS: dict[tuple, "RunBook"] = {}
 
@@ -39,12 +46,12 @@ def book(profile_name: str, prof: dict, threads: int) -> "RunBook":
 @contextlib.contextmanager
 def flow_server():
     """Prefect's test server (temporary database), unless an API URL is already set."""
-    import prefect.settings
+    import prefect.settings  # local: see the note above
 
     if prefect.settings.PREFECT_API_URL.value():
         yield
         return
-    from prefect.testing.utilities import prefect_test_harness
+    from prefect.testing.utilities import prefect_test_harness  # local: see the note above (and it loads the server)
 
     with prefect_test_harness(server_startup_timeout=None):
         yield
@@ -63,8 +70,6 @@ class RunBook:
                 f"store={self.root / 'store'}", "tracking_uri=none", *extra]
 
     def get(self, label: str, mode: str, optim: str, extra: list[str] = ()) -> dict:
-        from bcdflow.core.config import load_config
-
         sets = self.sets(optim, extra)
         key = json.dumps([mode, sets])
         if key in self.runs:
@@ -75,7 +80,7 @@ class RunBook:
         torch.set_num_threads(self.threads)
         t0 = time.perf_counter()
         try:
-            from bcdflow.flows.bcd import bcd_train, full_train
+            from bcdflow.flows.bcd import bcd_train, full_train  # local: imports Prefect (see the note above)
 
             (full_train if mode == "full" else bcd_train)(config=cfg.model_dump(), run_id=run_id)
         finally:
@@ -92,10 +97,6 @@ class RunBook:
 
 
 def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str], wall: float) -> dict:
-    from bcdflow.models.config import ModelConfig
-    from bcdflow.storage import runs
-    from bcdflow.core import spend
-
     store = open_store(cfg)
     state = runs.read_state(store, run_id)
     conf = runs.read_config(store, run_id)

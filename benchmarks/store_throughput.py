@@ -30,7 +30,6 @@ Target (issue): Zarr on local disk >= 70% of raw. A miss prints MISS; the exit s
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -53,8 +52,12 @@ from bcdflow.storage.activations import ActivationReader, create_group, write_sh
 from bcdflow.storage.store import Store
 from bcdflow.core.config import BcdSection
 
-MB = 2**20
 REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: benchmarks.report from the repository
+    sys.path.insert(0, str(REPO))
+from benchmarks import report  # noqa: E402
+
+MB = 2**20
 PATHS = ("raw", "zarr", "zarr-bare")
 TARGET = 0.70
 
@@ -272,7 +275,7 @@ class S3Server:
     """moto's S3 on loopback, as tests/conftest.py::S3Server (a benchmark does not import the test harness)."""
 
     def __init__(self):
-        from moto.server import ThreadedMotoServer
+        from moto.server import ThreadedMotoServer  # local: moto is a test dependency, needed only for S3
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
         with socket.socket() as s:
@@ -405,10 +408,7 @@ def main(argv=None) -> dict:
         print("note: " + n)
     result = {"machine": info, "args": vars(args), "argv": sys.argv, "layouts": layouts, "notes": notes,
               "results": rows, "summary": summary, "wall_s": time.perf_counter() - t_start}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out} ({result['wall_s']:.0f} s)")
+    report.write_json(args.out, result)
     return result
 
 

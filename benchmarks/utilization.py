@@ -17,7 +17,7 @@ import torch
 
 from benchmarks import report
 from benchmarks.common import Timed, Workload, best, round_robin, step_flops
-from benchmarks.iteration import prefix_timer, quality
+from benchmarks.iteration import quality
 
 
 # dense bf16 tensor-core FLOP/s with fp32 accumulation, from the vendors' data sheets: the denominator of model FLOPs
@@ -47,7 +47,7 @@ def sweep(w: Workload, c: dict, threads: int) -> dict:
     full = w.full()
     blocks = [w.visit(f"b{b.index}", b) for b in plan.blocks]
     deepest = max(b.layers[0] for b in plan.blocks)
-    pre = prefix_timer(w, deepest) if deepest > 0 else None
+    pre = w.prefix(deepest) if deepest > 0 else None
     steps = [full, *blocks]
     items = probes + steps + ([pre] if pre else [])
     # matmul probes repeat within a turn so a short product is timed as often as a long step

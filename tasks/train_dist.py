@@ -1,7 +1,7 @@
 """A visit on several GPUs of this machine (``train.gpus=N``): the train task launches ``torchrun`` with one process
 per GPU, each runs :func:`train_rank`, and rank 0 writes the checkpoints, the block file and the result.
 
-    train.gpus=2 -> python -m torch.distributed.run --standalone --nproc-per-node 2 -m tasks.train_dist SPEC.json
+    train.gpus=2 -> python -m torch.distributed.run --standalone --nproc-per-node 2 -m bcdflow.tasks.train_dist SPEC.json
 
 The engines (models/parallel.py): ``ddp`` when a replica of the visit fits ``train.memory_gb`` (the planner says),
 ``fsdp`` (FSDP2) when it does not, or as ``train.parallel`` says. Each process reads its slice of every batch: the

@@ -3,7 +3,8 @@
 
 Benchmarks are programs, not timed tests (docs/CONVENTIONS.md 10): nothing here checks a measured figure, only
 that every benchmark runs through the product's code, returns its claims and writes its report, JSON and
-plots. The flow benchmarks share their runs within the session (``benchmarks.runs.book``).
+plots. The flow benchmarks share their runs within the session (``benchmarks.runs.book``). What is checked is
+the instrument: the CPU memory tracker against bytes counted by hand (deterministic, no timing).
 """
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from benchmarks.cli import main
+from benchmarks.common import LiveBytes, one_step, tensor_bytes
+from bcdflow.models.trainer import OptimSpec, make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(names: list[str], out: Path, monkeypatch) -> dict:
-    from benchmarks.cli import main
-
     monkeypatch.setenv("BCDFLOW_BENCH_SIZE", "tiny")
     rc = main(["run", "--quick", "--only", *names, "--out", str(out)])
     data = json.loads((out / "results.json").read_text())
@@ -34,6 +38,28 @@ def bench(names: list[str], out: Path, monkeypatch) -> dict:
     report = (out / "report.md").read_text()
     assert "## Summary" in report and all(f"| {n} |" in report for n in names)
     return data
+
+
+def test_live_bytes_matches_an_analytic_adamw_step():
+    """The CPU tracker the memory benchmark reads (``common.LiveBytes``) on a case counted by hand: an nn.Linear
+    AdamW step (as ``make_optimizer`` builds it) after a first step, so the moments exist.
+
+    Alive at the optimizer step: weights W, two moments 2W, grads W and, for foreach AdamW only, one W-sized
+    temporary (sqrt of the second moment; fused AdamW has none); activations (B x out) are gone by then.
+    Peak = 4W (fused) or 5W (foreach) + input."""
+    lin = torch.nn.Linear(512, 512)
+    x, W = torch.randn(4, 512), tensor_bytes(list(lin.parameters()))
+    params, spec = list(lin.parameters()), OptimSpec("adamw", grad_clip=1.0)
+    opt = make_optimizer(params, spec)
+    n = 4 if opt.defaults.get("fused") else 5
+    loss_fn = lambda b: lin(b).square().mean()  # noqa: E731
+    one_step(loss_fn, params, x, opt, spec)
+    opt.zero_grad(set_to_none=True)
+    base = tensor_bytes(params, opt.state, x)
+    with LiveBytes() as tr:
+        one_step(loss_fn, params, x, opt, spec)
+    measured, expected = base + tr.peak, n * W + x.nbytes
+    assert abs(measured - expected) <= 0.01 * expected, (measured, expected, n)
 
 
 @pytest.mark.parametrize("name", ["iteration", "utilization"])
