@@ -158,6 +158,14 @@ class TrainSection(_Section):
     """With ``gpus`` > 1: ``ddp`` replicates the visit and all-reduces the active block's gradients (each process
     holds every weight), ``fsdp`` shards weights, gradients and optimizer state (FSDP2); ``auto``: ddp when the
     planner says a replica fits ``memory_gb``, else fsdp."""
+    offload: Literal["auto", "off", "stream"] = "auto"
+    """Where a visit's frozen layers live: ``off``: on the device; ``stream``: in pinned host memory, copied to the
+    device a few layers at a time ahead of use (forward, backward and recompute; models/stream.py), so a visit
+    holds its active block, the embeddings and head, and ``stream_window`` frozen layers; ``auto``: stream when the
+    planner says the visit would not fit ``train.memory_gb`` otherwise. One process per visit (not with
+    ``train.gpus`` > 1 or ``train.compile``)."""
+    stream_window: int = Field(2, ge=1)
+    """Frozen layers on the device at once when streaming (the one computing and the one being copied in)."""
     compile: bool = False
     """torch.compile each layer of the visit (CUDA graphs are left to ``mode=reduce-overhead`` users: batches of a
     visit are not all the same shape)."""
@@ -165,6 +173,11 @@ class TrainSection(_Section):
     """Rows of the loss over the vocabulary computed at once; None = 128 MB of fp32 logits per chunk."""
     eval_batch_size: int | None = Field(None, ge=1)
     """Rows per validation forward (no gradients: larger than ``batch_size`` is usually fine); None = batch_size."""
+
+    @field_validator("offload", mode="before")
+    @classmethod
+    def _off(cls, v):
+        return {True: "stream", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads off as false
 
     @field_validator("device")
     @classmethod
@@ -323,6 +336,9 @@ class RunConfig(_Section):
         if self.train.gpus > self.train.batch_size:
             raise ValueError(f"train.gpus: {self.train.gpus} processes need at least one row each of a batch, but "
                              f"train.batch_size={self.train.batch_size}")
+        if self.train.offload == "stream" and (self.train.gpus > 1 or self.train.compile):
+            raise ValueError("train.offload: stream runs a visit in one process without torch.compile (set "
+                             "train.gpus=1 and train.compile=false, or train.offload=off)")
         if not self.model.from_hf:  # a registry model is data: check against it now (a checkpoint's: core/hf.py)
             check_model(self, get_config(self.model.name, **self.model.overrides(), vocab_size=self.data.vocab_size))
         return self

@@ -24,6 +24,8 @@ from bcdflow.errors import BadInput
 from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
 from bcdflow.models.config import ModelConfig, get_config
+from bcdflow.models.memory import visit_memory
+from bcdflow.models.stream import LayerStream
 from bcdflow.storage import checkpoints, layout
 from bcdflow.storage.store import Store
 from bcdflow.storage.tokens import TokenDataset
@@ -142,7 +144,7 @@ class RunContext:
         return checkpoints.read_manifest(self.store, self.run_id, version)
 
     def load_part(self, manifest: dict, layers: tuple[int, int], embed: bool, head: bool,
-                  trainable: Collection[str] | None = None) -> Decoder:
+                  trainable: Collection[str] | None = None, stream: Collection[int] = ()) -> Decoder:
         """A part of the model with the weights of ``manifest``: only the tensors that part holds are read.
 
         A visit to block b with pre-inference holds layers of blocks >= b and the head (invariant I6); the
@@ -151,16 +153,53 @@ class RunContext:
         ``trainable``: the names that will train (fp32 master weights); with ``train.precision=bf16`` every other
         weight matrix lives on the device in bf16 (I6; ``()`` = all frozen: the pre-inference prefix, evaluation).
         None keeps every weight fp32 (a probe that needs every gradient). Tensors are read to the host and copied
-        into the part's storage one by one, so the device never holds a second copy of the weights."""
+        into the part's storage one by one, so the device never holds a second copy of the weights.
+
+        ``stream``: frozen layers whose weights stay in (pinned) host memory and are copied to the device a few at a
+        time as they compute (``train.offload``; models/stream.py); the part's ``stream`` attribute holds them."""
         low = torch.bfloat16 if self.cfg.train.precision == "bf16" and trainable is not None else None
-        model = build_model(self.model_cfg, layers=layers, embed=embed, head=head, device=self.device, init=False,
+        where = torch.device("cpu") if stream else self.device  # streamed layers are built on the host
+        model = build_model(self.model_cfg, layers=layers, embed=embed, head=head, device=where, init=False,
                             frozen_dtype=low, trainable=trainable or ())
         names = [n for n, _ in model.named_parameters()]
         owners = sorted({self.plan.owner(n) for n in names})
         tensors = checkpoints.load_from_manifest(self.store, self.run_id, manifest, owners, names=names,
                                                  device="cpu")
         model.load_state_dict(tensors, strict=True)
+        del tensors
+        model.stream = None
+        if stream:
+            for i in stream:
+                model.h[str(i)].requires_grad_(False)
+            model.stream = LayerStream(model, stream, self.device, self.cfg.train.stream_window)
+            model.to(self.device)
         return model
+
+    def streams(self, block: int) -> bool:
+        """Whether block ``block``'s visit streams its frozen layers from host memory (``train.offload``): ``auto``
+        streams when the planner says the visit would not fit ``train.memory_gb`` even with recompute."""
+        t = self.cfg.train
+        if t.offload != "auto":
+            return t.offload == "stream"
+        budget = memory_budget(self.cfg, self.device)
+        if budget is None or t.gpus > 1 or t.compile:
+            return False
+        est = visit_memory(self.model_cfg, self.plan, block, t.batch_size, self.dataset.seq_len, t.precision,
+                           self.cfg.optim.name, recompute=True, preinfer=self.cfg.bcd.preinfer,
+                           chunk_rows=t.loss_chunk_rows, weight_decay=self.cfg.optim.weight_decay)
+        return est.peak > budget
+
+    def from_acts(self, block: int) -> bool:
+        """Whether block ``block``'s visit trains from the prefix's stored activations (paper §3.2.2): every block
+        but the first, with ``bcd.preinfer`` on. The one place this rule is spelled."""
+        return self.cfg.bcd.preinfer and block > 0
+
+    def frozen_layers(self, block: int) -> list[int]:
+        """The frozen layers block ``block``'s visit holds: the suffix, and the prefix when it reads no stored
+        activations (the layers a streamed visit keeps in host memory)."""
+        lo, hi = self.plan[block].layers
+        start = lo if self.from_acts(block) else 0
+        return [i for i in range(start, self.model_cfg.n_layer) if not lo <= i < hi]
 
     def frozen_prefix(self, version: int, block: int) -> Decoder:
         """Embeddings and layers before ``block`` of ``version``, in eval mode without grads; kept for the
@@ -169,8 +208,9 @@ class RunContext:
         with self._lock:
             if self._prefix is None or self._prefix[0] != key:
                 self._prefix = None  # free the previous visit's prefix before loading this one
-                model = self.load_part(self.manifest(version), (0, self.plan[block].layers[0]), embed=True,
-                                       head=False, trainable=())
+                lo = self.plan[block].layers[0]
+                model = self.load_part(self.manifest(version), (0, lo), embed=True, head=False, trainable=(),
+                                       stream=range(lo) if self.streams(block) else ())
                 self._prefix = (key, model.eval().requires_grad_(False))
             return self._prefix[1]
 

@@ -113,7 +113,7 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     ctx = RunContext.of(cfg, run_id, dataset_id)  # handed to every task of the visit
     t0 = time.perf_counter()
     preinfer_s = 0.0
-    if cfg.bcd.preinfer and block > 0:  # paper §3.2.2
+    if ctx.from_acts(block):  # paper §3.2.2
         preinfer(ctx, cycle, block, version)
         preinfer_s = time.perf_counter() - t0
     tr = train_block(ctx, cycle, block, version, track=track)

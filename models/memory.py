@@ -64,6 +64,13 @@ class Estimate:
     grads_total: int = 0
     """Every trainable gradient (``grads`` is what exists at the peak: in forward only the head's)."""
     recompute: bool = False
+    streamed_layers: int = 0
+    """Frozen layers kept in host memory and copied in ``window`` at a time (``train.offload=stream``)."""
+    host_bytes: int = 0
+    """Pinned host memory the streamed layers' weights take."""
+    copy_bytes: int = 0
+    """Bytes copied host -> device per step: each streamed layer in for the forward and, on the gradient path, again
+    for the backward (an upper bound: the window keeps the top layer between the two)."""
     phase: str = ""
     """Where the peak falls: ``forward`` (the forward's end: the loss chunk), ``backward layer i`` or ``optimizer``."""
 
@@ -141,14 +148,16 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int, seq: int,
                  precision: str = "fp32", optim: str = "adamw", recompute: bool = False, preinfer: bool = True,
                  chunk_rows: int | None = None, weight_decay: float = 1e-5, gpus: int = 1,
-                 parallel: str = "single", shapes: dict | None = None) -> Estimate:
+                 parallel: str = "single", shapes: dict | None = None, stream: bool = False,
+                 window: int = 2) -> Estimate:
     """Peak bytes of one step of block ``block``'s visit (``plan`` and ``block`` None: full training, every
     parameter trainable, the whole model held, fp32 master weights throughout).
 
     ``preinfer``: a visit to block b > 0 reads the prefix's stored hidden states (fp32, ``(B, T, C)``) and holds
     layers >= b; off, it holds the whole model and runs the prefix under no_grad. ``parallel``: ``ddp`` splits the
     batch over ``gpus`` processes (each holds every weight, gradient and moment of the visit); ``fsdp`` also
-    shards weights, gradients and moments, and gathers one layer's weights at a time (two with prefetch)."""
+    shards weights, gradients and moments, and gathers one layer's weights at a time (two with prefetch).
+    ``stream``: the frozen layers held stay in host memory and at most ``window`` of them are on the device."""
     st = Step(cfg, batch, seq, precision, optim, weight_decay, chunk_rows, gpus, parallel)
     shapes = shapes or _shapes(cfg)
     n = cfg.n_layer
@@ -181,6 +190,13 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     train_numel = sum(_numel(shapes[k]) for k in trainable)
     shard = gpus if parallel == "fsdp" else 1
     weights = sum(wbytes(k) for k in held_names)
+    layer_train_names = {_layer_of(k) for k in trainable if _layer_of(k) is not None}
+    streamed = [i for i in range(held_lo, n) if i not in layer_train_names] if stream and not full else []
+    per_layer = {i: sum(wbytes(k) for k in held_names if _layer_of(k) == i) for i in streamed}
+    host_bytes = sum(per_layer.values())
+    copy_bytes = sum(b * (2 if i >= lo else 1) for i, b in per_layer.items())  # the prefix [0, lo): forward only
+    if streamed:
+        weights += min(window, len(streamed)) * max(per_layer.values()) - host_bytes
     if parallel == "fsdp":  # sharded, plus the largest layer gathered twice (current and prefetched)
         layer_bytes = max((sum(wbytes(k) for k in held_names if _layer_of(k) == i) for i in range(held_lo, n)),
                           default=0)
@@ -250,6 +266,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     return Estimate(name="full" if full else f"block {block}", layers=(held_lo, n), trainable_params=train_numel,
                     held_params=sum(_numel(shapes[k]) for k in held_names), weights=weights, optim=opt, input=inp,
                     peak=best, grads_total=grads, recompute=recompute and not full and hi < n,
+                    streamed_layers=len(streamed), host_bytes=host_bytes, copy_bytes=copy_bytes,
                     **{k: parts[k] for k in ("activations", "logits", "grads", "temporaries", "phase")})
 
 

@@ -148,10 +148,11 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
         if hasattr(norm, "full_tensor"):  # FSDP2 (a DTensor): the sharded gradients' norm, reduced over processes
             norm = norm.full_tensor()
+        pending.append(loss.detach())
+        del loss  # the graph goes before the optimizer step: recompute keeps its re-run layers' tensors in it
         optimizer.step()
         res.steps += 1
         res.tokens += _tokens(batch)
-        pending.append(loss.detach())
         norms.append(norm.detach())
         if len(pending) == stop.window or res.steps == stop.max_steps:
             window = synced()

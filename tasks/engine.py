@@ -37,6 +37,8 @@ class TrainResult(BaseModel):
     recompute: bool = False
     """Whether the frozen suffix was recomputed in backward (bcd.recompute, or auto and the planner said so)."""
     gpus: int = 1
+    streamed: int = 0
+    """Frozen layers the visit streamed from host memory (``train.offload``); 0 = all resident."""
 
 
 class EvalResult(BaseModel):
@@ -113,7 +115,7 @@ def visit_val_batches(cfg: RunConfig, ctx: RunContext, version: int, block: int)
     computed once (the prefix is frozen for the whole visit) and rounded as the stored activations are; kept in
     CPU memory (eval_rows × T × d_model × the activation dtype's bytes)."""
     batches = val_batches(ctx.dataset, cfg)
-    if not (cfg.bcd.preinfer and block > 0):
+    if not ctx.from_acts(block):
         return batches
     lo = ctx.plan[block].layers[0]
     prefix = ctx.frozen_prefix(version, block)  # pre-inference's, where this process ran it

@@ -8,6 +8,7 @@ gradients and optimizer state exist for the active block alone (invariant I6). T
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -44,12 +45,14 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
         return launch(ctx, cycle, block, version, track)
     ds, device, n_layer = ctx.dataset, ctx.device, ctx.model_cfg.n_layer
     lo, hi = ctx.plan[block].layers
-    from_acts = cfg.bcd.preinfer and block > 0
+    from_acts = ctx.from_acts(block)
     val = visit_val_batches(cfg, ctx, version, block) if cfg.bcd.eval_every else []
     ctx.release_prefix()  # before the visit's model loads: the two are never held at once
     active = set(ctx.plan[block].params)
+    streamed = ctx.frozen_layers(block) if ctx.streams(block) else []  # train.offload: in host memory (I6)
     model = ctx.load_part(ctx.manifest(version), (lo if from_acts else 0, n_layer), embed=not from_acts, head=True,
-                          trainable=active)  # bf16 precision: frozen matrices in bf16 (I6)
+                          trainable=active, stream=streamed)  # bf16 precision: frozen matrices in bf16 (I6)
+    saving = model.stream.saving if model.stream else contextlib.nullcontext  # streamed weights saved by reference
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
     for name, p in model.named_parameters():
         p.requires_grad_(name in active)
@@ -68,7 +71,7 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
             return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE_INDEX)
 
     def loss_fn(batch):
-        with autocast(device, cfg.train.precision):
+        with autocast(device, cfg.train.precision), saving():
             return visit_loss(model, *batch, lo, from_acts, hi=hi, recompute=recompute)
 
     val_points: list[tuple[int, float]] = []
@@ -115,7 +118,7 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
         seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows), val_points=val_points,
         peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         block_file=checkpoints.save_block(ctx.store, run_id, block_tensors(model, ctx.plan, block)),
-        recompute=recompute)
+        recompute=recompute, streamed=len(streamed))
 
 
 @task(name="evaluate", **retrying(2))

@@ -218,7 +218,7 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
     ctx.device = device  # this process's GPU (the context is this process's own)
     ds, n_layer = ctx.dataset, ctx.model_cfg.n_layer
     lo, hi = ctx.plan[block].layers
-    from_acts = cfg.bcd.preinfer and block > 0
+    from_acts = ctx.from_acts(block)
     active = set(ctx.plan[block].params)
     recompute = use_recompute(cfg, ctx, block, gpus=world, parallel="ddp")
     mode = choose_parallel(cfg, ctx, block, world, recompute)

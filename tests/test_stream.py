@@ -1,0 +1,109 @@
+"""Frozen layers streamed from host memory (``train.offload=stream``, models/stream.py; docs/DESIGN.md I6): a streamed
+visit computes what a resident one does, bit for bit, on the CPU, and holds at most its window of frozen layers
+on the device at once.
+
+    python -m pytest -q tests/test_stream.py
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from bcdflow.core.context import RunContext
+from bcdflow.models import build_model, get_config
+from bcdflow.models.memory import visit_memory
+from bcdflow.models.stream import LayerStream
+from bcdflow.models.visit import visit_loss
+from bcdflow.storage.checkpoints import load_from_manifest
+from bcdflow.storage.store import Store
+from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
+from bcdflow.tasks.train import train_block
+from tests.test_invariants import new_run
+
+
+def _frozen_but(model, lo: int, hi: int) -> list[int]:
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(tuple(f"h.{i}." for i in range(lo, hi))))
+    return [i for i in range(model.cfg.n_layer) if not lo <= i < hi]
+
+
+@pytest.mark.parametrize("family", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("window", [1, 2])
+def test_streamed_loss_and_gradients_are_the_resident_ones(family, recompute, window):
+    torch.manual_seed(0)
+    cfg = get_config(family, vocab_size=512)
+    resident = build_model(cfg)
+    streamed = copy.deepcopy(resident)
+    lo, hi = 2, 4  # prefix [0, 2) under no_grad, suffix [4, 6) on the gradient path
+    _frozen_but(resident, lo, hi)
+    stream = LayerStream(streamed, _frozen_but(streamed, lo, hi), "cpu", window=window)
+    x, y = torch.randint(0, 512, (4, 32)), torch.randint(0, 512, (4, 32))
+    for _ in range(2):  # a second step reuses the window the first one left
+        ref = visit_loss(resident, x, y, lo, False, hi=hi, recompute=recompute)
+        ref.backward()
+        with stream.saving():
+            got = visit_loss(streamed, x, y, lo, False, hi=hi, recompute=recompute)
+        got.backward()
+        assert torch.equal(ref, got)
+        del ref, got  # as the step loop does: the graph (what recompute re-ran) goes with the step
+    grads = {n: p.grad for n, p in resident.named_parameters() if p.grad is not None}
+    assert grads and grads.keys() == {n for n, p in streamed.named_parameters() if p.grad is not None}
+    for n, p in streamed.named_parameters():
+        if p.grad is not None:
+            assert torch.equal(p.grad, grads[n]), n
+    # instrumented: device copies are tracked by finalizers, so this counts what was really alive, not the cache
+    assert stream.peak_live <= max(window, 1 + recompute), stream.peak_live
+    held = [i for i in stream.order if any(p.numel() for p in streamed.h[str(i)].parameters())]
+    assert len(held) <= window and set(held) <= set(stream.live)  # between steps: the window, nothing else
+    stream.release()
+    assert all(p.numel() == 0 for i in stream.order for p in streamed.h[str(i)].parameters())
+
+
+def _visit(cfg, ds_id: str, block: int):
+    ctx = RunContext.of(cfg, "r", ds_id)
+    if ctx.from_acts(block):
+        for s in plan_shards.fn(ctx, 0, block):
+            preinfer_shard.fn(ctx, 0, block, 0, s)
+    return train_block.fn(ctx, 0, block, 0)
+
+
+@pytest.mark.parametrize("block", [0, 1])
+@pytest.mark.parametrize("extra", [[], ["bcd.recompute=on"], ["model.name=tiny-llama", "bcd.preinfer=false"]])
+def test_a_streamed_visit_commits_the_resident_block_bitwise(tiny_cfg, block, extra):
+    """Through the train task, from tokens (block 0, or pre-inference off) and from stored activations."""
+    out = {}
+    for offload in ("off", "stream"):
+        cfg = tiny_cfg(*extra, f"train.offload={offload}", f"store={tiny_cfg().store}-{offload}")
+        ds_id = new_run(cfg)
+        out[offload] = _visit(cfg, ds_id, block)
+        out[offload + "-tensors"] = load_from_manifest(Store(cfg.store), "r", {"blocks": {str(block): out[offload].block_file}})
+    off, on = out["off"], out["stream"]
+    assert off.streamed == 0 and on.streamed > 0
+    assert (off.first_loss, off.train_loss, off.val_points) == (on.first_loss, on.train_loss, on.val_points)
+    assert off.block_file["sha256"] == on.block_file["sha256"]
+
+
+def test_the_planner_counts_a_window_of_streamed_layers():
+    cfg = get_config("tiny", vocab_size=512)
+    from bcdflow.models import model_plan
+
+    plan = model_plan(cfg, 3)
+    resident = visit_memory(cfg, plan, 0, 4, 32, "bf16")
+    streamed = visit_memory(cfg, plan, 0, 4, 32, "bf16", stream=True, window=1)
+    part = build_model(cfg, layers=(5, 6), embed=False, head=False, init=False, frozen_dtype=torch.bfloat16)
+    layer = sum(p.numel() * p.element_size() for p in part.parameters())  # as a bf16 visit holds a frozen layer
+    frozen = len([i for i in range(cfg.n_layer) if i >= plan[0].layers[1]])
+    assert streamed.streamed_layers == frozen and streamed.host_bytes > 0
+    assert resident.weights - streamed.weights == (frozen - 1) * layer
+    assert streamed.host_bytes == frozen * layer
+    assert streamed.copy_bytes == 2 * streamed.host_bytes  # in for the forward, again for the backward
+
+
+def test_offload_stream_is_refused_with_several_processes(tiny_cfg):
+    from bcdflow.models.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^train\.offload: "):
+        tiny_cfg("train.offload=stream", "train.gpus=2")
