@@ -15,6 +15,7 @@ import threading
 from functools import cached_property
 from typing import Collection
 
+import psutil
 import torch
 import zarr
 
@@ -91,6 +92,23 @@ def check_gpus(cfg: RunConfig) -> None:
     if dev.type == "cuda" and cfg.train.gpus > torch.cuda.device_count():
         raise BadInput(f"train.gpus: {cfg.train.gpus} asked for, but this machine has {torch.cuda.device_count()} "
                        "CUDA device(s)")
+
+
+def check_host_memory(cfg: RunConfig) -> None:
+    """``train.offload=stream`` keeps a visit's frozen layers in host memory: refuse, before anything is written, a
+    machine whose available memory cannot hold the largest visit's (the planner's figure from the model config)."""
+    if cfg.train.offload != "stream":
+        return
+    mcfg = model_config(cfg)
+    plan = block_plan(cfg, mcfg)
+    low = "bf16" if cfg.train.precision == "bf16" else "fp32"
+    need = max(visit_memory(mcfg, plan, b, 1, 1, low, stream=True, preinfer=cfg.bcd.preinfer).host_bytes
+               for b in range(len(plan)))
+    have = psutil.virtual_memory().available
+    if need > have:
+        raise BadInput(f"train.offload: stream keeps the frozen layers of a visit in host memory, {need / 1e9:.1f} GB "
+                       f"for the largest one, and this machine has {have / 1e9:.1f} GB available (use more blocks, "
+                       "train.precision=bf16, or a machine with more memory)")
 
 
 class RunContext:

@@ -272,7 +272,8 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
 
 def plan_visits(cfg: ModelConfig, blocks: int, batch: int, seq: int, precision: str = "fp32", optim: str = "adamw",
                 recompute: bool = False, split: str = "params", preinfer: bool = True, **kw) -> list[Estimate]:
-    """The estimate of every block's visit under the ``bcd.blocks=blocks`` plan."""
+    """The estimate of every block's visit under the ``bcd.blocks=blocks`` plan (``stream``, ``window``: see
+    :func:`visit_memory`)."""
     plan = model_plan(cfg, blocks, split=split)
     shapes = _shapes(cfg)
     return [visit_memory(cfg, plan, b, batch, seq, precision, optim, recompute, preinfer, shapes=shapes, **kw)
@@ -286,6 +287,9 @@ class Recommendation:
     worst_peak: int | None
     full_peak: int
     full_fits: bool
+    stream: bool = False
+    host_bytes: int = 0
+    """Pinned host memory the worst visit's streamed layers need (``stream``)."""
 
     def line(self, gpu_bytes: float) -> str:
         cap = f"{gpu_bytes / GB:g} GB"
@@ -294,22 +298,48 @@ class Recommendation:
                     "train.gpus=N shards the visit, or a smaller train.batch_size)")
         full = ("full training fits too" if self.full_fits else
                 f"full AdamW training does not fit ({self.full_peak / GB:.1f} GB)")
-        return (f"recommended: bcd.blocks={self.blocks} bcd.recompute={'on' if self.recompute else 'off'} "
+        offload = (f" train.offload=stream ({self.host_bytes / GB:.1f} GB of pinned host memory)" if self.stream
+                   else "")
+        return (f"recommended: bcd.blocks={self.blocks} bcd.recompute={'on' if self.recompute else 'off'}{offload} "
                 f"(worst visit {self.worst_peak / GB:.1f} GB of {cap}; {full})")
 
 
 def recommend(cfg: ModelConfig, batch: int, seq: int, precision: str, gpu_bytes: float, optim: str = "adamw",
-              split: str = "params", preinfer: bool = True, **kw) -> Recommendation:
-    """The smallest block count whose every visit fits ``gpu_bytes``: without recompute when that fits at this
-    count, else with it (recompute costs a forward of the frozen suffix; more blocks cost more visits)."""
+              split: str = "params", preinfer: bool = True, stream: bool = True, window: int = 2,
+              **kw) -> Recommendation:
+    """The smallest block count whose every visit fits ``gpu_bytes``: resident without recompute when that fits at
+    this count, else with recompute (a forward of the frozen suffix), else (``stream``) with the frozen layers
+    streamed from host memory (PCIe copies), with and without recompute. More blocks cost more visits."""
     full = visit_memory(cfg, None, None, batch, seq, precision, optim, **kw)
+    ways = [(False, False), (True, False)] + ([(False, True), (True, True)] if stream else [])
     for m in range(1, cfg.n_layer + 1):
-        for recompute in (False, True):
-            worst = max(e.peak for e in plan_visits(cfg, m, batch, seq, precision, optim, recompute, split,
-                                                    preinfer, **kw))
+        for recompute, streamed in ways:
+            est = plan_visits(cfg, m, batch, seq, precision, optim, recompute, split, preinfer, stream=streamed,
+                              window=window, **kw)
+            worst = max(e.peak for e in est)
             if worst <= gpu_bytes:
-                return Recommendation(m, recompute, worst, full.peak, full.peak <= gpu_bytes)
+                return Recommendation(m, recompute, worst, full.peak, full.peak <= gpu_bytes, streamed,
+                                      max(e.host_bytes for e in est))
     return Recommendation(None, True, None, full.peak, full.peak <= gpu_bytes)
+
+
+def step_flops(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int, seq: int,
+               preinfer: bool = True) -> float:
+    """Matmul FLOPs of one step of a visit (``plan``/``block`` None: full training): forward 2 N P over the
+    weights it runs, input gradients 2 N P over those on the gradient path, weight gradients 2 N P over the
+    trainable ones (attention scores and the embedding lookup not counted): what a streamed copy hides behind."""
+    shapes = _shapes(cfg)
+    n, N = cfg.n_layer, batch * seq
+    lo, hi = (0, n) if block is None else plan[block].layers
+    trainable = set(shapes) if block is None else set(plan[block].params)
+    start = lo if block is not None and preinfer and lo > 0 else 0
+    mats = {k: _numel(v) for k, v in shapes.items() if len(v) >= 2 and not k.startswith(("wte.", "wpe."))}
+    head = cfg.vocab_size * cfg.d_model  # the (tied or not) head's matmul
+    run = sum(v for k, v in mats.items() if (_layer_of(k) or 0) >= start or _layer_of(k) is None) + head * cfg.tied
+    grad_path = sum(v for k, v in mats.items() if (_layer_of(k) is None or _layer_of(k) >= lo)) + head * cfg.tied
+    train = sum(v for k, v in mats.items() if k in trainable) + (head if cfg.tied and "wte.weight" in trainable
+                                                                 else 0)
+    return 2.0 * N * (run + grad_path + train)
 
 
 def needs_recompute(cfg: ModelConfig, plan: Plan, block: int, batch: int, seq: int, precision: str,

@@ -107,3 +107,14 @@ def test_offload_stream_is_refused_with_several_processes(tiny_cfg):
 
     with pytest.raises(ConfigError, match=r"^train\.offload: "):
         tiny_cfg("train.offload=stream", "train.gpus=2")
+
+
+def test_streaming_more_than_the_host_holds_is_refused_before_anything_is_written(tmp_path, capsys):
+    from bcdflow.flows.cli import main
+
+    store = tmp_path / "s"
+    sets = ["model.name=L-23B", "train.offload=stream", "data.seq_len=32", "tracking_uri=none"]
+    assert main(["train", *[a for s in sets for a in ("--set", s)], "--store", str(store)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.offload: stream" in err[0] and "GB available" in err[0], err
+    assert not store.exists()
