@@ -13,6 +13,7 @@ else (a crash, a lost machine) is worth another try from the mid-visit checkpoin
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -28,6 +29,7 @@ from bcdflow.storage import checkpoints, layout, runs
 from bcdflow.storage.lease import Lease, LeaseHeld, this_process
 from bcdflow.storage.runs import RunStateError, VisitRecord
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
+from bcdflow.tasks.engine import EvalResult
 from bcdflow.tasks.run import commit_visit
 from bcdflow.tasks.train import evaluate_version, train_block
 from bcdflow.tracking.tracker import TrackTarget, Tracker
@@ -117,7 +119,10 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
         preinfer(ctx, cycle, block, version)
         preinfer_s = time.perf_counter() - t0
     tr = train_block(ctx, cycle, block, version, track=track)
-    ev = evaluate_version(ctx, version, {block: tr.block_file})
+    if tr.val_loss is None:  # the visit could not validate the new version itself: the whole model, from the store
+        ev = evaluate_version(ctx, version, {block: tr.block_file})
+    else:
+        ev = EvalResult(val_loss=tr.val_loss, val_ppl=math.exp(min(tr.val_loss, 50)), seconds=tr.eval_seconds)
     seconds = time.perf_counter() - t0
     cost = spend.visit_spend(cfg.spend, {"preinfer": preinfer_s, "train": tr.seconds, "eval": ev.seconds}, seconds,
                              spend.gpus_used(cfg))

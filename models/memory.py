@@ -34,6 +34,7 @@ figures agree with the CPU tensor tracker (benchmarks/common.LiveBytes) within a
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -141,8 +142,13 @@ def _layer_backward_temp(st: Step) -> int:
     return 2 * st.s * c.ffn_dim + 4 * c.d_model
 
 
+@functools.lru_cache(maxsize=8)
+def _shape_cache(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple(param_shapes(cfg).items())  # a meta-device model: the recommendation asks hundreds of times
+
+
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return param_shapes(cfg)
+    return dict(_shape_cache(cfg))
 
 
 def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int, seq: int,

@@ -39,6 +39,10 @@ class TrainResult(BaseModel):
     gpus: int = 1
     streamed: int = 0
     """Frozen layers the visit streamed from host memory (``train.offload``); 0 = all resident."""
+    val_loss: float | None = None
+    """The new version's validation loss, computed by the visit's own model (the frozen prefix does not change in
+    a visit); None where that would not be the whole model's (bf16/fp16 stored activations, several processes)."""
+    eval_seconds: float = 0.0
 
 
 class EvalResult(BaseModel):

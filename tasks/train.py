@@ -46,7 +46,10 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     ds, device, n_layer = ctx.dataset, ctx.device, ctx.model_cfg.n_layer
     lo, hi = ctx.plan[block].layers
     from_acts = ctx.from_acts(block)
-    val = visit_val_batches(cfg, ctx, version, block) if cfg.bcd.eval_every else []
+    # the validation rows as this visit's model sees them (the prefix's states where it starts at its block): the
+    # new version's validation loss is this model's on them, so the visit needs no reload of the whole model
+    exact = not from_acts or cfg.bcd.act_dtype == "float32"
+    val = visit_val_batches(cfg, ctx, version, block) if cfg.bcd.eval_every or exact else []
     ctx.release_prefix()  # before the visit's model loads: the two are never held at once
     active = set(ctx.plan[block].params)
     streamed = ctx.frozen_layers(block) if ctx.streams(block) else []  # train.offload: in host memory (I6)
@@ -113,12 +116,24 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
         raise BadInput(diverged_message(cfg, run_id, cycle, block, e)) from None
     if res.stopped_by == "interrupted":  # SIGTERM or Ctrl-C: the checkpoint is written
         preemption.after_checkpoint(cfg.fleet.reschedule_delay_s)
+    val_loss, eval_s = None, 0.0
+    if exact and res.stopped_by != "interrupted":
+        if val_points and val_points[-1][0] == res.steps:  # validated at the last step already
+            val_loss = val_points[-1][1]
+        else:
+            t0 = time.perf_counter()
+            model.eval()
+            val_loss = evaluate_model(functools.partial(visit_loss, model, lo=lo, from_acts=from_acts), val, cfg,
+                                      device)
+            eval_s = time.perf_counter() - t0
+    if model.stream:
+        model.stream.release()
     return TrainResult(
         steps=res.steps, first_loss=res.losses[0], train_loss=res.final_loss, stopped_by=res.stopped_by,
         seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows), val_points=val_points,
         peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         block_file=checkpoints.save_block(ctx.store, run_id, block_tensors(model, ctx.plan, block)),
-        recompute=recompute, streamed=len(streamed))
+        recompute=recompute, streamed=len(streamed), val_loss=val_loss, eval_seconds=eval_s)
 
 
 @task(name="evaluate", **retrying(2))

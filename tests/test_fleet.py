@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from bcdflow.core.context import open_store
+from bcdflow.core.context import RunContext, open_store
 from bcdflow.flows.cli import main
 from bcdflow.storage import layout
 from bcdflow.storage import runs
@@ -354,7 +354,7 @@ def _preinfer_on(cfg, run_id: str, dataset_id: str) -> tuple[np.ndarray, np.ndar
 
     @flow
     def shards():
-        preinfer(cfg, run_id, 0, 1, 0, dataset_id)
+        preinfer(RunContext.of(cfg, run_id, dataset_id), 0, 1, 0)
 
     shards()
     reader = ActivationReader(open_store(cfg), layout.acts_key(run_id, 0, 1))
