@@ -36,12 +36,13 @@ def deployment_name(pool: str) -> str:
     return f"bcd-visit/{pool}"
 
 
-def dispatch_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str) -> VisitRecord:
+def dispatch_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
+                   run_epoch: int | None = None) -> VisitRecord:
     log = get_run_logger()
     store = open_store(cfg)
     fleet = cfg.fleet
     params = {"run_id": run_id, "cycle": cycle, "block": block, "version": version, "dataset_id": dataset_id,
-              "config": cfg.model_dump(mode="json")}
+              "config": cfg.model_dump(mode="json"), "run_epoch": run_epoch}
     last = None
     for attempt in range(fleet.visit_retries + 1):
         fr = run_deployment(deployment_name(fleet.visit_pool), parameters=params,

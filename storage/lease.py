@@ -17,6 +17,7 @@ before it commits anything.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -31,6 +32,8 @@ from bcdflow.errors import BadInput, DamagedArtifact
 
 from .layout import lease_epoch, lease_key
 from .store import Store
+
+log = logging.getLogger(__name__)
 
 
 class LeaseHeld(BadInput):
@@ -69,6 +72,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lost: str | None = None
+        self._renewed = 0.0  # time.monotonic() of our last write of the lease object
 
     # -- reading -------------------------------------------------------------------------------------------
     def current(self) -> dict | None:
@@ -101,7 +105,9 @@ class Lease:
 
     # -- holding -------------------------------------------------------------------------------------------
     def _write(self) -> None:
+        t = time.monotonic()
         self.store.write_json(self._body(), lease_key(self.key, self.epoch))
+        self._renewed = t
 
     def _body(self, expires: float | None = None) -> dict:
         return {"epoch": self.epoch, "token": self.token, "owner": self.owner,
@@ -113,8 +119,10 @@ class Lease:
             raise LeaseHeld(self.what, cur)
         self.epoch = 0 if cur is None else int(cur["epoch"]) + 1
         data = json.dumps(self._body(), indent=2).encode()
+        t = time.monotonic()
         if not self.store.create(data, lease_key(self.key, self.epoch)):
             raise LeaseHeld(self.what, self.current() or {})  # another process took this epoch first
+        self._renewed = t
         for name in self.store.listdir(lease_key(self.key)):  # older epochs are history
             if (e := lease_epoch(name)) is not None and e < self.epoch - 1:
                 self.store.rm(lease_key(self.key), name)
@@ -134,6 +142,10 @@ class Lease:
         margin = self.ttl / 3 if margin is None else margin
         if self._lost:
             raise LeaseLost(self._lost)
+        if self.epoch is not None and time.monotonic() - self._renewed >= self.ttl:
+            # not renewed for a ttl (a paused process, a store down): another process may have taken over
+            raise LeaseLost(f"{self.what}: its lease was not renewed for {time.monotonic() - self._renewed:.0f} s "
+                            f"(ttl {self.ttl:g} s), so another process may hold it; this one stops without committing")
         cur = self.current()
         if cur is None or cur.get("token") != self.token:
             raise LeaseLost(f"{self.what}: another process took over its lease ({(cur or {}).get('owner')}); this "
@@ -154,10 +166,14 @@ class Lease:
         while not self._stop.wait(self.ttl / 3):
             try:
                 self.renew()
-            except LeaseLost:
+            except LeaseLost as e:
+                log.error("%s", e)
                 return
-            except Exception:  # a transient store fault: try again next period (check() decides at commit)
-                continue
+            except Exception as e:  # a transient store fault: try again next period (check() decides at commit)
+                late = time.monotonic() - self._renewed
+                log.warning("%s: renewing its lease failed (%s: %s); last renewed %.0f s ago, ttl %g s%s", self.what,
+                            type(e).__name__, e, late, self.ttl,
+                            ": it may have expired, so nothing will be committed" if late >= self.ttl else "")
 
     @contextmanager
     def held(self):
