@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -155,3 +156,44 @@ def test_a_writer_frozen_in_its_commit_cannot_change_the_run_after_a_takeover(pr
     assert rc == 1 and "another process changed the run first" in line, line
     assert _tree(root) == before
     assert_same(finished_weights(Store(str(root)), "k"), finished_weights(Store(str(ref)), "k"))
+
+
+# -- leases judged on the observer's own clock (issue 17) -----------------------------------------------------
+
+def test_a_clock_skewed_ahead_by_more_than_the_ttl_does_not_take_a_live_lease(store, monkeypatch):
+    import bcdflow.storage.lease as lease_mod
+    from bcdflow.storage.lease import LeaseHeld
+
+    a = Lease(store, "runs/r", "run 'r'", ttl=1.0, owner={"host": "a-host", "pid": 1, "started": 0.0})
+    a.acquire()  # written with the true clock: expires = now + 1
+    real = time.time
+    monkeypatch.setattr(lease_mod.time, "time", lambda: real() + 100.0)  # every clock here now runs 100 s ahead
+    stop = threading.Event()
+    renewer = threading.Thread(target=lambda: [a.renew() for _ in iter(lambda: stop.wait(0.2), True)])
+    renewer.start()
+    try:
+        b = Lease(store, "runs/r", "run 'r'", ttl=1.0, owner={"host": "b-host", "pid": 2, "started": 0.0})
+        with pytest.raises(LeaseHeld, match="in use by a-host"):
+            b.acquire()
+        a.check()
+    finally:
+        stop.set()
+        renewer.join()
+    t0 = time.monotonic()  # a stops renewing: b takes it after one ttl of watching, by its own clock
+    b.acquire()
+    assert b.epoch == 1 and time.monotonic() - t0 >= 1.0
+
+
+def test_same_hostname_in_another_pid_namespace_is_not_judged_dead(store):
+    """Containers share a hostname, not a pid namespace: a pid we cannot see there is not a dead holder."""
+    import subprocess
+
+    from bcdflow.storage.lease import LeaseHeld, this_process
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    other = {**this_process(), "pid": p.pid, "started": 1.0, "pid_ns": 1}  # same host and boot, other namespace
+    a = Lease(store, "runs/r", "run 'r'", ttl=1.0, owner=other)
+    with a.held():
+        with pytest.raises(LeaseHeld):
+            Lease(store, "runs/r", "run 'r'", ttl=1.0).acquire()
