@@ -24,7 +24,7 @@ from bcdflow.flows import artifacts
 from bcdflow.flows.params import RunParams, new_run_id
 from bcdflow.flows.fleet import dispatch_visit
 from bcdflow.flows.visit import prefect_tags, visit
-from bcdflow.storage import checkpoints, layout
+from bcdflow.storage import checkpoints, layout, runs
 from bcdflow.storage.lease import Lease, this_process
 from bcdflow.storage.layout import check_run_id
 from bcdflow.storage.runs import RunState, VisitRecord
@@ -96,7 +96,11 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
 
 def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id: str) -> dict:
     log = get_run_logger()
-    state: RunState = init_run(cfg, run_id, dataset_id, mode)
+    init_run(cfg, run_id, dataset_id, mode)
+    run_fence = {"run": lease.epoch}
+    # the takeover is complete once our epoch is in the state: no earlier holder can commit after this, so what
+    # lies above the state's version now is a dead writer's half-commit, never a committed version (I7)
+    state: RunState = runs.fence(store, run_id, run_fence)
     if dropped := checkpoints.drop_uncommitted(store, run_id, state.version):
         log.warning("dropped manifests of versions %s: written by a commit that crashed before its state", dropped)
     n_blocks = len(RunContext.of(cfg, run_id, dataset_id).plan)
@@ -106,7 +110,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
                                  "bcdflow.mode": mode, "bcdflow.dataset": dataset_id},
                            resume_id=state.mlflow_run_id, system_metrics=True)
     if parent and not state.mlflow_run_id:
-        state = note_state(cfg, run_id, mlflow_run_id=parent)
+        state = note_state(cfg, run_id, run_fence, mlflow_run_id=parent)
     visits = list(state.visits)
     art = artifacts.RunArtifacts(run_id, store.url, cfg.bcd.cycles * n_blocks)
     art.link(tracker.run_url(parent), f"MLflow run of {run_id}")
@@ -125,10 +129,10 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
                     break
                 todo.remove(b)
                 if cfg.fleet.visit_pool:  # a run of the bcd-visit deployment on the GPU pool
-                    rec = dispatch_visit(cfg, run_id, cycle, b, version, dataset_id)
+                    rec = dispatch_visit(cfg, run_id, cycle, b, version, dataset_id, lease.epoch)
                 else:
                     with tags(f"run:{run_id}", f"cycle:{cycle}", f"block:{b}"):  # tell two runs' c0-b0 apart
-                        rec = visit(run_id, cycle, b, version, dataset_id, cfg)
+                        rec = visit(run_id, cycle, b, version, dataset_id, cfg, run_epoch=lease.epoch)
                 visits.append(rec)
                 version, steps = rec.version, steps + rec.steps
                 art.progress(len(visits))
@@ -144,7 +148,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
         raise
     reason, detail = stop
     lease.check()
-    note_state(cfg, run_id, status="done", stop_reason=reason, stop_detail=detail)
+    note_state(cfg, run_id, run_fence, status="done", stop_reason=reason, stop_detail=detail)
     total_usd = spend.total_spend(visits)
     gpu_hours, wall = sum(v.gpu_hours for v in visits), time.perf_counter() - t0
     tracker.summary(parent, {"stop_reason": reason, "stop_detail": detail, "version": version, "total_steps": steps,

@@ -36,12 +36,13 @@ def deployment_name(pool: str) -> str:
     return f"bcd-visit/{pool}"
 
 
-def dispatch_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str) -> VisitRecord:
+def dispatch_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version: int, dataset_id: str,
+                   run_epoch: int | None = None) -> VisitRecord:
     log = get_run_logger()
     store = open_store(cfg)
     fleet = cfg.fleet
     params = {"run_id": run_id, "cycle": cycle, "block": block, "version": version, "dataset_id": dataset_id,
-              "config": cfg.model_dump(mode="json")}
+              "config": cfg.model_dump(mode="json"), "run_epoch": run_epoch}
     last = None
     for attempt in range(fleet.visit_retries + 1):
         fr = run_deployment(deployment_name(fleet.visit_pool), parameters=params,
@@ -92,7 +93,8 @@ def _wait_for(cfg: RunConfig, store, run_id: str, cycle: int, block: int, flow_r
                 running = (datetime.now(timezone.utc) - fr.state.timestamp).total_seconds()  # this attempt's
                 if ours:
                     seen.add(fr.run_count)
-                stale = ours and 0 < cur["expires"] < time.time() - ttl  # 0: released, the attempt is ending
+                # judged by our own clock: no change of its lease object for a ttl (0: released, the attempt is ending)
+                stale = ours and cur["expires"] != 0 and lease.unrenewed_for(cur) >= ttl
                 if stale or (not ours and fr.run_count not in seen and running > 3 * ttl + 120):
                     client.set_flow_run_state(flow_run_id, Crashed(
                         message=f"no lease renewal for {ttl:.0f} s: its process or machine is gone"), force=True)

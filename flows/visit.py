@@ -26,7 +26,7 @@ from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, open_store
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.storage import checkpoints, layout, runs
-from bcdflow.storage.lease import Lease, LeaseHeld, this_process
+from bcdflow.storage.lease import Lease, LeaseHeld, LeaseLost, this_process
 from bcdflow.storage.runs import RunStateError, VisitRecord
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.engine import EvalResult
@@ -61,7 +61,7 @@ def committed(state, cycle: int, block: int) -> VisitRecord | None:
 
 @flow(name="bcd-visit", flow_run_name="c{cycle}-b{block}")
 def visit(run_id: str, cycle: int, block: int, version: int, dataset_id: str,
-          config: RunConfig = RunConfig()) -> VisitRecord:
+          config: RunConfig = RunConfig(), run_epoch: int | None = None) -> VisitRecord:
     """One (cycle, block) visit of a BCD run on version ``version``; returns the committed visit record.
 
     Args:
@@ -72,15 +72,19 @@ def visit(run_id: str, cycle: int, block: int, version: int, dataset_id: str,
         dataset_id: The run's token dataset.
         config: The run's settings, as its parent flow validated them (a dispatched visit's run validates the
             same object again from its JSON).
+        run_epoch: The epoch of the run lease its parent holds: the visit commits only while no later process
+            has taken the run over (docs/DESIGN.md I7).
     """
     cfg = config
     store = open_store(cfg)
     lease = visit_lease(cfg, store, run_id, cycle, block)
     try:
         with lease.held():
-            record = _visit(cfg, store, lease, run_id, cycle, block, version, dataset_id)
+            record = _visit(cfg, store, lease, run_id, cycle, block, version, dataset_id, run_epoch)
         store.rm(layout.visit_key(run_id, cycle, block))  # activations, checkpoints, lease: dead once committed
         return record
+    except LeaseLost:  # another process holds the visit or the run now: this one writes nothing more (I7)
+        raise
     except (BadInput, DamagedArtifact) as e:  # final: the dispatcher must not resubmit it (LeaseHeld: the visit is busy)
         kind = "busy" if isinstance(e, LeaseHeld) else "bad_input" if isinstance(e, BadInput) else "damaged"
         store.write_json({"kind": kind, "message": str(e), "flow_run_id": flow_run.get_id()},
@@ -89,7 +93,7 @@ def visit(run_id: str, cycle: int, block: int, version: int, dataset_id: str,
 
 
 def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: int, version: int,
-           dataset_id: str) -> VisitRecord:
+           dataset_id: str, run_epoch: int | None = None) -> VisitRecord:
     log = get_run_logger()
     state = runs.read_state(store, run_id)
     if state is not None and (done := committed(state, cycle, block)):
@@ -98,7 +102,12 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     if state is None or state.version != version:
         raise RunStateError(f"visit c{cycle}-b{block} of run {run_id!r} was planned on version {version}, but the "
                             f"run is at version {state.version if state else 'none'}")
-    checkpoints.drop_uncommitted(store, run_id, version)  # a crashed earlier attempt's half-commit (we hold the lease)
+    fence = {f"visit c{cycle}-b{block}": lease.epoch, **({"run": run_epoch} if run_epoch is not None else {})}
+    state = runs.fence(store, run_id, fence)  # from here no earlier holder of this visit can commit it (I7)
+    if state.version != version:
+        raise RunStateError(f"visit c{cycle}-b{block} of run {run_id!r} was planned on version {version}, but the "
+                            f"run is at version {state.version}")
+    checkpoints.drop_uncommitted(store, run_id, version)  # a dead earlier attempt's half-commit (fenced out above)
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
     store.rm(layout.outcome_key(run_id, cycle, block))
     # an interrupted visit continues its MLflow run instead of opening a second one
@@ -134,7 +143,7 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
         peak_mem_bytes=tr.peak_mem_bytes, preinfer_seconds=preinfer_s, train_seconds=tr.seconds,
         eval_seconds=ev.seconds, seconds=seconds, **cost, cum_spend_usd=state.spend_usd + cost["spend_usd"])
     lease.check()  # still ours: nobody took this visit over while it trained
-    commit_visit(cfg, run_id, record, tr.block_file)
+    commit_visit(cfg, run_id, record, tr.block_file, fence)
     # curves: the validation loss at the global step, on the visit's run and the parent's; per-visit figures as
     # series over versions on the parent; the visit's own single values as its run summary
     curve = {"val_loss": record.val_loss, "val_ppl": record.val_ppl}

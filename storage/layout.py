@@ -3,7 +3,9 @@
     datasets/{dataset_id}/                        a token dataset: {train,val}.zarr, {train,val}_mask.zarr
                                                   (supervised formats), tokenizer.json, meta.json (written last)
     runs/{run_id}/config.json                     the resolved run config
-    runs/{run_id}/state.json                      the committed visits (the commit point)
+    runs/{run_id}/states/{seq}.json               the run's state after its seq-th change, created exclusively (the
+                                                  commit point; the current state is the highest seq)
+    runs/{run_id}/state.json                      a copy of the current state, written after it (older runs: the state)
     runs/{run_id}/lease/{epoch}.json              the run's lease (one writer per run)
     runs/{run_id}/versions/{v}.json               manifest of version v: block -> file + checksum
     runs/{run_id}/blocks/{sha256[:32]}.safetensors  one block's tensors, content-addressed
@@ -55,8 +57,20 @@ def config_key(run_id: str) -> str:
     return run_key(run_id, CONFIG)
 
 
-def state_key(run_id: str) -> str:
-    return run_key(run_id, STATE)
+def state_key(run_id: str, seq: int | None = None) -> str:
+    """``seq`` None: ``state.json``, the copy of the current state (the whole state of a run from before issue
+    17); else the immutable state object number ``seq`` (``states/000000000007.json``)."""
+    return run_key(run_id, STATE) if seq is None else run_key(run_id, "states", f"{seq:012d}.json")
+
+
+def states_key(run_id: str) -> str:
+    return run_key(run_id, "states")
+
+
+def state_seq(name: str) -> int | None:
+    """The sequence number of a state object's name (``000000000007.json`` -> 7); None for anything else."""
+    stem = name.removesuffix(".json")
+    return int(stem) if name.endswith(".json") and stem.isdigit() else None
 
 
 def versions_key(run_id: str) -> str:

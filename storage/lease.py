@@ -1,12 +1,16 @@
 """One writer per run, and per visit (docs/DESIGN.md I7): a lease object in the store names the process that owns it.
 
-    {key}/lease/{epoch:012d}.json    {"epoch", "token", "owner": {host, pid, started, flow_run_id}, "expires": t}
+    {key}/lease/{epoch:012d}.json    {"epoch", "token", "ttl", "expires": t,
+                                      "owner": {host, pid, started, flow_run_id, attempt, boot_id, pid_ns}}
 
 Acquiring makes epoch n + 1 with an exclusive create (``Store.create``: a hard link on a local disk, a conditional
 PUT on S3), so of two processes taking a lease at once exactly one succeeds, and it is then kept alive by
-rewriting its own epoch object every ``ttl / 3`` seconds. The current lease is the highest epoch. A lease is
-held while it has not expired; it is free when it has (its owner died or stopped renewing), or at once when its
-owner is a process on this machine that no longer exists (a ``kill -9`` here need not wait out the ttl).
+rewriting its own epoch object every ``ttl / 3`` seconds. The current lease is the highest epoch. An observer
+judges a lease on its own monotonic clock, never by comparing ``expires`` (the holder's wall clock) with its own:
+the lease is free once the observer has seen its object unchanged for a ttl (its owner died or stopped renewing),
+when it was released, or at once when its owner is provably a process of this machine (same boot id and pid
+namespace) that no longer exists (a ``kill -9`` here need not wait out the ttl). So taking over from a holder that
+died elsewhere costs the taker one ttl of watching, however long ago the holder died.
 A holder that finds a higher epoch than its own has lost the lease (it was too slow to renew) and must stop
 before it commits anything.
 
@@ -17,6 +21,8 @@ before it commits anything.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import socket
 import threading
 import time
@@ -31,6 +37,8 @@ from bcdflow.errors import BadInput, DamagedArtifact
 
 from .layout import lease_epoch, lease_key
 from .store import Store
+
+log = logging.getLogger(__name__)
 
 
 class LeaseHeld(BadInput):
@@ -50,12 +58,23 @@ class LeaseLost(DamagedArtifact):
     """This process's lease was taken over by another one: it stops without committing."""
 
 
+def _machine() -> dict[str, Any]:
+    """What makes a pid mean the same process to two observers: the kernel's boot id and the pid namespace (a
+    hostname does not: containers share one with separate pid namespaces). Empty where /proc does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return {"boot_id": boot, "pid_ns": os.stat("/proc/self/ns/pid").st_ino}
+    except OSError:
+        return {}
+
+
 def this_process(flow_run_id: str | None = None, attempt: int | None = None) -> dict[str, Any]:
     """Who we are, as a lease names its owner (``attempt``: the flow run's run count, which a rescheduled or
     retried run increments, so its dispatcher can tell this attempt's lease from an earlier one's)."""
     me = psutil.Process()
     return {"host": socket.gethostname(), "pid": me.pid, "started": me.create_time(),
-            "flow_run_id": flow_run_id, "attempt": attempt}
+            "flow_run_id": flow_run_id, "attempt": attempt, **_machine()}
 
 
 class Lease:
@@ -69,6 +88,9 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lost: str | None = None
+        self._renewed = 0.0  # time.monotonic() of our last write of the lease object
+        self._seen: tuple | None = None  # the other holder's lease as we last saw it, and since when (monotonic)
+        self._seen_at = 0.0
 
     # -- reading -------------------------------------------------------------------------------------------
     def current(self) -> dict | None:
@@ -81,40 +103,62 @@ class Lease:
                 continue
         return None
 
+    def unrenewed_for(self, lease: dict) -> float:
+        """Seconds, by this process's monotonic clock, since this observer first saw ``lease`` as it is now (its
+        epoch, token and expiry); a renewal rewrites the expiry, so it starts again at 0. Clocks of other machines
+        never enter: a holder is judged by whether it renews, as Kubernetes' leader election judges it."""
+        sig = (lease.get("epoch"), lease.get("token"), lease.get("expires"))
+        now = time.monotonic()
+        if sig != self._seen:
+            self._seen, self._seen_at = sig, now
+        return now - self._seen_at
+
     def _free(self, lease: dict | None) -> bool:
-        if lease is None or lease.get("token") == self.token:
-            return True
-        if lease.get("expires", 0) <= time.time():
+        if lease is None or lease.get("token") == self.token or lease.get("expires", 0) == 0:  # 0: released
             return True
         o = lease.get("owner", {})
-        if o.get("host") == self.owner.get("host"):  # same machine: a dead owner frees it at once
+        mine = _machine()
+        if mine and all(o.get(k) == v for k, v in mine.items()):  # provably this machine's processes
             try:
-                return abs(psutil.Process(int(o["pid"])).create_time() - float(o["started"])) > 1e-3
+                if abs(psutil.Process(int(o["pid"])).create_time() - float(o["started"])) > 1e-3:
+                    return True  # its pid is another process now: the holder is dead
             except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
-                return True
-        return False
+                return True  # a dead owner frees it at once
+        return self.unrenewed_for(lease) >= float(lease.get("ttl", self.ttl))
 
     def expires_in(self) -> float:
-        """Seconds until the current holder's lease expires (0 when it is free)."""
+        """Seconds until the current holder's lease expires, as this observer judges it (0 when it is free)."""
         cur = self.current()
-        return 0.0 if self._free(cur) else max(0.0, cur["expires"] - time.time())
+        return 0.0 if self._free(cur) else max(0.0, float(cur.get("ttl", self.ttl)) - self.unrenewed_for(cur))
 
     # -- holding -------------------------------------------------------------------------------------------
     def _write(self) -> None:
+        t = time.monotonic()
         self.store.write_json(self._body(), lease_key(self.key, self.epoch))
+        self._renewed = t
 
     def _body(self, expires: float | None = None) -> dict:
-        return {"epoch": self.epoch, "token": self.token, "owner": self.owner,
+        return {"epoch": self.epoch, "token": self.token, "owner": self.owner, "ttl": self.ttl,
                 "expires": time.time() + self.ttl if expires is None else expires}
 
     def acquire(self) -> "Lease":
+        """Take the lease. Held by another process: watch it for up to its ttl (polling); a renewal seen means the
+        holder lives (LeaseHeld at once), none for a whole ttl means it is gone (take it)."""
         cur = self.current()
-        if not self._free(cur):
-            raise LeaseHeld(self.what, cur)
+        first = None
+        while not self._free(cur):
+            sig = (cur.get("epoch"), cur.get("token"), cur.get("expires"))
+            if first is not None and sig != first:
+                raise LeaseHeld(self.what, cur)  # renewed while we watched: alive
+            first = sig
+            time.sleep(min(1.0, float(cur.get("ttl", self.ttl)) / 10))
+            cur = self.current()
         self.epoch = 0 if cur is None else int(cur["epoch"]) + 1
         data = json.dumps(self._body(), indent=2).encode()
+        t = time.monotonic()
         if not self.store.create(data, lease_key(self.key, self.epoch)):
             raise LeaseHeld(self.what, self.current() or {})  # another process took this epoch first
+        self._renewed = t
         for name in self.store.listdir(lease_key(self.key)):  # older epochs are history
             if (e := lease_epoch(name)) is not None and e < self.epoch - 1:
                 self.store.rm(lease_key(self.key), name)
@@ -134,6 +178,10 @@ class Lease:
         margin = self.ttl / 3 if margin is None else margin
         if self._lost:
             raise LeaseLost(self._lost)
+        if self.epoch is not None and time.monotonic() - self._renewed >= self.ttl:
+            # not renewed for a ttl (a paused process, a store down): another process may have taken over
+            raise LeaseLost(f"{self.what}: its lease was not renewed for {time.monotonic() - self._renewed:.0f} s "
+                            f"(ttl {self.ttl:g} s), so another process may hold it; this one stops without committing")
         cur = self.current()
         if cur is None or cur.get("token") != self.token:
             raise LeaseLost(f"{self.what}: another process took over its lease ({(cur or {}).get('owner')}); this "
@@ -154,10 +202,14 @@ class Lease:
         while not self._stop.wait(self.ttl / 3):
             try:
                 self.renew()
-            except LeaseLost:
+            except LeaseLost as e:
+                log.error("%s", e)
                 return
-            except Exception:  # a transient store fault: try again next period (check() decides at commit)
-                continue
+            except Exception as e:  # a transient store fault: try again next period (check() decides at commit)
+                late = time.monotonic() - self._renewed
+                log.warning("%s: renewing its lease failed (%s: %s); last renewed %.0f s ago, ttl %g s%s", self.what,
+                            type(e).__name__, e, late, self.ttl,
+                            ": it may have expired, so nothing will be committed" if late >= self.ttl else "")
 
     @contextmanager
     def held(self):

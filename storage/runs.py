@@ -1,13 +1,20 @@
-"""Run state: the resolved config and the committed visits, as typed records (docs/DESIGN.md §2 step 5, §5).
+"""Run state: the resolved config and the committed visits, as typed records (docs/DESIGN.md §2.5, §5, I7).
 
     runs/{run_id}/config.json                     the resolved run config (written once, before the first visit)
-    runs/{run_id}/state.json                      a RunState: version, status, the VisitRecord of each visit
+    runs/{run_id}/states/{seq:012d}.json          the RunState after the run's seq-th change: immutable, created
+                                                  exclusively; the current state is the highest seq
+    runs/{run_id}/state.json                      a copy of the current state, written after it (for readers; the
+                                                  whole state of a run made before states/ existed)
     runs/{run_id}/visits/c{c}-b{b}/...            one visit's working objects (activations, mid-visit checkpoint)
 
-``state.json`` is the commit point of a visit: it is written last, after the block file and the version
-manifest, and each write replaces the whole object atomically (``Store.write_bytes``). A crash before it leaves
-the run at the previous version; a resumed run reads it to know which visits are done (docs/DESIGN.md §3 I4).
-:class:`VisitRecord` and :class:`RunState` own the schema of ``state.json``: every field is declared (and
+Every change of the state is one conditional operation, :func:`advance`: the exclusive create of state
+``seq + 1`` by a writer that read state ``seq``. Of two writers that read the same state exactly one wins, so a
+run's version only moves forward by one per visit, and a commit is never lost or rolled back. Each state carries
+the lease epochs (``fence``) of the writers that changed it: a process that takes a run or visit over writes its
+epoch into the state first (:func:`fence`), and a writer whose epoch is below the state's for the same lease has
+lost it and stops (``LeaseLost``) without writing: this is what makes a paused process that wakes up after a
+takeover harmless (docs/DESIGN.md I7). A retried write that finds its own earlier object (same bytes) succeeds.
+:class:`VisitRecord` and :class:`RunState` own the schema of the state objects: every field is declared (and
 documented) here once, and a state that does not parse is a damaged artifact, not a run to continue.
 """
 from __future__ import annotations
@@ -19,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bcdflow.errors import DamagedArtifact
 
-from .layout import RUNS, config_key, is_run_id, state_key
+from .layout import RUNS, config_key, is_run_id, state_key, state_seq, states_key
+from .lease import LeaseLost
 from .store import Store
 
 
@@ -89,6 +97,11 @@ class RunState(_Record):
     """Why the run ended: cycles, target_val_loss, no_improvement or budget."""
     stop_detail: str | None = None
     visits: list[VisitRecord] = Field(default_factory=list)
+    seq: int = 0
+    """Which change of the run this state is: it is stored as ``states/{seq}.json`` (0 = the new run's state)."""
+    fence: dict[str, int] = Field(default_factory=dict)
+    """Lease epochs of the run's current holders (``run``, ``visit c{c}-b{b}``): a writer holding a lower epoch of
+    the same lease has lost it and may change nothing (docs/DESIGN.md I7)."""
 
     @property
     def steps(self) -> int:
@@ -122,13 +135,7 @@ def read_config(store: Store, run_id: str) -> dict[str, Any]:
     return config
 
 
-def read_state(store: Store, run_id: str) -> RunState | None:
-    """The run's state, or None when the run does not exist."""
-    key = state_key(run_id)
-    try:
-        data = store.read_bytes(key)
-    except FileNotFoundError:
-        return None
+def _parse(store: Store, key: str, data: bytes) -> RunState:
     try:
         return RunState.model_validate_json(data)
     except ValidationError as e:
@@ -139,25 +146,106 @@ def read_state(store: Store, run_id: str) -> RunState | None:
                             "or start a new run with another --run-id") from None
 
 
-def write_state(store: Store, state: RunState) -> None:
-    store.write_bytes(state.model_dump_json(indent=2).encode(), state_key(state.run_id))
+def read_state(store: Store, run_id: str) -> RunState | None:
+    """The run's current state (the highest state object), or None when the run does not exist.
 
-
-def append_visit(store: Store, run_id: str, visit: VisitRecord) -> RunState:
-    """Record a committed visit and move the run to its version; returns the new state.
-
-    The visit's version must be the run's version + 1, so a visit is never recorded twice."""
-    state = read_state(store, run_id) or RunState(run_id=run_id)
-    if visit.version != state.version + 1:
-        raise RunStateError(f"visit c{visit.cycle}-b{visit.block} would commit version {visit.version}, but run "
-                            f"{run_id!r} is at version {state.version}: another process committed in between")
-    state = state.model_copy(update={"version": visit.version, "visits": [*state.visits, visit]})
-    write_state(store, state)
+    ``state.json`` is read too: it is the state of a run made before ``states/`` existed, and otherwise a copy of
+    a state object, used when it is the current one (one read instead of two); a damaged copy is reported."""
+    copy = None
+    try:
+        copy = _parse(store, state_key(run_id), store.read_bytes(state_key(run_id)))
+    except FileNotFoundError:
+        pass
+    seqs = [q for n in store.listdir(states_key(run_id)) if (q := state_seq(n)) is not None]
+    if not seqs or (copy is not None and copy.seq >= max(seqs)):
+        return copy
+    key = state_key(run_id, max(seqs))
+    try:
+        state = _parse(store, key, store.read_bytes(key))
+    except FileNotFoundError:  # never deleted; a listing that raced a copy of the store
+        raise RunStateError(f"run state {store.url_of(key)} was listed but cannot be read; restore it") from None
+    if state.seq != max(seqs):
+        raise RunStateError(f"run state {store.url_of(key)} is damaged (it says seq {state.seq})")
     return state
 
 
+def check_fence(state: RunState | None, fence: dict[str, int], what: str) -> None:
+    """LeaseLost unless every lease epoch in ``fence`` is at least the state's for the same lease."""
+    for name, epoch in fence.items():
+        if state is not None and state.fence.get(name, -1) > epoch:
+            raise LeaseLost(f"{what}: this process held {name} lease epoch {epoch}, but run {state.run_id!r} was "
+                            f"taken over (epoch {state.fence[name]}); it stops without changing the run")
+
+
+def advance(store: Store, base: RunState | None, new: RunState, fence: dict[str, int] | None = None,
+            drop: tuple[str, ...] = ()) -> RunState:
+    """Make ``new`` the run's state: the one conditional operation that changes a run (docs/DESIGN.md §2.5).
+
+    ``base`` is the state the writer read (None for a new run); ``new`` is stored as state ``base.seq + 1`` (0),
+    created only if absent, with ``fence`` (the writer's lease epochs) merged into the base's (``drop``: fence
+    entries that end here, a committed visit's). LeaseLost when the writer's epochs are stale or another writer
+    made that state first; an object already there with exactly these bytes is this writer's own earlier write
+    (a retry whose reply was lost), which is success."""
+    fence = fence or {}
+    check_fence(base, fence, f"run {new.run_id!r}")
+    merged = {k: v for k, v in {**(base.fence if base else {}), **fence}.items() if k not in drop}
+    out = new.model_copy(update={"seq": base.seq + 1 if base else 0, "fence": merged})
+    data = out.model_dump_json(indent=2).encode()
+    key = state_key(new.run_id, out.seq)
+    if not store.create(data, key):
+        try:
+            mine = store.read_bytes(key) == data
+        except FileNotFoundError:
+            mine = False
+        if not mine:
+            raise LeaseLost(f"run {new.run_id!r}: another process changed the run first (it made "
+                            f"{store.url_of(key)}); this one stops without changing it")
+    store.write_bytes(data, state_key(new.run_id))  # the copy for readers; a stale copy is never the current one
+    return out
+
+
+def fence(store: Store, run_id: str, fence: dict[str, int]) -> RunState:
+    """Write this holder's lease epochs into the run's state before it changes anything (a takeover is complete
+    once this returns: no earlier holder can change the run after it). LeaseLost if a later holder fenced first."""
+    while True:
+        state = read_state(store, run_id)
+        if state is None:
+            raise RunStateError(f"run {run_id!r} has no state to fence")
+        check_fence(state, fence, f"run {run_id!r}")
+        if all(state.fence.get(k) == e for k, e in fence.items()):
+            return state
+        try:
+            return advance(store, state, state, fence)
+        except LeaseLost:  # another writer changed the state meanwhile: read it again and check our epochs
+            continue
+
+
+def write_state(store: Store, state: RunState, fence: dict[str, int] | None = None) -> RunState:
+    """Set run-level fields: ``state`` becomes the state after the current one (a new run: state 0)."""
+    return advance(store, read_state(store, state.run_id), state, fence)
+
+
+def append_visit(store: Store, run_id: str, visit: VisitRecord, fence: dict[str, int] | None = None,
+                 base: RunState | None = None, drop: tuple[str, ...] = ()) -> RunState:
+    """Record a committed visit and move the run to its version; returns the new state.
+
+    The visit's version must be the run's version + 1, so a visit is never recorded twice, and the state it moves
+    from is named (``base``, else the current one), so two writers never both commit the same version."""
+    base = base or read_state(store, run_id)
+    state = base or RunState(run_id=run_id)
+    if visit.version != state.version + 1:
+        raise RunStateError(f"visit c{visit.cycle}-b{visit.block} would commit version {visit.version}, but run "
+                            f"{run_id!r} is at version {state.version}: another process committed in between")
+    new = state.model_copy(update={"version": visit.version, "visits": [*state.visits, visit]})
+    return advance(store, base, new, fence, drop)
+
+
+def _has_states(store: Store, run_id: str) -> bool:
+    return bool(store.listdir(states_key(run_id)))
+
+
 def run_exists(store: Store, run_id: str) -> bool:
-    return store.exists(config_key(run_id)) or store.exists(state_key(run_id))
+    return store.exists(config_key(run_id)) or store.exists(state_key(run_id)) or _has_states(store, run_id)
 
 
 def list_runs(store: Store) -> list[str]:

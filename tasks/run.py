@@ -107,23 +107,35 @@ def initial_block(mcfg, plan, b: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 @task(name="commit", **retrying())
-def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: dict) -> RunState:
+def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: dict,
+                 fence: dict[str, int] | None = None) -> RunState:
     """Publish version ``record.version`` = the version before it with ``record.block`` replaced by
-    ``block_file``, then append the record to the run state (the commit point)."""
+    ``block_file``, then create the run's next state with the record (the commit point, docs/DESIGN.md §2.5).
+
+    ``fence``: the lease epochs this visit holds (``run``, ``visit c{c}-b{b}``); a state fenced by a later holder
+    means this process lost its lease, and it changes nothing (LeaseLost). A retry that finds its own record
+    committed (its reply was lost) returns the state."""
     store = open_store(cfg)
+    fence = fence or {}
     failpoints.hit("before-commit")
     state = runs.read_state(store, run_id)
+    if state is not None and record in state.visits:  # our own commit, made by an attempt whose reply was lost
+        return state
+    runs.check_fence(state, fence, f"visit c{record.cycle}-b{record.block} of run {run_id!r}")
     if state.version != record.version - 1:  # checked before the manifest is written (docs/DESIGN.md I7)
         raise runs.RunStateError(f"visit c{record.cycle}-b{record.block} was trained on version {record.version - 1}, "
                                  f"but run {run_id!r} is at version {state.version}: another process committed")
+    failpoints.hit("commit-checked")  # the window a paused process sits in: the state create below fences it
     checkpoints.commit_version(store, run_id, record.version - 1, record.version, {record.block: block_file})
-    return runs.append_visit(store, run_id, record)
+    return runs.append_visit(store, run_id, record, fence, base=state,
+                             drop=tuple(k for k in fence if k.startswith("visit ")))
 
 
 @task(name="note-state", **retrying())
-def note_state(cfg: RunConfig, run_id: str, **fields) -> RunState:
-    """Set run-level fields of state.json (status, stop reason, MLflow run id)."""
+def note_state(cfg: RunConfig, run_id: str, fence: dict[str, int] | None = None, **fields) -> RunState:
+    """Set run-level fields of the run state (status, stop reason, MLflow run id), as the holder of ``fence``."""
     store = open_store(cfg)
-    state = runs.read_state(store, run_id).model_copy(update=fields)
-    runs.write_state(store, state)
-    return state
+    state = runs.read_state(store, run_id)
+    if all(getattr(state, k) == v for k, v in fields.items()):
+        return state  # already so (a retry whose reply was lost)
+    return runs.advance(store, state, state.model_copy(update=fields), fence)

@@ -1,0 +1,199 @@
+"""docs/DESIGN.md I7 and issue 17: a process that lost its lease can never change what a run has committed.
+
+The run's state moves by exclusive creates of ``states/{seq}.json`` fenced by lease epochs (storage/runs.advance);
+a paused writer thawed after a takeover fails with one line; a commit whose reply was lost is retried successfully.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from bcdflow.core.context import open_store
+from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.lease import Lease, LeaseLost
+from bcdflow.storage.runs import RunState, VisitRecord
+from bcdflow.storage.store import Store
+from bcdflow.tasks.data import prepare_data
+from bcdflow.tasks.run import commit_visit, init_run
+from tests.helpers import TINY, assert_same, finished_weights
+
+BCDFLOW = os.path.join(os.path.dirname(sys.executable), "bcdflow")
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store(str(tmp_path / "store"))
+
+
+def _record(version: int, block: int = 0, **kw) -> VisitRecord:
+    return VisitRecord(cycle=0, block=block, version=version, steps=4, step_end=4 * version, stopped_by="max_steps",
+                       rows=32, tokens=1024, first_loss=5.0, train_loss=4.0, val_loss=4.1, val_ppl=60.0,
+                       tokens_per_s=1e3, **{"seconds": 1.0, **kw})
+
+
+def test_two_writers_of_one_version_exactly_one_wins(store):
+    base = runs.write_state(store, RunState(run_id="r"))
+    a = runs.append_visit(store, "r", _record(1), base=base)
+    with pytest.raises(LeaseLost, match="another process changed the run first"):
+        runs.append_visit(store, "r", _record(1, seconds=2.0), base=base)  # read the same state, came second
+    assert runs.read_state(store, "r") == a and a.seq == 1
+    assert runs.append_visit(store, "r", _record(1), base=base) == a  # the winner's retry: its own object, success
+
+
+def test_a_fenced_out_writer_changes_nothing(store):
+    runs.write_state(store, RunState(run_id="r"), {"run": 0})
+    stale = runs.read_state(store, "r")
+    runs.fence(store, "r", {"run": 1})  # another process took the run over
+    before = runs.read_state(store, "r")
+    for write in (lambda: runs.append_visit(store, "r", _record(1), {"run": 0}),
+                  lambda: runs.advance(store, stale, stale.model_copy(update={"status": "done"}), {"run": 0})):
+        with pytest.raises(LeaseLost, match="taken over|changed the run first"):
+            write()
+    assert runs.read_state(store, "r") == before and before.fence == {"run": 1}
+
+
+def test_an_old_single_state_json_is_read_and_continued(store):
+    """Runs made before states/ existed: their state.json is the state, and the next commit goes on from it."""
+    old = RunState(run_id="r", version=2, visits=[_record(1), _record(2, block=1)])
+    store.write_bytes(old.model_dump_json(exclude={"seq", "fence"}).encode(), "runs/r/state.json")
+    assert runs.read_state(store, "r") == old
+    new = runs.append_visit(store, "r", _record(3, block=2))
+    assert new.version == 3 and new.seq == 1 and runs.read_state(store, "r") == new
+
+
+def _run(cfg):
+    store = open_store(cfg)
+    ds = prepare_data.fn(cfg, store)
+    init_run.fn(cfg, "r", ds)
+    entry = checkpoints.save_block(store, "r", {"x": torch.arange(4.0)})
+    return store, entry
+
+
+def test_a_commit_whose_reply_was_lost_is_retried_successfully(tiny_cfg):
+    cfg = tiny_cfg()
+    store, entry = _run(cfg)
+    rec = _record(1)
+    first = commit_visit.fn(cfg, "r", rec, entry, {"run": 0, "visit c0-b0": 0})
+    again = commit_visit.fn(cfg, "r", rec, entry, {"run": 0, "visit c0-b0": 0})  # the retry of the same task
+    assert again == first == runs.read_state(store, "r") and first.version == 1 and first.fence == {"run": 0}
+
+
+def test_a_commit_after_a_takeover_writes_nothing(tiny_cfg):
+    cfg = tiny_cfg()
+    store, entry = _run(cfg)
+    runs.fence(store, "r", {"run": 1})
+    before = runs.read_state(store, "r")
+    with pytest.raises(LeaseLost, match="taken over"):
+        commit_visit.fn(cfg, "r", _record(1), entry, {"run": 0})
+    assert runs.read_state(store, "r") == before and not store.exists("runs/r/versions/1.json")
+
+
+def test_a_lease_not_renewed_for_a_ttl_is_not_trusted_at_commit(store):
+    lease = Lease(store, "runs/r", "run 'r'", ttl=0.5).acquire()
+    lease.check()
+    time.sleep(0.6)  # the keep-alive thread did not run (a paused process, a store down)
+    with pytest.raises(LeaseLost, match="not renewed"):
+        lease.check()
+
+
+def _tree(root) -> dict[str, bytes]:
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+@pytest.mark.slow
+def test_a_writer_frozen_in_its_commit_cannot_change_the_run_after_a_takeover(prefect_api_url, tmp_path):
+    """A freezes after its commit's checks (visit c0-b1); B takes the run over once A's lease expired and commits
+    versions 2 and 3; A thawed exits non-zero with one line, the run is unchanged, and equals an uninterrupted run."""
+    sets = []
+    for s in TINY + ["checkpoint.every_steps=2", "tracking_uri=none", "fleet.lease_seconds=4"]:
+        sets += ["--set", s]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "BCDFLOW_RETRY_BACKOFF": "0.2"}
+    ref = tmp_path / "ref"
+    done = subprocess.run([BCDFLOW, "train", *sets, "--store", str(ref), "--run-id", "k"], env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    root = tmp_path / "store"
+    args = ["train", *sets, "--store", str(root), "--run-id", "k"]
+    err = open(tmp_path / "a.err", "w")
+    a = subprocess.Popen([BCDFLOW, *args], stdout=subprocess.DEVNULL, stderr=err, text=True,
+                         env={**env, "BCDFLOW_FAILPOINTS": "commit-checked:2:stop"})
+    try:
+        deadline = time.time() + 300
+        while psutil.Process(a.pid).status() != psutil.STATUS_STOPPED:
+            assert a.poll() is None and time.time() < deadline, (tmp_path / "a.err").read_text()[-3000:]
+            time.sleep(0.1)
+        assert runs.read_state(Store(str(root)), "k").version == 1
+        t0 = time.monotonic()
+        while True:  # B: the run is busy until A's lease expires (A is alive, so it is waited out)
+            b = subprocess.run([BCDFLOW, *args], env=env, capture_output=True, text=True, timeout=400)
+            if b.returncode != 2 or "is in use" not in b.stderr:
+                break
+            assert time.monotonic() - t0 < 60, b.stderr[-2000:]
+            time.sleep(0.5)
+        assert b.returncode == 0, b.stderr[-3000:]
+        state = runs.read_state(Store(str(root)), "k")
+        assert state.version == 3 and state.status == "done"
+        before = _tree(root)
+        os.kill(a.pid, signal.SIGCONT)
+        rc = a.wait(timeout=120)
+    finally:
+        if a.poll() is None:
+            a.kill()
+    line = (tmp_path / "a.err").read_text().strip().splitlines()[-1]
+    assert rc == 1 and "another process changed the run first" in line, line
+    assert _tree(root) == before
+    assert_same(finished_weights(Store(str(root)), "k"), finished_weights(Store(str(ref)), "k"))
+
+
+# -- leases judged on the observer's own clock (issue 17) -----------------------------------------------------
+
+def test_a_clock_skewed_ahead_by_more_than_the_ttl_does_not_take_a_live_lease(store, monkeypatch):
+    import bcdflow.storage.lease as lease_mod
+    from bcdflow.storage.lease import LeaseHeld
+
+    a = Lease(store, "runs/r", "run 'r'", ttl=1.0, owner={"host": "a-host", "pid": 1, "started": 0.0})
+    a.acquire()  # written with the true clock: expires = now + 1
+    real = time.time
+    monkeypatch.setattr(lease_mod.time, "time", lambda: real() + 100.0)  # every clock here now runs 100 s ahead
+    stop = threading.Event()
+    renewer = threading.Thread(target=lambda: [a.renew() for _ in iter(lambda: stop.wait(0.2), True)])
+    renewer.start()
+    try:
+        b = Lease(store, "runs/r", "run 'r'", ttl=1.0, owner={"host": "b-host", "pid": 2, "started": 0.0})
+        with pytest.raises(LeaseHeld, match="in use by a-host"):
+            b.acquire()
+        a.check()
+    finally:
+        stop.set()
+        renewer.join()
+    t0 = time.monotonic()  # a stops renewing: b takes it after one ttl of watching, by its own clock
+    b.acquire()
+    assert b.epoch == 1 and time.monotonic() - t0 >= 1.0
+
+
+def test_same_hostname_in_another_pid_namespace_is_not_judged_dead(store):
+    """Containers share a hostname, not a pid namespace: a pid we cannot see there is not a dead holder."""
+    import subprocess
+
+    from bcdflow.storage.lease import LeaseHeld, this_process
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    other = {**this_process(), "pid": p.pid, "started": 1.0, "pid_ns": 1}  # same host and boot, other namespace
+    a = Lease(store, "runs/r", "run 'r'", ttl=1.0, owner=other)
+    with a.held():
+        with pytest.raises(LeaseHeld):
+            Lease(store, "runs/r", "run 'r'", ttl=1.0).acquire()
