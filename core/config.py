@@ -85,6 +85,11 @@ class BcdSection(_Section):
     split: Literal["params", "layers"] = "params"
     """How ``blocks`` cuts the layers: equal parameter counts (embeddings and head included; the
     paper updates one third of the parameters per visit) or equal layer counts."""
+    freeze: list[Literal["embeddings", "head"]] = []
+    """Parameters no visit trains: ``embeddings`` (token and position), ``head`` (the output projection; a tied head
+    is the token embedding). BAdam's default: the 128k-row embedding and untied head of a Llama-3-sized model are
+    a large part of the blocks that own them, so freezing them makes those visits as small as the others, and a
+    ``params`` split balances what trains. A trade-off: the run is no longer full-parameter training."""
     cycles: int = Field(2, ge=1)
     order: Order = "cyclic"
     sample_rate: float = 0.9
@@ -107,10 +112,11 @@ class BcdSection(_Section):
     core per shard), 2 on GPU (one shard's I/O overlaps the next one's compute)."""
     store_concurrency: int = Field(16, ge=1)
     """Zarr's async concurrency: object-store requests in flight per shard read/write."""
-    recompute: Literal["auto", "on", "off"] = "auto"
+    recompute: Literal["auto", "on", "off", "all"] = "auto"
     """Recompute the frozen layers after the active block in backward instead of keeping their activations
     (activation checkpointing; the gradients are bitwise the same). ``auto``: on for a visit the memory planner
-    says would not fit ``train.memory_gb`` otherwise."""
+    says would not fit ``train.memory_gb`` otherwise; ``all``: the active block's own layers too (long sequences:
+    each layer keeps only its input, at the cost of a second forward of the block)."""
 
     @field_validator("recompute", mode="before")
     @classmethod

@@ -26,6 +26,7 @@ from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
 from bcdflow.models.config import ModelConfig, get_config
 from bcdflow.models.memory import visit_memory
+from bcdflow.models.plan import frozen_names
 from bcdflow.models.stream import LayerStream
 from bcdflow.storage import checkpoints, layout
 from bcdflow.storage.store import Store
@@ -47,7 +48,7 @@ def model_config(cfg: RunConfig, vocab_size: int | None = None) -> ModelConfig:
 
 def block_plan(cfg: RunConfig, mcfg: ModelConfig) -> Plan:
     """The block plan of the run's ``bcd`` section over model ``mcfg``."""
-    return model_plan(mcfg, cfg.bcd.blocks, cfg.bcd.boundaries, cfg.bcd.split)
+    return model_plan(mcfg, cfg.bcd.blocks, cfg.bcd.boundaries, cfg.bcd.split, cfg.bcd.freeze)
 
 
 def open_store(cfg: RunConfig) -> Store:
@@ -102,7 +103,8 @@ def check_host_memory(cfg: RunConfig) -> None:
     mcfg = model_config(cfg)
     plan = block_plan(cfg, mcfg)
     low = "bf16" if cfg.train.precision == "bf16" else "fp32"
-    need = max(visit_memory(mcfg, plan, b, 1, 1, low, stream=True, preinfer=cfg.bcd.preinfer).host_bytes
+    need = max(visit_memory(mcfg, plan, b, 1, 1, low, stream=True, preinfer=cfg.bcd.preinfer,
+                            freeze=cfg.bcd.freeze).host_bytes
                for b in range(len(plan)))
     have = psutil.virtual_memory().available
     if need > have:
@@ -204,8 +206,14 @@ class RunContext:
             return False
         est = visit_memory(self.model_cfg, self.plan, block, t.batch_size, self.dataset.seq_len, t.precision,
                            self.cfg.optim.name, recompute=True, preinfer=self.cfg.bcd.preinfer,
-                           chunk_rows=t.loss_chunk_rows, weight_decay=self.cfg.optim.weight_decay)
+                           chunk_rows=t.loss_chunk_rows, weight_decay=self.cfg.optim.weight_decay,
+                           freeze=self.cfg.bcd.freeze)
         return est.peak > budget
+
+    def trainable(self, block: int) -> set[str]:
+        """The parameters block ``block``'s visit trains: the block's, less what ``bcd.freeze`` keeps frozen."""
+        owned = self.plan[block].params
+        return set(owned) - frozen_names(owned, self.cfg.bcd.freeze, self.model_cfg.tied)
 
     def from_acts(self, block: int) -> bool:
         """Whether block ``block``'s visit trains from the prefix's stored activations (paper §3.2.2): every block

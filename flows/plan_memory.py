@@ -43,18 +43,20 @@ def plan(cfg, gpu_gb: float, pcie_gbs: float = 25.0, tflops: float = 80.0) -> di
     t = cfg.train
     B, T, p, opt = t.batch_size, cfg.data.seq_len, t.precision, cfg.optim.name
     kw = {"chunk_rows": t.loss_chunk_rows, "weight_decay": cfg.optim.weight_decay}
-    common = dict(split=cfg.bcd.split, preinfer=cfg.bcd.preinfer, **kw)
+    freeze = tuple(cfg.bcd.freeze)
+    common = dict(split=cfg.bcd.split, preinfer=cfg.bcd.preinfer, freeze=freeze, **kw)
     visits = plan_visits(mcfg, cfg.bcd.blocks, B, T, p, opt, False, **common)
     redo = plan_visits(mcfg, cfg.bcd.blocks, B, T, p, opt, True, **common)
     window = t.stream_window
     stream = plan_visits(mcfg, cfg.bcd.blocks, B, T, p, opt, False, stream=True, window=window, **common)
-    plan_ = model_plan(mcfg, cfg.bcd.blocks, split=cfg.bcd.split)
+    plan_ = model_plan(mcfg, cfg.bcd.blocks, split=cfg.bcd.split, freeze=freeze)
     full = visit_memory(mcfg, None, None, B, T, p, opt, **kw)
-    rec = recommend(mcfg, B, T, p, gpu_gb * GB, opt, cfg.bcd.split, cfg.bcd.preinfer, window=window, **kw)
+    rec = recommend(mcfg, B, T, p, gpu_gb * GB, opt, cfg.bcd.split, cfg.bcd.preinfer, window=window, freeze=freeze,
+                    **kw)
 
     def streamed(e, b: int) -> dict:
         copy_s = e.copy_bytes / (pcie_gbs * 1e9)
-        compute_s = step_flops(mcfg, plan_, b, B, T, cfg.bcd.preinfer) / (tflops * 1e12)
+        compute_s = step_flops(mcfg, plan_, b, B, T, cfg.bcd.preinfer, freeze) / (tflops * 1e12)
         return {"stream_peak": e.peak, "host_bytes": e.host_bytes, "copy_bytes": e.copy_bytes, "copy_s": copy_s,
                 "compute_s": compute_s, "hidden": min(1.0, compute_s / copy_s) if copy_s else 1.0}
 

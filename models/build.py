@@ -15,7 +15,7 @@ from bcdflow.models.base import Decoder
 from bcdflow.models.config import ModelConfig
 from bcdflow.models.gpt import GPT
 from bcdflow.models.llama import LLaMA
-from bcdflow.models.plan import Plan, make_plan
+from bcdflow.models.plan import Plan, frozen_names, make_plan
 
 FAMILIES: dict[str, type[Decoder]] = {"gpt": GPT, "llama": LLaMA}
 
@@ -70,8 +70,11 @@ def param_sizes(cfg: ModelConfig) -> dict[str, int]:
 
 
 def model_plan(cfg: ModelConfig, blocks: int | None = None, boundaries: Sequence[int] | None = None,
-               split: str = "params") -> Plan:
+               split: str = "params", freeze: Sequence[str] = ()) -> Plan:
     """The block plan of a model: ``split="params"`` balances parameter counts (embeddings and head
-    included, the paper's "one third of the parameters", §4.1), ``"layers"`` balances layer counts."""
+    included, the paper's "one third of the parameters", §4.1; parameters ``freeze`` keeps frozen count
+    nothing), ``"layers"`` balances layer counts."""
     sizes = param_sizes(cfg)
+    frozen = frozen_names(sizes, freeze, cfg.tied)
+    sizes = {n: 0 if n in frozen else k for n, k in sizes.items()}
     return make_plan(sizes if split == "params" else list(sizes), cfg.n_layer, blocks, boundaries)

@@ -37,11 +37,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Sequence
 
 from bcdflow.models.base import loss_chunk_rows
 from bcdflow.models.build import model_plan, param_shapes
 from bcdflow.models.config import ModelConfig
-from bcdflow.models.plan import Plan
+from bcdflow.models.plan import Plan, frozen_names
 
 GB = 1e9
 PARTS = ("weights", "grads", "optim", "activations", "logits", "input", "temporaries")
@@ -155,7 +156,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
                  precision: str = "fp32", optim: str = "adamw", recompute: bool = False, preinfer: bool = True,
                  chunk_rows: int | None = None, weight_decay: float = 1e-5, gpus: int = 1,
                  parallel: str = "single", shapes: dict | None = None, stream: bool = False,
-                 window: int = 2) -> Estimate:
+                 window: int = 2, freeze: Sequence[str] = (), recompute_active: bool = False) -> Estimate:
     """Peak bytes of one step of block ``block``'s visit (``plan`` and ``block`` None: full training, every
     parameter trainable, the whole model held, fp32 master weights throughout).
 
@@ -163,7 +164,9 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     layers >= b; off, it holds the whole model and runs the prefix under no_grad. ``parallel``: ``ddp`` splits the
     batch over ``gpus`` processes (each holds every weight, gradient and moment of the visit); ``fsdp`` also
     shards weights, gradients and moments, and gathers one layer's weights at a time (two with prefetch).
-    ``stream``: the frozen layers held stay in host memory and at most ``window`` of them are on the device."""
+    ``stream``: the frozen layers held stay in host memory and at most ``window`` of them are on the device.
+    ``freeze``: parameters no visit trains (``bcd.freeze``). ``recompute_active`` (``bcd.recompute=all``): the
+    active block's layers keep only their input too, and run their forward again one at a time in backward."""
     st = Step(cfg, batch, seq, precision, optim, weight_decay, chunk_rows, gpus, parallel)
     shapes = shapes or _shapes(cfg)
     n = cfg.n_layer
@@ -172,7 +175,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
         lo, hi, trainable = 0, n, set(shapes)
     else:
         lo, hi = plan[block].layers
-        trainable = set(plan[block].params)
+        trainable = set(plan[block].params) - frozen_names(plan[block].params, freeze, cfg.tied)
     from_acts = not full and preinfer and lo > 0
     held_lo = lo if from_acts else 0
 
@@ -222,6 +225,8 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     cast = 0  # bf16 autocast copies of trainable matrices, kept for backward
     for i in range(lo, n):
         kind = "trainable" if layer_train[i] else ("recompute" if recompute and i >= hi else "frozen")
+        if layer_train[i] and recompute_active:
+            kind = "recompute"
         a = N * _layer_act(st, kind)
         if precision == "bf16" and kind == "trainable":
             mats = sum(_numel(shapes[k]) for k in trainable if _layer_of(k) == i and len(shapes[k]) >= 2)
@@ -260,6 +265,8 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     running_act -= ln_f
     for i, a, g in reversed(acts):
         redo = N * _layer_act(st, "frozen") if recompute and not layer_train[i] and i >= hi else 0
+        if recompute_active and layer_train[i]:  # the layer's own activations, back for its backward
+            redo = N * _layer_act(st, "trainable")
         at(f"backward layer {i}", running_act, 0, running_grads, back_t + redo)
         running_act -= a
         running_grads += g
@@ -280,7 +287,7 @@ def plan_visits(cfg: ModelConfig, blocks: int, batch: int, seq: int, precision: 
                 recompute: bool = False, split: str = "params", preinfer: bool = True, **kw) -> list[Estimate]:
     """The estimate of every block's visit under the ``bcd.blocks=blocks`` plan (``stream``, ``window``: see
     :func:`visit_memory`)."""
-    plan = model_plan(cfg, blocks, split=split)
+    plan = model_plan(cfg, blocks, split=split, freeze=kw.get("freeze", ()))
     shapes = _shapes(cfg)
     return [visit_memory(cfg, plan, b, batch, seq, precision, optim, recompute, preinfer, shapes=shapes, **kw)
             for b in range(len(plan))]
@@ -316,7 +323,8 @@ def recommend(cfg: ModelConfig, batch: int, seq: int, precision: str, gpu_bytes:
     """The smallest block count whose every visit fits ``gpu_bytes``: resident without recompute when that fits at
     this count, else with recompute (a forward of the frozen suffix), else (``stream``) with the frozen layers
     streamed from host memory (PCIe copies), with and without recompute. More blocks cost more visits."""
-    full = visit_memory(cfg, None, None, batch, seq, precision, optim, **kw)
+    full = visit_memory(cfg, None, None, batch, seq, precision, optim,
+                        **{k: v for k, v in kw.items() if k != "freeze"})  # full training trains everything
     ways = [(False, False), (True, False)] + ([(False, True), (True, True)] if stream else [])
     for m in range(1, cfg.n_layer + 1):
         for recompute, streamed in ways:
@@ -330,14 +338,14 @@ def recommend(cfg: ModelConfig, batch: int, seq: int, precision: str, gpu_bytes:
 
 
 def step_flops(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int, seq: int,
-               preinfer: bool = True) -> float:
+               preinfer: bool = True, freeze: Sequence[str] = ()) -> float:
     """Matmul FLOPs of one step of a visit (``plan``/``block`` None: full training): forward 2 N P over the
     weights it runs, input gradients 2 N P over those on the gradient path, weight gradients 2 N P over the
     trainable ones (attention scores and the embedding lookup not counted): what a streamed copy hides behind."""
     shapes = _shapes(cfg)
     n, N = cfg.n_layer, batch * seq
     lo, hi = (0, n) if block is None else plan[block].layers
-    trainable = set(shapes) if block is None else set(plan[block].params)
+    trainable = set(shapes) if block is None else set(plan[block].params) - frozen_names(shapes, freeze, cfg.tied)
     start = lo if block is not None and preinfer and lo > 0 else 0
     mats = {k: _numel(v) for k, v in shapes.items() if len(v) >= 2 and not k.startswith(("wte.", "wpe."))}
     head = cfg.vocab_size * cfg.d_model  # the (tied or not) head's matmul

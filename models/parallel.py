@@ -47,10 +47,12 @@ class VisitStep(nn.Module):
         super().__init__()
         self.model = model
         self.lo, self.hi, self.from_acts, self.recompute, self.precision = lo, hi, from_acts, recompute, precision
+        self.recompute_active = False  # bcd.recompute=all: the active block's layers too
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         with autocast(x.device, self.precision):
             return visit_loss(self.model, x, y, self.lo, self.from_acts, hi=self.hi, recompute=self.recompute,
+                              recompute_active=self.recompute_active,
                               reduction=reduction)
 
 

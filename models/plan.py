@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from bcdflow.models.base import EMBED_PREFIXES, HEAD_PREFIXES
 from bcdflow.models.errors import ConfigError
@@ -123,6 +123,16 @@ def make_plan(param_names: Sequence[str] | Mapping[str, int], n_layer: int, bloc
             raise ValueError(f"parameter {name!r} belongs to no layer, embedding or head")
         owned[b].append(name)
     return Plan(n_layer, tuple(Block(i, (cuts[i], cuts[i + 1]), tuple(owned[i])) for i in range(M)))
+
+
+FREEZABLE = {"embeddings": EMBED_PREFIXES, "head": ("lm_head.",)}
+
+
+def frozen_names(names: Iterable[str], freeze: Sequence[str], tied: bool) -> set[str]:
+    """The parameters ``bcd.freeze`` keeps frozen in every visit: ``embeddings`` (token and position), ``head``
+    (the output projection; a tied head is the token embedding, so freezing either freezes it)."""
+    prefixes = tuple(p for f in freeze for p in FREEZABLE[f]) + (("wte.",) if tied and "head" in freeze else ())
+    return {n for n in names if prefixes and n.startswith(prefixes)}
 
 
 def block_tensors(model, plan: Plan, b: int) -> dict:

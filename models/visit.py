@@ -34,12 +34,14 @@ def prefix_hidden(model: Decoder, idx: torch.Tensor, lo: int) -> torch.Tensor:
 
 
 def visit_loss(model: Decoder, x: torch.Tensor, targets: torch.Tensor, lo: int, from_acts: bool,
-               hi: int | None = None, recompute: bool = False, reduction: str = "mean") -> torch.Tensor:
+               hi: int | None = None, recompute: bool = False, reduction: str = "mean",
+               recompute_active: bool = False) -> torch.Tensor:
     """Next-token loss of a visit whose active block holds layers [lo, hi) (the mean over trained targets, or
     their sum with ``reduction="sum"``).
 
     ``from_acts``: ``x`` is (B, T, C) pre-inferred hidden states of layer ``lo``; else (B, T) token ids.
-    ``recompute``: the frozen suffix [hi, n) is recomputed in backward instead of keeping its activations."""
+    ``recompute``: the frozen suffix [hi, n) is recomputed in backward instead of keeping its activations;
+    ``recompute_active``: the active block's own layers [lo, hi) too (long sequences: each keeps its input only)."""
     n = model.cfg.n_layer
     if from_acts:
         h = x
@@ -47,10 +49,12 @@ def visit_loss(model: Decoder, x: torch.Tensor, targets: torch.Tensor, lo: int, 
         h = model.embed(x)  # block 0 owns the embeddings: on the gradient path
     else:  # pre-inference off: the frozen prefix runs here
         h = prefix_hidden(model, x, lo)
-    if not recompute or hi is None or hi >= n:
+    hi = n if hi is None else hi
+    if not (recompute and hi < n) and not recompute_active:
         return model.loss(model.run_layers(h, lo, n), targets, reduction)
-    h = model.run_layers(h, lo, hi)  # the active block: its activations are needed for its weight gradients
     extra = model._layer_extra(h.size(1), h.device)
-    for i in range(hi, n):  # (B, T, C) kept per frozen layer; the rest is recomputed in backward
-        h = checkpoint(model.h[str(i)], h, extra, use_reentrant=False)
+    for i in range(lo, n):  # a recomputed layer keeps its (B, T, C) input; the rest comes back in backward
+        layer = model.h[str(i)]
+        again = recompute_active if i < hi else recompute
+        h = checkpoint(layer, h, extra, use_reentrant=False) if again else layer(h, extra)
     return model.loss(h, targets, reduction)

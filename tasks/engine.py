@@ -84,7 +84,7 @@ def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, pa
     """``bcd.recompute``: on, off, or (auto) on when the planner says the visit would not fit ``train.memory_gb``
     (default: the CUDA device's memory; unlimited on the CPU)."""
     if cfg.bcd.recompute != "auto":
-        return cfg.bcd.recompute == "on"
+        return cfg.bcd.recompute in ("on", "all")
     budget = memory_budget(cfg, ctx.device)
     return needs_recompute(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,
                            cfg.train.precision, budget, optim=cfg.optim.name, preinfer=cfg.bcd.preinfer,

@@ -29,8 +29,8 @@ from bcdflow.tasks.retry import retrying
 
 # keys that define what a run computes; a resumed run must match them exactly. optim.lr is not among them:
 # a run that diverged continues with a lower learning rate (the stored config then records the new one).
-IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.split", "bcd.order", "bcd.sample_rate",
-            "bcd.preinfer", "bcd.max_steps", "bcd.patience", "bcd.min_delta", "bcd.window",
+IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.split", "bcd.freeze", "bcd.order",
+            "bcd.sample_rate", "bcd.preinfer", "bcd.max_steps", "bcd.patience", "bcd.min_delta", "bcd.window",
             "optim.name", "optim.weight_decay", "optim.momentum", "optim.grad_clip", "optim.warmup_steps",
             "train.batch_size", "seed", "mode", "format", "hf.fingerprint")
 # the layout of a run's stored config and weights; 2: LLaMA rotates q/k by halves (the Hugging Face convention)

@@ -51,7 +51,7 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     exact = not from_acts or cfg.bcd.act_dtype == "float32"
     val = visit_val_batches(cfg, ctx, version, block) if cfg.bcd.eval_every or exact else []
     ctx.release_prefix()  # before the visit's model loads: the two are never held at once
-    active = set(ctx.plan[block].params)
+    active = ctx.trainable(block)
     streamed = ctx.frozen_layers(block) if ctx.streams(block) else []  # train.offload: in host memory (I6)
     model = ctx.load_part(ctx.manifest(version), (lo if from_acts else 0, n_layer), embed=not from_acts, head=True,
                           trainable=active, stream=streamed)  # bf16 precision: frozen matrices in bf16 (I6)
@@ -75,7 +75,8 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
 
     def loss_fn(batch):
         with autocast(device, cfg.train.precision), saving():
-            return visit_loss(model, *batch, lo, from_acts, hi=hi, recompute=recompute)
+            return visit_loss(model, *batch, lo, from_acts, hi=hi, recompute=recompute,
+                              recompute_active=cfg.bcd.recompute == "all")
 
     val_points: list[tuple[int, float]] = []
     on_window = window_logger(track, cfg.bcd.eval_every, model, lambda: evaluate_model(
@@ -158,6 +159,6 @@ def choose_block(ctx: RunContext, version: int, cycle: int, candidates: list[int
     x, y = ctx.dataset.train_pairs(np.sort(probe))
     model(x.to(ctx.device), y.to(ctx.device)).backward()
     grads = dict(model.named_parameters())
-    norms = {b: float(torch.sqrt(sum((grads[n].grad.float() ** 2).sum() for n in ctx.plan[b].params)))
+    norms = {b: float(torch.sqrt(sum((grads[n].grad.float() ** 2).sum() for n in ctx.trainable(b))))
              for b in candidates}
     return max(candidates, key=lambda b: (norms[b], -b))

@@ -196,6 +196,7 @@ def _load(ctx: RunContext, version: int, layers, embed: bool, active: set[str], 
     if ctx.cfg.train.compile:  # before DDP/FSDP wrap the layers (torchtitan's order)
         compile_layers(model)
     step = par.VisitStep(model, lo, hi, from_acts, recompute, precision)
+    step.recompute_active = ctx.cfg.bcd.recompute == "all"
     if mode == "ddp":
         return model, step, par.wrap_ddp(step, device)
     par.shard_fsdp(step, device)
@@ -219,7 +220,7 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
     ds, n_layer = ctx.dataset, ctx.model_cfg.n_layer
     lo, hi = ctx.plan[block].layers
     from_acts = ctx.from_acts(block)
-    active = set(ctx.plan[block].params)
+    active = ctx.trainable(block)
     recompute = use_recompute(cfg, ctx, block, gpus=world, parallel="ddp")
     mode = choose_parallel(cfg, ctx, block, world, recompute)
     val = visit_val_batches(cfg, ctx, version, block) if cfg.bcd.eval_every else []

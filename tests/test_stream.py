@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bcdflow.core.context import RunContext
-from bcdflow.models import build_model, get_config
+from bcdflow.models import build_model, get_config, model_plan
 from bcdflow.models.memory import visit_memory
 from bcdflow.models.stream import LayerStream
 from bcdflow.models.visit import visit_loss
@@ -88,8 +88,6 @@ def test_a_streamed_visit_commits_the_resident_block_bitwise(tiny_cfg, block, ex
 
 def test_the_planner_counts_a_window_of_streamed_layers():
     cfg = get_config("tiny", vocab_size=512)
-    from bcdflow.models import model_plan
-
     plan = model_plan(cfg, 3)
     resident = visit_memory(cfg, plan, 0, 4, 32, "bf16")
     streamed = visit_memory(cfg, plan, 0, 4, 32, "bf16", stream=True, window=1)
@@ -118,3 +116,20 @@ def test_streaming_more_than_the_host_holds_is_refused_before_anything_is_writte
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.offload: stream" in err[0] and "GB available" in err[0], err
     assert not store.exists()
+
+
+@pytest.mark.parametrize("family", ["tiny", "tiny-llama"])
+def test_recomputing_the_active_block_gives_the_same_gradients(family):
+    """``bcd.recompute=all``: the active block's own layers are checkpointed too (long sequences)."""
+    torch.manual_seed(0)
+    cfg = get_config(family, vocab_size=512)
+    plain = build_model(cfg)
+    again = copy.deepcopy(plain)
+    x, y = torch.randint(0, 512, (4, 32)), torch.randint(0, 512, (4, 32))
+    for model, kw in ((plain, {}), (again, {"recompute": True, "recompute_active": True})):
+        _frozen_but(model, 2, 4)
+        visit_loss(model, x, y, 2, False, hi=4, **kw).backward()
+    for (n, p), (_, q) in zip(plain.named_parameters(), again.named_parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n
+    est = {a: visit_memory(cfg, model_plan(cfg, 3), 1, 4, 64, recompute=True, recompute_active=a) for a in (0, 1)}
+    assert est[1].activations < est[0].activations
