@@ -8,6 +8,7 @@ loop, not a copy of it.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
@@ -29,6 +30,7 @@ from bcdflow.models import build_model, get_config
 from bcdflow.models.build import frozen_in, param_sizes
 from bcdflow.models.gpt import GPT
 from bcdflow.models.llama import LLaMA
+from bcdflow.models.stream import LayerStream
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
 from bcdflow.models.visit import autocast, visit_loss
 
@@ -142,11 +144,12 @@ class Visit:
     under no_grad, as ``tasks/train.py`` runs the frozen prefix then. ``hi`` ends the active block (its frozen
     suffix is recomputed in backward with ``recompute``). ``args`` needs ``optim`` and ``precision``; with bf16
     the frozen weight matrices are stored in bf16 as the product stores them (``args.frozen_fp32`` keeps the old
-    fp32 storage for a side-by-side). The loss is the product's: ``models.visit.visit_loss``.
+    fp32 storage for a side-by-side). The loss is the product's: ``models.visit.visit_loss``. ``stream``: the frozen
+    layers held stream from host memory as ``train.offload=stream`` streams them (models/stream.py).
     """
 
     def __init__(self, name, cfg, master, device, args, layers, embed, trainable, batch, start=None, hi=None,
-                 recompute=False):
+                 recompute=False, stream=False):
         self.name, self.layers, self.embed, self.device, self.batch = name, layers, embed, device, batch
         self.start = layers[0] if start is None else start
         self.hi, self.recompute = hi, recompute
@@ -165,6 +168,9 @@ class Visit:
                 layer.compile()
         for n, p in model.named_parameters():
             p.requires_grad_(n in trainable)
+        frozen = [i for i in range(*layers) if not any(n.startswith(f"h.{i}.") for n in trainable)]
+        self.stream = LayerStream(model, frozen, device, getattr(args, "stream_window", 2)) if stream else None
+        saving = self.stream.saving if self.stream else contextlib.nullcontext
         self.model = model.train()
         self.trainable = set(trainable)
         self.params = [p for n, p in model.named_parameters() if n in trainable]
@@ -173,7 +179,7 @@ class Visit:
         start, precision, from_acts = self.start, args.precision, not embed
 
         def loss_fn(b):  # the loss path of tasks/train.py::train_block
-            with autocast(device, precision):
+            with autocast(device, precision), saving():
                 return visit_loss(model, *b, start, from_acts, hi=hi, recompute=recompute)
 
         self.loss_fn = loss_fn
@@ -379,19 +385,19 @@ class Workload:
                 self._prefix[lo] = prefix_batch(self.cfg, self.master, self.device, self.args.precision, self.x, lo)
         return self._prefix[lo]
 
-    def visit(self, name: str, blk, preinfer: bool = True, recompute: bool = False) -> Visit:
+    def visit(self, name: str, blk, preinfer: bool = True, recompute: bool = False, stream: bool = False) -> Visit:
         """Block ``blk``'s visit as tasks/train.py runs it: with pre-inference, layers >= lo fed the prefix's
         hidden states; without, the whole model with the prefix under no_grad every step."""
         (lo, hi), n = blk.layers, self.cfg.n_layer
         if self.isolated:
             blocks = len(self.plan_of(blk))
             return Remote(self, name, "visit", blocks=blocks, block=blk.index, preinfer=preinfer,
-                          recompute=recompute)
+                          recompute=recompute, stream=stream)
         if preinfer and lo > 0:
             return Visit(name, self.cfg, self.master, self.device, self.args, (lo, n), False, set(blk.params),
-                         (self.hidden(lo), self.y), hi=hi, recompute=recompute)
+                         (self.hidden(lo), self.y), hi=hi, recompute=recompute, stream=stream)
         return Visit(name, self.cfg, self.master, self.device, self.args, (0, n), True, set(blk.params),
-                     (self.x, self.y), start=lo, hi=hi, recompute=recompute)
+                     (self.x, self.y), start=lo, hi=hi, recompute=recompute, stream=stream)
 
     def prefix(self, lo: int) -> Timed:
         """The pre-inference forward of the frozen prefix, layers [0, lo), over one batch (``tasks/preinfer.py``)."""

@@ -60,6 +60,13 @@ def plan(cfg, gpu_gb: float, pcie_gbs: float = 25.0, tflops: float = 80.0) -> di
         return {"stream_peak": e.peak, "host_bytes": e.host_bytes, "copy_bytes": e.copy_bytes, "copy_s": copy_s,
                 "compute_s": compute_s, "hidden": min(1.0, compute_s / copy_s) if copy_s else 1.0}
 
+    if rec.blocks is None and not freeze:  # what freezing the big-vocabulary parts would make fit (a trade-off)
+        alt = recommend(mcfg, B, T, p, gpu_gb * GB, opt, cfg.bcd.split, cfg.bcd.preinfer, window=window,
+                        freeze=("embeddings", "head"), **kw)
+        if alt.blocks is not None:
+            rec.hint = (f"with bcd.freeze=[embeddings,head] (no longer full-parameter): bcd.blocks={alt.blocks} "
+                        f"bcd.recompute={'on' if alt.recompute else 'off'}"
+                        f"{' train.offload=stream' if alt.stream else ''} fits (worst visit {alt.worst_peak / GB:.1f} GB)")
     out = {"model": mcfg.to_dict(), "batch": B, "seq_len": T, "precision": p, "optim": opt, "gpu_gb": gpu_gb,
            "blocks": cfg.bcd.blocks, "full": full.to_dict(),
            "pcie_gbs": pcie_gbs, "tflops": tflops, "stream_window": window,
@@ -67,7 +74,7 @@ def plan(cfg, gpu_gb: float, pcie_gbs: float = 25.0, tflops: float = 80.0) -> di
                       for b, (v, r, s) in enumerate(zip(visits, redo, stream))],
            "recommendation": {"blocks": rec.blocks, "recompute": rec.recompute, "offload": "stream" if rec.stream
                               else "off", "host_bytes": rec.host_bytes, "worst_peak": rec.worst_peak,
-                              "line": rec.line(gpu_gb * GB)}}
+                              "line": rec.line(gpu_gb * GB) + (f"; {rec.hint}" if rec.hint else "")}}
     if t.gpus > 1:  # per process, the batch split over the GPUs
         out["per_gpu"] = {mode: max(e.peak for e in plan_visits(mcfg, cfg.bcd.blocks, B, T, p, opt, False,
                                                                  gpus=t.gpus, parallel=mode, **common))

@@ -303,6 +303,7 @@ class Recommendation:
     stream: bool = False
     host_bytes: int = 0
     """Pinned host memory the worst visit's streamed layers need (``stream``)."""
+    hint: str = ""
 
     def line(self, gpu_bytes: float) -> str:
         cap = f"{gpu_bytes / GB:g} GB"

@@ -6,6 +6,7 @@ on the device at once.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -133,3 +134,35 @@ def test_recomputing_the_active_block_gives_the_same_gradients(family):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n
     est = {a: visit_memory(cfg, model_plan(cfg, 3), 1, 4, 64, recompute=True, recompute_active=a) for a in (0, 1)}
     assert est[1].activations < est[0].activations
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_streamed_step_equals_resident_and_holds_less():
+    """On a GPU: copies on the side stream, prefetch and the window; the same loss, gradients to float rounding
+    (a CUDA kernel may pick another algorithm), and a lower allocator peak."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    cfg = get_config("tiny-llama", vocab_size=4096, n_layer=8, d_model=512, n_head=8, n_kv_head=2)
+    host = build_model(cfg)
+    lo, hi = 2, 4
+    frozen = _frozen_but(host, lo, hi)
+    x, y = torch.randint(0, 4096, (4, 256), device=dev), torch.randint(0, 4096, (4, 256), device=dev)
+    out = {}
+    for mode in ("resident", "stream"):
+        model = copy.deepcopy(host)
+        stream = LayerStream(model, frozen, dev, window=2) if mode == "stream" else None
+        model.to(dev)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)  # the peak counts the resident weights, not the host copies
+        with stream.saving() if stream else contextlib.nullcontext():
+            loss = visit_loss(model, x, y, lo, False, hi=hi)
+        loss.backward()
+        torch.cuda.synchronize()
+        grads = {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+        out[mode] = (float(loss), grads, torch.cuda.max_memory_allocated(dev))
+        del model, stream, loss
+    (l0, g0, p0), (l1, g1, p1) = out["resident"], out["stream"]
+    assert l0 == l1 and g0.keys() == g1.keys()
+    assert all(torch.allclose(g0[n], g1[n], rtol=1e-5, atol=1e-6) for n in g0)
+    assert p1 < p0, (p0, p1)
