@@ -134,7 +134,7 @@ class RunContext:
             return ctx
 
     def __reduce__(self):
-        return RunContext.of, (self.cfg, self.run_id, self.dataset_id)
+        return _context_of, (self.cfg, self.run_id, self.dataset_id)
 
     def __repr__(self) -> str:
         return f"RunContext({self.run_id!r}, dataset={self.dataset_id!r}, store={self.cfg.store!r})"
@@ -252,3 +252,9 @@ class RunContext:
 
     def acts_key(self, cycle: int, block: int) -> str:
         return layout.acts_key(self.run_id, cycle, block)
+
+
+def _context_of(cfg: RunConfig, run_id: str, dataset_id: str) -> RunContext:
+    """What a pickled context becomes on arrival: that process's context of the same run (a module-level function,
+    so cloudpickle, which Dask uses, ships it by reference; the classmethod it calls would be pickled by value)."""
+    return RunContext.of(cfg, run_id, dataset_id)

@@ -49,3 +49,8 @@ def preinfer_shard(ctx: RunContext, cycle: int, block: int, version: int, shard:
                                      targets.int())
     failpoints.hit("preinfer-shard")
     return marker
+
+
+# Dask ships this task to its workers by reference to this module, where the decorated name is the Task: the plain
+# function is found as its attribute (pickle resolves dotted names), not pickled by value with its globals
+preinfer_shard.fn.__qualname__ = "preinfer_shard.fn"
