@@ -129,7 +129,7 @@ def _check_run_id(run_id: str | None) -> None:
 def _preflight(cfg) -> None:
     """Checks that need the machine, the file system or the store, done before any flow starts (nothing
     written on failure)."""
-    from bcdflow.core.context import check_gpus, check_host_memory
+    from bcdflow.core.context import check_gpus, check_host_memory, check_model_size
     from bcdflow.storage.corpus import check_text_files
     from bcdflow.tasks.data import data_files
 
@@ -147,6 +147,7 @@ def _preflight(cfg) -> None:
         from bcdflow.core.hf import check_checkpoint
 
         check_checkpoint(cfg)
+    check_model_size(cfg)  # version 0 is built here, whoever trains the visits
     files = data_files(cfg) if cfg.data.files else None
     if files is not None:
         if sum(os.path.getsize(f) for f in files) == 0:

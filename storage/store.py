@@ -140,6 +140,9 @@ class Store:
             if os.path.exists(path) and not os.path.isdir(path):
                 raise BadInput(f"store: {self.url} exists and is not a directory")
             while not os.path.exists(path):
+                if os.path.islink(path):  # exists() is False for a link to nothing or a link loop
+                    where = "is" if path == self.root else f"leads through {path},"
+                    raise BadInput(f"store: {self.url} {where} a broken or looping symbolic link")
                 path = os.path.dirname(path)
             if not os.access(path, os.W_OK):
                 raise BadInput(f"store: cannot create or write {self.url} (no write permission in {path})")

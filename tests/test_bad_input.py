@@ -34,7 +34,7 @@ def _tree(path) -> list[str]:
     """Every file below ``path`` with its size: a store that is 'unchanged' has the same tree."""
     out = []
     for root, _, files in os.walk(path):
-        out += [f"{os.path.relpath(os.path.join(root, f), path)}:{os.path.getsize(os.path.join(root, f))}"
+        out += [f"{os.path.relpath(os.path.join(root, f), path)}:{os.lstat(os.path.join(root, f)).st_size}"
                 for f in files]
     return sorted(out)
 
@@ -55,6 +55,14 @@ BAD = [
     (["export", "a/b", "/tmp/never"], "--run-id: 'a/b' is not a valid run id"),
     (["compare", "ok", "a/b"], "--run-id: 'a/b' is not a valid run id"),
     (["status", "r", "--store", "foo://x"], "store: 'foo://x' has an unknown protocol"),
+    (["train", "--set", "seed=-1"], "seed: Input should be greater than or equal to 0"),
+    (["train", "--set", "model.n_layer=100000000"], "model.n_layer: 100000000 is beyond any model this trains"),
+    (["train", "--set", "model.d_model=4000000"], "model.d_model: 4000000 is beyond any model this trains"),
+    (["train", "--set", "model.n_layer=1024", "--set", "model.d_model=65536"],  # each in bounds, together not
+     "model: 52,777.5B parameters (n_layer=1024, d_model=65536): one of 3 blocks alone needs"),
+    (["train", "--set", "data.vocab_size=2147483647"], "data.vocab_size: 2147483647 is beyond what the tokenizer"),
+    (["train", "--set", "fleet.lease_seconds=1e12"], "fleet.lease_seconds: Input should be less than or equal to"),
+    (["train", "--set", "data.files=[]"], "data.files: empty (no files given"),
 ]
 
 
@@ -84,6 +92,65 @@ def test_binary_corpus(tmp_path, capsys):
     line = _one_line(capsys)
     assert "data.files:" in line and "blob.txt is not UTF-8 text" in line
     assert not (tmp_path / "s").exists()
+
+
+def _fifo(d):
+    os.mkfifo(d / "corpus.txt")
+    return ["--set", f"data.files={d}/*.txt"], "corpus.txt is not a regular file"
+
+
+def _dev_zero(d):
+    (d / "a.txt").write_text("some text " * 50)
+    os.symlink("/dev/zero", d / "b.txt")
+    return ["--set", f"data.files={d}/*.txt"], "b.txt is not a regular file"
+
+
+def _dangling_data(d):
+    (d / "a.txt").write_text("some text " * 50)
+    os.symlink(d / "gone.txt", d / "b.txt")
+    return ["--set", f"data.files={d}"], "b.txt is a broken or looping symbolic link"
+
+
+def _yaml(text):
+    def setup(d):
+        (d / "run.yaml").write_text(text)
+        return ["-c", str(d / "run.yaml")], "appears twice in one mapping"
+    return setup
+
+
+def _store_link(target):
+    def setup(d):
+        os.symlink(d / target, d / "link")
+        return ["--store", str(d / "link" / "sub")], f"store: {d}/link/sub leads through {d}/link, a broken or looping"
+    return setup
+
+
+FILES = {
+    "fifo in data.files": _fifo,
+    "link to /dev/zero in data.files": _dev_zero,
+    "dangling link in a data.files directory": _dangling_data,
+    "duplicate YAML key": _yaml("bcd:\n  blocks: 2\n  blocks: 3\n"),
+    "duplicate YAML section": _yaml("bcd:\n  blocks: 2\nseed: 1\nbcd:\n  cycles: 3\n"),
+    "dangling store link": _store_link("nowhere"),
+    "looping store link": _store_link("link"),
+}
+
+
+@pytest.mark.parametrize("setup", FILES.values(), ids=FILES.keys())
+def test_bad_files_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, setup):
+    """Special files, duplicate YAML keys, a store path through a broken link: refused naming the file or key
+    (a FIFO or /dev/zero used to hang the run for ever; a duplicate key silently lost the first value)."""
+    d = tmp_path / "in"
+    d.mkdir()
+    args, message = setup(d)
+    before = _tree(tmp_path)
+    store = [] if "--store" in args else ["--store", str(tmp_path / "store")]
+    assert main(["train", *_sets(), *store, *args]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("bcdflow: error: ") and message in line and "resume" not in line, line
+    assert _tree(tmp_path) == before and not (tmp_path / "store").exists()
+    if "--store" in args:
+        assert main(["status", "r", *args]) == 2 and message in _one_line(capsys)
 
 
 def test_export_onto_a_file_or_an_uncreatable_path(tmp_path, capsys):
