@@ -167,8 +167,9 @@ def _config(args, base: list[str] | None = None):
     return cfg
 
 
-def _store(url: str, args=None):
-    """The store named on the command line (with ``--endpoint-url`` for S3), checked before use."""
+def _store(url: str, args=None, write: bool = True):
+    """The store named on the command line (with ``--endpoint-url`` for S3), checked before use; ``write=False``
+    for the commands that only read it (a read-only store is fine, and nothing is written)."""
     from bcdflow.core.config import RunConfig
     from bcdflow.storage.store import Store, check_url
 
@@ -177,7 +178,7 @@ def _store(url: str, args=None):
     if url.startswith("s3://") and getattr(args, "endpoint_url", None):
         opts = RunConfig(store=url, s3={"endpoint_url": args.endpoint_url}).storage_options()
     store = Store(url, opts)
-    store.probe()
+    store.probe(write)
     return store
 
 
@@ -292,7 +293,7 @@ def _status_table(st: dict) -> str:
 
 
 def cmd_status(args) -> int:
-    st = status_dict(_store(args.store, args), args.run_id)
+    st = status_dict(_store(args.store, args, write=False), args.run_id)
     print(json.dumps(st, indent=2) if args.json else _status_table(st))
     return 0
 
@@ -300,7 +301,7 @@ def cmd_status(args) -> int:
 def cmd_compare(args) -> int:
     from bcdflow.flows.compare import compare
 
-    result = compare(_store(args.store, args), args.run_ids)
+    result = compare(_store(args.store, args, write=False), args.run_ids)
     print(json.dumps(result, indent=2) if args.json else result["markdown"])
     return 0
 
@@ -311,7 +312,7 @@ def cmd_export(args) -> int:
     check_target(args.out_dir)
     if args.dtype and args.format != "hf":
         raise BadInput("--dtype: only with --format hf (the bcdflow format keeps the stored tensors as they are)")
-    store = _store(args.store, args)
+    store = _store(args.store, args, write=False)
     state = _existing_state(store, args.run_id)
     version = state.version if args.version is None else args.version
     if not 0 <= version <= state.version:

@@ -265,3 +265,63 @@ def test_divergence_stops_the_visit_and_a_lower_lr_continues(prefect_server, tmp
     assert runs.read_config(s, "d")["optim"]["lr"] == 0.003  # resume continues with the new rate
     final = checkpoints.load_blocks(s, "d", 3)
     assert all(torch.isfinite(t).all() for t in final.values())
+
+
+# -- a read-only store: status and export read, and write nothing ----------------------------------------------
+
+def _stat_tree(path) -> list[tuple]:
+    """Every file and directory below ``path`` with its size and modification time: any write changes it."""
+    out = []
+    for root, dirs, files in os.walk(path):
+        for n in dirs + files:
+            st = os.lstat(os.path.join(root, n))
+            out.append((os.path.relpath(os.path.join(root, n), path), st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
+@pytest.fixture
+def read_only(finished, monkeypatch):
+    """``finished`` as a chmod -w store would be for a user who is not root (tests run as root, where chmod stops
+    nothing): no write permission reported for it, and any write below it raises."""
+    import builtins
+    import io
+
+    root = str(finished)
+
+    def below(p) -> bool:
+        return isinstance(p, (str, os.PathLike)) and os.path.abspath(os.fspath(p)).startswith(root)
+
+    def refuse(*a, **k):
+        raise AssertionError(f"a write to the read-only store: {a[:2]}")
+
+    access, real_open = os.access, builtins.open
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if mode & os.W_OK and below(p) else access(p, mode, **k))
+
+    def guarded_open(file, mode="r", *a, **k):
+        if below(file) and set(mode) & set("wax+"):
+            refuse(file, mode)
+        return real_open(file, mode, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(io, "open", guarded_open)
+    for name in ("write_bytes", "write_json", "create", "rm"):
+        monkeypatch.setattr(Store, name, refuse)
+    for name in ("replace", "rename", "link", "makedirs", "mkdir", "remove", "unlink", "rmdir"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _real=real, **k: refuse(*a) if below(a[0]) or
+                            (len(a) > 1 and below(a[1])) else _real(*a, **k))
+    return finished
+
+
+def test_status_and_export_on_a_read_only_store(read_only, tmp_path, capsys):
+    """Read commands work on a store they may not write (issue 17: they refused it, the probe asked for write
+    permission), and make no write at all."""
+    before = _stat_tree(read_only)
+    assert main(["status", "r", "--json", "--store", str(read_only)]) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == 3
+    assert main(["compare", "r", "r", "--json", "--store", str(read_only)]) == 0
+    for fmt in ("bcdflow", "hf"):
+        out = tmp_path / f"out-{fmt}"
+        assert main(["export", "r", str(out), "--format", fmt, "--store", str(read_only)]) == 0
+        assert (out / "model.safetensors").exists() or list(out.glob("*.safetensors"))
+    assert _stat_tree(read_only) == before
