@@ -202,6 +202,23 @@ def _check_continuable(store, run_id: str) -> None:
         checkpoints.check_version(store, run_id, state.version)
 
 
+def _check_same_data(store, run_id: str, cfg) -> None:
+    """A run continues on the data it started on: the token dataset id of the data now (a hash of the files'
+    contents and the tokenizer, computed without writing) must be the run's. The same ``data.files`` glob with
+    new contents would otherwise mix the old data's checkpoint and activations with the new."""
+    from bcdflow.storage import runs
+    from bcdflow.tasks.data import data_id
+
+    if runs.read_state(store, run_id) is None:
+        return
+    old, new = runs.read_config(store, run_id).get("dataset"), data_id(cfg)
+    if old is not None and old != new:
+        key = "data.files" if cfg.data.files else "data.path" if cfg.data.path else "data"
+        raise BadInput(f"{key}: the data of run {run_id!r} changed since it started (token dataset {old}, now "
+                       f"{new}: a file's contents, the list of files or the tokenizer); restore it or use a new "
+                       "--run-id")
+
+
 # -- commands --------------------------------------------------------------------------------------------
 
 def _call(fn, cfg, run_id: str) -> dict:
@@ -225,6 +242,7 @@ def _run(args, mode: str, base: list[str] | None = None) -> dict:
 
     run_id = args.run_id or new_run_id(mode)
     _check_continuable(open_store(cfg), run_id)
+    _check_same_data(open_store(cfg), run_id, cfg)
     summary = _call(full_train if mode == "full" else bcd_train, cfg, run_id)
     print(json.dumps(summary, indent=2))
     return {"cfg": cfg, "run_id": run_id, "summary": summary}
@@ -253,6 +271,7 @@ def cmd_resume(args) -> int:
     raw = {k: v for k, v in stored.items() if k in RunConfig.model_fields}
     cfg = parse_config({**raw, "store": args.store})
     _preflight(cfg)
+    _check_same_data(store, args.run_id, cfg)
     from bcdflow.flows.bcd import bcd_train, full_train
 
     print(json.dumps(_call(full_train if stored.get("mode") == "full" else bcd_train, cfg, args.run_id), indent=2))

@@ -325,3 +325,23 @@ def test_status_and_export_on_a_read_only_store(read_only, tmp_path, capsys):
         assert main(["export", "r", str(out), "--format", fmt, "--store", str(read_only)]) == 0
         assert (out / "model.safetensors").exists() or list(out.glob("*.safetensors"))
     assert _stat_tree(read_only) == before
+
+
+def test_resume_after_the_data_changed_is_refused(prefect_server, tmp_path, capsys):
+    """The token dataset id (a hash of the files' contents) is part of a run's identity: the same data.files path
+    with new contents is refused on resume, naming data.files, before anything is written (issue 17: the run
+    continued on the new data, mixing it with the old data's checkpoints and activations)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(open(os.path.join(os.path.dirname(os.__file__), "argparse.py")).read())
+    store = tmp_path / "store"
+    assert main(["train", *_sets(f"data.files={corpus}", "bcd.cycles=1"), "--store", str(store),
+                 "--run-id", "d"]) == 0
+    capsys.readouterr()
+    corpus.write_text(corpus.read_text().replace("parser", "PARSER"))
+    before = _tree(store)
+    for args in (["resume", "d", "--store", str(store)],
+                 ["train", *_sets(f"data.files={corpus}", "bcd.cycles=1"), "--store", str(store), "--run-id", "d"]):
+        assert main(args) == 2
+        line = _one_line(capsys)
+        assert "data.files: the data of run 'd' changed since it started" in line and "resume" not in line, line
+    assert _tree(store) == before
