@@ -98,7 +98,8 @@ def _detach_temporary_server() -> None:
     """Run Prefect's temporary server (used when no PREFECT_API_URL is set) in its own session. Ctrl-C in a
     terminal signals the whole foreground process group: the server would die with it and leave the run
     retrying a dead API for minutes. Detached, it outlives the interrupt, so the run reports its state and
-    bcdflow exits within seconds; it still stops when bcdflow exits (Prefect's atexit hook)."""
+    bcdflow exits within seconds; it still stops when bcdflow exits (Prefect's atexit hook), and when bcdflow dies
+    without running it (kill -9, the OOM killer) a watchdog process stops it (``_watch``)."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
@@ -110,11 +111,39 @@ def _detach_temporary_server() -> None:
             popen = subprocess.Popen
             subprocess.Popen = functools.partial(popen, start_new_session=True)
             try:
-                return super()._run_uvicorn_command()
+                server = super()._run_uvicorn_command()
             finally:
                 subprocess.Popen = popen
+            _watch(server.pid)
+            return server
 
     _Detached()  # registers itself as the process's temporary server (Prefect looks it up by port None)
+
+
+# A watchdog beside the detached server: once the CLI is gone, however it went (kill -9, the OOM killer), it stops
+# the server, which would otherwise run for ever in its own session. A separate process rather than
+# PR_SET_PDEATHSIG: that fires when the thread that started the server ends, not the process.
+_WATCHDOG = """
+import os, signal, sys, time
+cli, server = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == cli:
+    time.sleep(0.5)
+    try:
+        os.kill(server, 0)
+    except ProcessLookupError:
+        sys.exit()
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.kill(server, sig)
+    except ProcessLookupError:
+        sys.exit()
+    time.sleep(5)
+"""
+
+
+def _watch(server_pid: int) -> None:
+    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(server_pid)], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 # -- checks before anything runs ---------------------------------------------------------------------
