@@ -36,6 +36,17 @@ class _Section(BaseModel):
                               coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
+# sizes beyond any model this trains: a value past one of these can only be a mistake (a typo, an extra digit), and
+# the largest are already far past a machine (the parameter count against memory is checked before a run:
+# core/context.check_model_size). n_layer also bounds the meta-device model the planner builds: 1024 layers
+# take seconds, 1e8 would take days.
+SIZE_LIMITS = {"n_layer": 1024, "d_model": 1 << 17, "n_head": 1 << 12, "n_kv_head": 1 << 12, "d_ff": 1 << 20,
+               "n_ctx": 1 << 24}
+# the byte-level BPE trainer (tokenizers) allocates ~66 bytes per vocabulary entry up front and aborts the process
+# (a Rust backtrace) when that fails: 2**31 asks for 141 GB. The largest vocabularies in use are ~256k.
+MAX_VOCAB = 1 << 21
+
+
 class ModelSection(_Section):
     name: ModelName = "tiny"
     """A registry name: tiny, tiny-llama, gpt2-124m, G-1.6B ... L-23B."""
@@ -49,6 +60,13 @@ class ModelSection(_Section):
     """A Hugging Face checkpoint directory to fine-tune (config.json, model.safetensors or a sharded index,
     tokenizer.json), or a hub id already in the local HF cache (nothing is downloaded). Sizes, context and
     vocabulary come from its config.json, the tokenizer is its tokenizer.json; ``name`` is then ignored."""
+
+    @field_validator(*SIZE_LIMITS)
+    @classmethod
+    def _size(cls, v: int | None, info) -> int | None:
+        if v is not None and v > SIZE_LIMITS[info.field_name]:
+            raise ValueError(f"{v} is beyond any model this trains (at most {SIZE_LIMITS[info.field_name]})")
+        return v
 
     def overrides(self) -> dict:
         """The size fields set here (None = the registry's), as ``get_config`` takes them."""
@@ -66,6 +84,7 @@ class DataSection(_Section):
     text_field: str = "text"
     seq_len: int = Field(128, ge=2)
     vocab_size: int = Field(2048, ge=260)
+    """Size of the BPE vocabulary trained on the corpus (at most 2**21: the trainer allocates for all of it)."""
     tokenizer: str | None = None
     """A local tokenizer.json to use instead of training a byte-level BPE on the corpus."""
     format: Literal["text", "prompt_completion", "chat"] = "text"
@@ -76,6 +95,20 @@ class DataSection(_Section):
     max_chars: int | None = None
     builtin_bytes: int = 1_500_000
     """How much of the built-in (Python standard library) corpus to read."""
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, v):
+        if v is not None and not (v.strip() if isinstance(v, str) else v):
+            raise ValueError("empty (no files given; leave it unset for the built-in corpus)")
+        return v
+
+    @field_validator("vocab_size")
+    @classmethod
+    def _vocab(cls, v: int) -> int:
+        if v > MAX_VOCAB:
+            raise ValueError(f"{v} is beyond what the tokenizer trainer can allocate (at most {MAX_VOCAB})")
+        return v
 
 
 class BcdSection(_Section):
@@ -284,9 +317,10 @@ class FleetSection(_Section):
     dask_address: str | None = None
     """An existing Dask scheduler (tcp://host:8786); None = a LocalCluster of ``dask_workers`` processes."""
     dask_workers: int = Field(2, ge=1)
-    lease_seconds: float = Field(60.0, ge=2)
+    lease_seconds: float = Field(60.0, ge=2, le=86400)
     """How long a run's (or a visit's) lease lasts without renewal (renewed every third of it): after a crash
-    elsewhere, the wait before another process may take the run over."""
+    elsewhere, the wait before another process may take the run over. At most a day: longer can only be a
+    mistake (and overflows the keep-alive thread's timer)."""
     reschedule_delay_s: float = Field(30.0, ge=0)
     """A preempted visit (SIGTERM under a worker) is rescheduled this far ahead, so the worker of the machine
     going away does not pick it up again."""
@@ -314,7 +348,8 @@ class RunConfig(_Section):
     spend: SpendSection = SpendSection()
     stop: StopSection = StopSection()
     fleet: FleetSection = FleetSection()
-    seed: int = 0
+    seed: int = Field(0, ge=0)
+    """Seeds every random choice (numpy's SeedSequence takes non-negative integers only)."""
     store: str = "./bcdflow-store"
     """Any fsspec URL: a local path, memory://, s3://bucket/prefix."""
     tracking_uri: str | None = None
@@ -420,6 +455,24 @@ def _set_key(tree: dict, dotted: str, value) -> None:
     node[parts[-1]] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one silently: a
+    section pasted twice would drop the first's settings)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} appears twice in one mapping (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
 def load_config(file: str | None = None, sets: list[str] | None = None, base: dict | None = None) -> RunConfig:
     """YAML file (optional), then ``KEY=VALUE`` overrides (values parsed as YAML scalars/lists)."""
     raw: dict = dict(base or {})
@@ -428,7 +481,9 @@ def load_config(file: str | None = None, sets: list[str] | None = None, base: di
             raise ConfigError(f"config file {file!r} does not exist")
         with open(file) as f:
             try:
-                loaded = yaml.safe_load(f) or {}
+                loaded = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+            except _DuplicateKey as e:
+                raise ConfigError(f"config file {file!r}: {e}") from None
             except yaml.YAMLError as e:
                 raise ConfigError(f"config file {file!r} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(loaded, dict):

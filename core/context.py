@@ -24,6 +24,7 @@ from bcdflow.core.config import RunConfig
 from bcdflow.errors import BadInput
 from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
+from bcdflow.models.build import param_sizes
 from bcdflow.models.config import ModelConfig, get_config
 from bcdflow.models.memory import visit_memory
 from bcdflow.models.plan import frozen_names
@@ -93,6 +94,28 @@ def check_gpus(cfg: RunConfig) -> None:
     if dev.type == "cuda" and cfg.train.gpus > torch.cuda.device_count():
         raise BadInput(f"train.gpus: {cfg.train.gpus} asked for, but this machine has {torch.cuda.device_count()} "
                        "CUDA device(s)")
+
+
+def param_count(mcfg: ModelConfig) -> int:
+    """The model's parameter count from a one-layer meta-device model (layers are all alike): quick for any
+    depth, where a meta model of every layer takes seconds per thousand."""
+    sizes = param_sizes(mcfg.replace(n_layer=1))
+    layer = sum(k for n, k in sizes.items() if n.startswith("h."))
+    return sum(sizes.values()) - layer + mcfg.n_layer * layer
+
+
+def check_model_size(cfg: RunConfig) -> None:
+    """Refuse, before anything is written, a model this machine cannot even build: version 0 is made here one block
+    at a time in fp32, and the largest block holds at least 1/blocks of the parameters."""
+    mcfg = model_config(cfg)
+    n = param_count(mcfg)
+    blocks = len(cfg.bcd.boundaries) + 1 if cfg.bcd.boundaries else cfg.bcd.blocks
+    need, have = 4 * n / min(blocks, mcfg.n_layer), psutil.virtual_memory().total
+    if need > have:
+        key = "model.from_hf" if cfg.model.from_hf else "model"
+        raise BadInput(f"{key}: {n / 1e9:,.1f}B parameters (n_layer={mcfg.n_layer}, d_model={mcfg.d_model}): one of "
+                       f"{blocks} blocks alone needs {need / 1e9:,.0f} GB to build, and this machine has "
+                       f"{have / 1e9:,.0f} GB of memory")
 
 
 def check_host_memory(cfg: RunConfig) -> None:

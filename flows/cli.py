@@ -98,7 +98,8 @@ def _detach_temporary_server() -> None:
     """Run Prefect's temporary server (used when no PREFECT_API_URL is set) in its own session. Ctrl-C in a
     terminal signals the whole foreground process group: the server would die with it and leave the run
     retrying a dead API for minutes. Detached, it outlives the interrupt, so the run reports its state and
-    bcdflow exits within seconds; it still stops when bcdflow exits (Prefect's atexit hook)."""
+    bcdflow exits within seconds; it still stops when bcdflow exits (Prefect's atexit hook), and when bcdflow dies
+    without running it (kill -9, the OOM killer) a watchdog process stops it (``_watch``)."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
@@ -110,11 +111,39 @@ def _detach_temporary_server() -> None:
             popen = subprocess.Popen
             subprocess.Popen = functools.partial(popen, start_new_session=True)
             try:
-                return super()._run_uvicorn_command()
+                server = super()._run_uvicorn_command()
             finally:
                 subprocess.Popen = popen
+            _watch(server.pid)
+            return server
 
     _Detached()  # registers itself as the process's temporary server (Prefect looks it up by port None)
+
+
+# A watchdog beside the detached server: once the CLI is gone, however it went (kill -9, the OOM killer), it stops
+# the server, which would otherwise run for ever in its own session. A separate process rather than
+# PR_SET_PDEATHSIG: that fires when the thread that started the server ends, not the process.
+_WATCHDOG = """
+import os, signal, sys, time
+cli, server = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == cli:
+    time.sleep(0.5)
+    try:
+        os.kill(server, 0)
+    except ProcessLookupError:
+        sys.exit()
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.kill(server, sig)
+    except ProcessLookupError:
+        sys.exit()
+    time.sleep(5)
+"""
+
+
+def _watch(server_pid: int) -> None:
+    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(server_pid)], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 # -- checks before anything runs ---------------------------------------------------------------------
@@ -129,7 +158,7 @@ def _check_run_id(run_id: str | None) -> None:
 def _preflight(cfg) -> None:
     """Checks that need the machine, the file system or the store, done before any flow starts (nothing
     written on failure)."""
-    from bcdflow.core.context import check_gpus, check_host_memory
+    from bcdflow.core.context import check_gpus, check_host_memory, check_model_size
     from bcdflow.storage.corpus import check_text_files
     from bcdflow.tasks.data import data_files
 
@@ -147,6 +176,7 @@ def _preflight(cfg) -> None:
         from bcdflow.core.hf import check_checkpoint
 
         check_checkpoint(cfg)
+    check_model_size(cfg)  # version 0 is built here, whoever trains the visits
     files = data_files(cfg) if cfg.data.files else None
     if files is not None:
         if sum(os.path.getsize(f) for f in files) == 0:
@@ -166,8 +196,9 @@ def _config(args, base: list[str] | None = None):
     return cfg
 
 
-def _store(url: str, args=None):
-    """The store named on the command line (with ``--endpoint-url`` for S3), checked before use."""
+def _store(url: str, args=None, write: bool = True):
+    """The store named on the command line (with ``--endpoint-url`` for S3), checked before use; ``write=False``
+    for the commands that only read it (a read-only store is fine, and nothing is written)."""
     from bcdflow.core.config import RunConfig
     from bcdflow.storage.store import Store, check_url
 
@@ -176,7 +207,7 @@ def _store(url: str, args=None):
     if url.startswith("s3://") and getattr(args, "endpoint_url", None):
         opts = RunConfig(store=url, s3={"endpoint_url": args.endpoint_url}).storage_options()
     store = Store(url, opts)
-    store.probe()
+    store.probe(write)
     return store
 
 
@@ -198,6 +229,23 @@ def _check_continuable(store, run_id: str) -> None:
     if state is not None:
         runs.read_config(store, run_id)
         checkpoints.check_version(store, run_id, state.version)
+
+
+def _check_same_data(store, run_id: str, cfg) -> None:
+    """A run continues on the data it started on: the token dataset id of the data now (a hash of the files'
+    contents and the tokenizer, computed without writing) must be the run's. The same ``data.files`` glob with
+    new contents would otherwise mix the old data's checkpoint and activations with the new."""
+    from bcdflow.storage import runs
+    from bcdflow.tasks.data import data_id
+
+    if runs.read_state(store, run_id) is None:
+        return
+    old, new = runs.read_config(store, run_id).get("dataset"), data_id(cfg)
+    if old is not None and old != new:
+        key = "data.files" if cfg.data.files else "data.path" if cfg.data.path else "data"
+        raise BadInput(f"{key}: the data of run {run_id!r} changed since it started (token dataset {old}, now "
+                       f"{new}: a file's contents, the list of files or the tokenizer); restore it or use a new "
+                       "--run-id")
 
 
 # -- commands --------------------------------------------------------------------------------------------
@@ -223,6 +271,7 @@ def _run(args, mode: str, base: list[str] | None = None) -> dict:
 
     run_id = args.run_id or new_run_id(mode)
     _check_continuable(open_store(cfg), run_id)
+    _check_same_data(open_store(cfg), run_id, cfg)
     summary = _call(full_train if mode == "full" else bcd_train, cfg, run_id)
     print(json.dumps(summary, indent=2))
     return {"cfg": cfg, "run_id": run_id, "summary": summary}
@@ -251,6 +300,7 @@ def cmd_resume(args) -> int:
     raw = {k: v for k, v in stored.items() if k in RunConfig.model_fields}
     cfg = parse_config({**raw, "store": args.store})
     _preflight(cfg)
+    _check_same_data(store, args.run_id, cfg)
     from bcdflow.flows.bcd import bcd_train, full_train
 
     print(json.dumps(_call(full_train if stored.get("mode") == "full" else bcd_train, cfg, args.run_id), indent=2))
@@ -291,7 +341,7 @@ def _status_table(st: dict) -> str:
 
 
 def cmd_status(args) -> int:
-    st = status_dict(_store(args.store, args), args.run_id)
+    st = status_dict(_store(args.store, args, write=False), args.run_id)
     print(json.dumps(st, indent=2) if args.json else _status_table(st))
     return 0
 
@@ -299,7 +349,7 @@ def cmd_status(args) -> int:
 def cmd_compare(args) -> int:
     from bcdflow.flows.compare import compare
 
-    result = compare(_store(args.store, args), args.run_ids)
+    result = compare(_store(args.store, args, write=False), args.run_ids)
     print(json.dumps(result, indent=2) if args.json else result["markdown"])
     return 0
 
@@ -310,7 +360,7 @@ def cmd_export(args) -> int:
     check_target(args.out_dir)
     if args.dtype and args.format != "hf":
         raise BadInput("--dtype: only with --format hf (the bcdflow format keeps the stored tensors as they are)")
-    store = _store(args.store, args)
+    store = _store(args.store, args, write=False)
     state = _existing_state(store, args.run_id)
     version = state.version if args.version is None else args.version
     if not 0 <= version <= state.version:

@@ -79,6 +79,11 @@ def resolve_files(spec: str | Sequence[str]) -> list[str]:
         files = [f for m in matches for f in _files_below(m)]
         if not files:
             raise DataError(f"data.files: {pattern!r} contains no files")
+        for f in files:  # a FIFO would block the read for ever, /dev/zero never ends: regular files only
+            if not os.path.isfile(f):
+                what = ("a broken or looping symbolic link" if os.path.islink(f) and not os.path.exists(f)
+                        else "not a regular file (a FIFO, device or socket, or a link to one)")
+                raise DataError(f"data.files: {f} is {what}; give regular text, .json/.jsonl or .parquet files")
         found.update(os.path.abspath(f) for f in files)
     return sorted(found)
 

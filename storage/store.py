@@ -131,17 +131,21 @@ class Store:
         if self.fs.exists(p):
             self.fs.rm(p, recursive=True)
 
-    def probe(self) -> None:
+    def probe(self, write: bool = True) -> None:
         """Fail fast, with one line that says which, when the store cannot be used: a local root that is not a
-        writable directory; an S3 bucket without credentials, unreachable, missing or denied. One request with
+        writable directory (``write=False``, for commands that only read: ``status``, ``export``, ``compare``: a
+        read-only one is fine); an S3 bucket without credentials, unreachable, missing or denied. One request with
         short timeouts and no retries (a run's own requests keep s3fs's retries for transient faults)."""
         if self.is_local:
             path = self.root
             if os.path.exists(path) and not os.path.isdir(path):
                 raise BadInput(f"store: {self.url} exists and is not a directory")
             while not os.path.exists(path):
+                if os.path.islink(path):  # exists() is False for a link to nothing or a link loop
+                    where = "is" if path == self.root else f"leads through {path},"
+                    raise BadInput(f"store: {self.url} {where} a broken or looping symbolic link")
                 path = os.path.dirname(path)
-            if not os.access(path, os.W_OK):
+            if write and not os.access(path, os.W_OK):
                 raise BadInput(f"store: cannot create or write {self.url} (no write permission in {path})")
             return
         if get_protocol(self.url) not in ("s3", "s3a"):

@@ -16,7 +16,7 @@ from prefect import task
 from bcdflow.core.hf import check_checkpoint, eos_token
 from bcdflow.storage.corpus import builtin_corpus_files, read_tokenizer, resolve_files
 from bcdflow.storage.store import Store
-from bcdflow.storage.tokens import prepare_token_dataset
+from bcdflow.storage.tokens import dataset_id, prepare_token_dataset
 from bcdflow.core.config import RunConfig
 from bcdflow.tasks.retry import retrying
 
@@ -30,24 +30,35 @@ def data_files(cfg: RunConfig) -> list[str] | None:
     return builtin_corpus_files(cfg.data.builtin_bytes)
 
 
-@task(name="prepare-data", **retrying())
-def prepare_data(cfg: RunConfig, store: Store) -> str:
-    """Tokenize and pack the corpus once; later runs with the same inputs reuse it. Returns its id.
-
-    With ``model.from_hf`` the checkpoint is checked in full first (this is the run's first write) and its
-    tokenizer, end-of-text token and chat template make the dataset."""
+def _dataset_inputs(cfg: RunConfig) -> dict:
+    """What decides the run's token dataset, as ``prepare_token_dataset`` and ``dataset_id`` take it. With
+    ``model.from_hf`` the checkpoint is checked in full first and its tokenizer, end-of-text token and chat
+    template make the dataset."""
     d = cfg.data
-    cache = os.environ.get("BCDFLOW_HF_CACHE") or os.path.join(tempfile.gettempdir(), "bcdflow-hf-cache")
     tok = {"tokenizer_file": d.tokenizer}
     if cfg.model.from_hf:
         ck = check_checkpoint(cfg)
         tok = {"tokenizer_file": ck.tokenizer_json, "eos_token": eos_token(ck, read_tokenizer(ck.tokenizer_json)),
                "chat_template": ck.chat_template if d.format == "chat" else None,
                "special_tokens": ck.special_tokens if d.format == "chat" else None}
-    return prepare_token_dataset(
-        store, files=data_files(cfg), path=d.path if not d.files else None, name=d.name, split=d.split,
-        text_field=d.text_field, seq_len=d.seq_len, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
-        max_chars=d.max_chars, cache_dir=cache, format=d.format, **tok)
+    return dict(files=data_files(cfg), path=d.path if not d.files else None, name=d.name, split=d.split,
+                text_field=d.text_field, seq_len=d.seq_len, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+                max_chars=d.max_chars, format=d.format, **tok)
+
+
+def data_id(cfg: RunConfig) -> str:
+    """The id the run's token dataset has (a hash of the files' contents and the tokenizer), computed without
+    writing anything: what a resumed run's data is checked against (docs/DESIGN.md §8)."""
+    return dataset_id(**_dataset_inputs(cfg))
+
+
+@task(name="prepare-data", **retrying())
+def prepare_data(cfg: RunConfig, store: Store) -> str:
+    """Tokenize and pack the corpus once; later runs with the same inputs reuse it. Returns its id.
+
+    With ``model.from_hf`` the checkpoint is checked in full first (this is the run's first write)."""
+    cache = os.environ.get("BCDFLOW_HF_CACHE") or os.path.join(tempfile.gettempdir(), "bcdflow-hf-cache")
+    return prepare_token_dataset(store, **_dataset_inputs(cfg), cache_dir=cache)
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:

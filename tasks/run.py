@@ -27,12 +27,13 @@ from bcdflow.storage.hf import Checkpoint
 from bcdflow.storage.runs import RunState, VisitRecord
 from bcdflow.tasks.retry import retrying
 
-# keys that define what a run computes; a resumed run must match them exactly. optim.lr is not among them:
+# keys that define what a run computes; a resumed run must match them exactly. ``dataset`` is the token dataset's
+# content id: the same data.files glob holding new contents is another run. optim.lr is not among them:
 # a run that diverged continues with a lower learning rate (the stored config then records the new one).
 IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.split", "bcd.freeze", "bcd.order",
             "bcd.sample_rate", "bcd.preinfer", "bcd.max_steps", "bcd.patience", "bcd.min_delta", "bcd.window",
             "optim.name", "optim.weight_decay", "optim.momentum", "optim.grad_clip", "optim.warmup_steps",
-            "train.batch_size", "seed", "mode", "format", "hf.fingerprint")
+            "train.batch_size", "seed", "mode", "format", "hf.fingerprint", "dataset")
 # the layout of a run's stored config and weights; 2: LLaMA rotates q/k by halves (the Hugging Face convention)
 RUN_FORMAT = 2
 
@@ -73,6 +74,9 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
         if "format" in diff:
             raise ConfigError(f"run {run_id!r} was made by an older bcdflow (run format {old['format']}, this one "
                               f"writes {RUN_FORMAT}: LLaMA rotary embeddings changed); start a new --run-id")
+        if diff == ["dataset"]:  # the CLI refuses this before anything is written (flows/cli._check_same_data)
+            raise ConfigError(f"data.files: the data of run {run_id!r} changed since it started (token dataset "
+                              f"{old['dataset']}, now {dataset_id}); restore it or use a new --run-id")
         if diff == ["hf.fingerprint"]:
             raise ConfigError(f"model.from_hf: the checkpoint at {ck.dir!r} changed since run {run_id!r} started "
                               "from it (its files' fingerprint differs); use a new --run-id")

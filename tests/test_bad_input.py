@@ -34,7 +34,7 @@ def _tree(path) -> list[str]:
     """Every file below ``path`` with its size: a store that is 'unchanged' has the same tree."""
     out = []
     for root, _, files in os.walk(path):
-        out += [f"{os.path.relpath(os.path.join(root, f), path)}:{os.path.getsize(os.path.join(root, f))}"
+        out += [f"{os.path.relpath(os.path.join(root, f), path)}:{os.lstat(os.path.join(root, f)).st_size}"
                 for f in files]
     return sorted(out)
 
@@ -55,6 +55,14 @@ BAD = [
     (["export", "a/b", "/tmp/never"], "--run-id: 'a/b' is not a valid run id"),
     (["compare", "ok", "a/b"], "--run-id: 'a/b' is not a valid run id"),
     (["status", "r", "--store", "foo://x"], "store: 'foo://x' has an unknown protocol"),
+    (["train", "--set", "seed=-1"], "seed: Input should be greater than or equal to 0"),
+    (["train", "--set", "model.n_layer=100000000"], "model.n_layer: 100000000 is beyond any model this trains"),
+    (["train", "--set", "model.d_model=4000000"], "model.d_model: 4000000 is beyond any model this trains"),
+    (["train", "--set", "model.n_layer=1024", "--set", "model.d_model=65536"],  # each in bounds, together not
+     "model: 52,777.5B parameters (n_layer=1024, d_model=65536): one of 3 blocks alone needs"),
+    (["train", "--set", "data.vocab_size=2147483647"], "data.vocab_size: 2147483647 is beyond what the tokenizer"),
+    (["train", "--set", "fleet.lease_seconds=1e12"], "fleet.lease_seconds: Input should be less than or equal to"),
+    (["train", "--set", "data.files=[]"], "data.files: empty (no files given"),
 ]
 
 
@@ -84,6 +92,65 @@ def test_binary_corpus(tmp_path, capsys):
     line = _one_line(capsys)
     assert "data.files:" in line and "blob.txt is not UTF-8 text" in line
     assert not (tmp_path / "s").exists()
+
+
+def _fifo(d):
+    os.mkfifo(d / "corpus.txt")
+    return ["--set", f"data.files={d}/*.txt"], "corpus.txt is not a regular file"
+
+
+def _dev_zero(d):
+    (d / "a.txt").write_text("some text " * 50)
+    os.symlink("/dev/zero", d / "b.txt")
+    return ["--set", f"data.files={d}/*.txt"], "b.txt is not a regular file"
+
+
+def _dangling_data(d):
+    (d / "a.txt").write_text("some text " * 50)
+    os.symlink(d / "gone.txt", d / "b.txt")
+    return ["--set", f"data.files={d}"], "b.txt is a broken or looping symbolic link"
+
+
+def _yaml(text):
+    def setup(d):
+        (d / "run.yaml").write_text(text)
+        return ["-c", str(d / "run.yaml")], "appears twice in one mapping"
+    return setup
+
+
+def _store_link(target):
+    def setup(d):
+        os.symlink(d / target, d / "link")
+        return ["--store", str(d / "link" / "sub")], f"store: {d}/link/sub leads through {d}/link, a broken or looping"
+    return setup
+
+
+FILES = {
+    "fifo in data.files": _fifo,
+    "link to /dev/zero in data.files": _dev_zero,
+    "dangling link in a data.files directory": _dangling_data,
+    "duplicate YAML key": _yaml("bcd:\n  blocks: 2\n  blocks: 3\n"),
+    "duplicate YAML section": _yaml("bcd:\n  blocks: 2\nseed: 1\nbcd:\n  cycles: 3\n"),
+    "dangling store link": _store_link("nowhere"),
+    "looping store link": _store_link("link"),
+}
+
+
+@pytest.mark.parametrize("setup", FILES.values(), ids=FILES.keys())
+def test_bad_files_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, setup):
+    """Special files, duplicate YAML keys, a store path through a broken link: refused naming the file or key
+    (a FIFO or /dev/zero used to hang the run for ever; a duplicate key silently lost the first value)."""
+    d = tmp_path / "in"
+    d.mkdir()
+    args, message = setup(d)
+    before = _tree(tmp_path)
+    store = [] if "--store" in args else ["--store", str(tmp_path / "store")]
+    assert main(["train", *_sets(), *store, *args]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("bcdflow: error: ") and message in line and "resume" not in line, line
+    assert _tree(tmp_path) == before and not (tmp_path / "store").exists()
+    if "--store" in args:
+        assert main(["status", "r", *args]) == 2 and message in _one_line(capsys)
 
 
 def test_export_onto_a_file_or_an_uncreatable_path(tmp_path, capsys):
@@ -198,3 +265,83 @@ def test_divergence_stops_the_visit_and_a_lower_lr_continues(prefect_server, tmp
     assert runs.read_config(s, "d")["optim"]["lr"] == 0.003  # resume continues with the new rate
     final = checkpoints.load_blocks(s, "d", 3)
     assert all(torch.isfinite(t).all() for t in final.values())
+
+
+# -- a read-only store: status and export read, and write nothing ----------------------------------------------
+
+def _stat_tree(path) -> list[tuple]:
+    """Every file and directory below ``path`` with its size and modification time: any write changes it."""
+    out = []
+    for root, dirs, files in os.walk(path):
+        for n in dirs + files:
+            st = os.lstat(os.path.join(root, n))
+            out.append((os.path.relpath(os.path.join(root, n), path), st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
+@pytest.fixture
+def read_only(finished, monkeypatch):
+    """``finished`` as a chmod -w store would be for a user who is not root (tests run as root, where chmod stops
+    nothing): no write permission reported for it, and any write below it raises."""
+    import builtins
+    import io
+
+    root = str(finished)
+
+    def below(p) -> bool:
+        return isinstance(p, (str, os.PathLike)) and os.path.abspath(os.fspath(p)).startswith(root)
+
+    def refuse(*a, **k):
+        raise AssertionError(f"a write to the read-only store: {a[:2]}")
+
+    access, real_open = os.access, builtins.open
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if mode & os.W_OK and below(p) else access(p, mode, **k))
+
+    def guarded_open(file, mode="r", *a, **k):
+        if below(file) and set(mode) & set("wax+"):
+            refuse(file, mode)
+        return real_open(file, mode, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(io, "open", guarded_open)
+    for name in ("write_bytes", "write_json", "create", "rm"):
+        monkeypatch.setattr(Store, name, refuse)
+    for name in ("replace", "rename", "link", "makedirs", "mkdir", "remove", "unlink", "rmdir"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _real=real, **k: refuse(*a) if below(a[0]) or
+                            (len(a) > 1 and below(a[1])) else _real(*a, **k))
+    return finished
+
+
+def test_status_and_export_on_a_read_only_store(read_only, tmp_path, capsys):
+    """Read commands work on a store they may not write (issue 17: they refused it, the probe asked for write
+    permission), and make no write at all."""
+    before = _stat_tree(read_only)
+    assert main(["status", "r", "--json", "--store", str(read_only)]) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == 3
+    assert main(["compare", "r", "r", "--json", "--store", str(read_only)]) == 0
+    for fmt in ("bcdflow", "hf"):
+        out = tmp_path / f"out-{fmt}"
+        assert main(["export", "r", str(out), "--format", fmt, "--store", str(read_only)]) == 0
+        assert (out / "model.safetensors").exists() or list(out.glob("*.safetensors"))
+    assert _stat_tree(read_only) == before
+
+
+def test_resume_after_the_data_changed_is_refused(prefect_server, tmp_path, capsys):
+    """The token dataset id (a hash of the files' contents) is part of a run's identity: the same data.files path
+    with new contents is refused on resume, naming data.files, before anything is written (issue 17: the run
+    continued on the new data, mixing it with the old data's checkpoints and activations)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(open(os.path.join(os.path.dirname(os.__file__), "argparse.py")).read())
+    store = tmp_path / "store"
+    assert main(["train", *_sets(f"data.files={corpus}", "bcd.cycles=1"), "--store", str(store),
+                 "--run-id", "d"]) == 0
+    capsys.readouterr()
+    corpus.write_text(corpus.read_text().replace("parser", "PARSER"))
+    before = _tree(store)
+    for args in (["resume", "d", "--store", str(store)],
+                 ["train", *_sets(f"data.files={corpus}", "bcd.cycles=1"), "--store", str(store), "--run-id", "d"]):
+        assert main(args) == 2
+        line = _one_line(capsys)
+        assert "data.files: the data of run 'd' changed since it started" in line and "resume" not in line, line
+    assert _tree(store) == before

@@ -136,3 +136,37 @@ def test_console_script_bad_input(tmp_path):
 def test_status_unknown_run(tmp_path, capsys):
     assert main(["status", "nope", "--store", str(tmp_path)]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_the_temporary_server_ends_when_the_cli_is_killed(tmp_path):
+    """kill -9 of bcdflow left Prefect's temporary server (in its own session) running for ever (issue 17)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("import os, time\n"
+              "from bcdflow.flows import cli\n"
+              "cli._env_defaults()\n"
+              "cli._detach_temporary_server()\n"
+              "from prefect.server.api.server import SubprocessASGIServer\n"
+              "s = SubprocessASGIServer()\n"
+              "s.start()\n"
+              "print(s.server_process.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="600")
+    cli = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, text=True)
+    server = int(cli.stdout.readline())
+    os.kill(server, 0)  # running
+    cli.send_signal(signal.SIGKILL)
+    cli.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(server, signal.SIGKILL)
+    raise AssertionError(f"the temporary server (pid {server}) outlived the CLI")
