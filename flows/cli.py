@@ -1,8 +1,9 @@
-"""``bcdflow`` command line: demo, train, baseline, resume, status, export, compare.
+"""``bcdflow`` command line: demo, train, baseline, resume, status, runs, export, compare.
 
     bcdflow demo                         # tiny model, built-in corpus, embedded defaults
     bcdflow train -c run.yaml --set bcd.blocks=4 --run-id my-run
     bcdflow status my-run --json
+    bcdflow runs [--store URL] [--json]  # every run of a store: done, running (which visit, how far) or interrupted
     bcdflow export my-run ./out
     bcdflow export my-run ./hf-out --format hf --dtype bf16   # a transformers model directory
     bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
@@ -270,19 +271,36 @@ def cmd_demo(args) -> int:
 
 
 def status_dict(store, run_id: str) -> dict:
-    from bcdflow.storage import runs
+    """The run's committed visits, and (``live``) what it is doing now: running (its lease's owner, the visit in
+    training and its last checkpoint's step), interrupted or done (storage/overview.py)."""
+    from bcdflow.storage import overview, runs
 
     state = _existing_state(store, run_id)
     cfg = runs.read_config(store, run_id)
     keep = {"cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
             "preinfer_seconds", "train_seconds", "tokens_per_s", "stopped_by"}
+    live = overview.overview(store, run_id)
     return {"run_id": run_id, "version": state.version, "status": state.status, "mode": state.mode,
-            "blocks": cfg["plan"]["blocks"], "visits": [v.model_dump(include=keep) for v in state.visits]}
+            "blocks": cfg["plan"]["blocks"], "visits": [v.model_dump(include=keep) for v in state.visits],
+            "live": {k: live[k] for k in ("status", "visits_done", "visits_planned", "spend_usd", "changed",
+                                          "lease_owner", "training")}}
 
 
 def _status_table(st: dict) -> str:
-    lines = [f"run {st['run_id']}: version {st['version']} ({st['status']}, {st['mode']})",
-             f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'train':>8} {'val':>8} {'secs':>7}"]
+    from bcdflow.storage.overview import ago, owner_text
+
+    live = st.get("live") or {}
+    lines = [f"run {st['run_id']}: version {st['version']} ({live.get('status', st['status'])}, {st['mode']})"]
+    if live.get("status") == "running":
+        lines.append(f"  lease: {owner_text(live['lease_owner'])}")
+    if tr := live.get("training"):
+        where = "not checkpointed yet" if tr["step"] is None else \
+            f"step {tr['step']}/{tr['max_steps']} at its last checkpoint ({ago(tr['checkpoint_at'])})"
+        doing = "training" if tr["lease_owner"] else "interrupted in"
+        lines.append(f"  {doing} visit {tr['visit']}: {where}")
+    if live.get("status") == "interrupted":
+        lines.append(f"  no process holds the run: continue it with bcdflow resume {st['run_id']}")
+    lines.append(f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'train':>8} {'val':>8} {'secs':>7}")
     for v in st["visits"]:
         lines.append(f"{v['cycle']:>5} {v['block']:>5} {v['version']:>4} {v['steps']:>6} "
                      f"{v['train_loss']:>8.4f} {v['val_loss']:>8.4f} {v['seconds']:>7.1f}")
@@ -292,6 +310,34 @@ def _status_table(st: dict) -> str:
 def cmd_status(args) -> int:
     st = status_dict(_store(args.store, args), args.run_id)
     print(json.dumps(st, indent=2) if args.json else _status_table(st))
+    return 0
+
+
+def _runs_table(rows: list[dict]) -> str:
+    from bcdflow.storage.overview import ago
+
+    head = f"{'run':<24} {'mode':<4} {'status':<11} {'ver':>4} {'visits':>7} {'val loss':>9} {'spend $':>9}  changed"
+    lines = [head]
+    for o in rows:
+        status = o["status"] + (f" ({o['training']['visit']})" if o["status"] == "running" and o["training"] else "")
+        visits = f"{o['visits_done']}/{o['visits_planned'] or '?'}"
+        val = "–" if o["val_loss"] is None else f"{o['val_loss']:.4f}"
+        lines.append(f"{o['run_id']:<24} {o['mode']:<4} {status:<11} {o['version']:>4} {visits:>7} {val:>9} "
+                     f"{o['spend_usd']:>9.4f}  {ago(o['changed'])}")
+    return "\n".join(lines)
+
+
+def cmd_runs(args) -> int:
+    """Every run of the store: mode, status (done / running / interrupted), version, visits done of planned, last
+    validation loss, spend and when it last changed."""
+    from bcdflow.storage.overview import overviews
+
+    store = _store(args.store, args)
+    rows = overviews(store)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(_runs_table(rows) if rows else f"no runs in store {store.url}")
     return 0
 
 
@@ -361,6 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
     store_opts(sp)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_status)
+    sp = sub.add_parser("runs", help="every run of a store: status, visits done, last val loss, spend",
+                        parents=[common])
+    store_opts(sp, one_run=False)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_runs)
     sp = sub.add_parser("export", help="write model.safetensors + config.json of a version", parents=[common])
     store_opts(sp)
     sp.add_argument("out_dir")

@@ -94,6 +94,12 @@ class Lease:
                 return True
         return False
 
+    def holder(self) -> dict | None:
+        """The current lease object while a live process other than this one holds it (its ``owner``: host, pid,
+        flow run), else None: never leased, expired, released, or its owner on this machine is gone."""
+        cur = self.current()
+        return None if self._free(cur) else cur
+
     def expires_in(self) -> float:
         """Seconds until the current holder's lease expires (0 when it is free)."""
         cur = self.current()
