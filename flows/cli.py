@@ -7,6 +7,7 @@
     bcdflow export my-run ./out
     bcdflow export my-run ./hf-out --format hf --dtype bf16   # a transformers model directory
     bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
+    bcdflow compare full-run bcd-run --plot cmp.png   # and their validation curves against steps and spend
     bcdflow worker --pool bcdflow-gpu         # a worker on a GPU box (visits as deployment runs, fleet.visit_pool)
     bcdflow plan-memory -c run.yaml --gpu-gb 24   # predicted peak memory per visit; the bcd.blocks that fits
 
@@ -342,10 +343,16 @@ def cmd_runs(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from bcdflow.flows.compare import compare
+    from bcdflow.flows.compare import check_plot_path, compare, plot
 
-    result = compare(_store(args.store, args), args.run_ids)
+    if args.plot:
+        check_plot_path(args.plot)
+    store = _store(args.store, args)
+    result = compare(store, args.run_ids)
     print(json.dumps(result, indent=2) if args.json else result["markdown"])
+    if args.plot:
+        plot(store, result, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -426,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="the baseline first, then the others")
     store_opts(sp, one_run=False)
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--plot", metavar="FILE.png", help="also draw validation loss against steps and spend, L* marked")
     sp.set_defaults(fn=cmd_compare)
     sp = sub.add_parser("worker", help="a Prefect process worker whose flow runs checkpoint on SIGTERM (spot GPUs)",
                         parents=[common])
