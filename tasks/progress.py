@@ -139,6 +139,8 @@ class Progress:
             self._bar.stop()
             self._bar = None
         if self._artifact_on and self._t0 is not None:
+            if self._artifact_job is not None:
+                self._artifact_job.result()  # the last figures must not be skipped behind an update in flight
             self._artifact_update()
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -121,3 +121,47 @@ def test_counted_batches_carry_their_trained_tokens_and_the_loop_sums_them():
     res = run_steps(lambda b: (w * 0).sum(), [w], itertools.repeat(fetch(0, 2)), make_optimizer([w], spec), spec,
                     StopRule(max_steps=3, window=3))
     assert res.tokens == 6
+
+
+def test_each_visit_run_has_a_progress_artifact_and_logs_its_steps(tiny_cfg, prefect_server, monkeypatch):
+    """A tiny run, not in a terminal: each visit's flow run shows its own progress artifact (at 100% when the visit
+    ends), and its logs carry the steps and the pre-inference shards."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from bcdflow.flows.bcd import bcd_train
+    from tests.test_tracking import _prefect_artifacts
+
+    monkeypatch.setenv("BCDFLOW_PROGRESS", "log")
+    monkeypatch.setenv("BCDFLOW_PROGRESS_SECONDS", "0")
+    cfg = tiny_cfg("bcd.blocks=2")
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    keep = Keep()
+    # the run loggers do not propagate, and the tests set them to WARNING (conftest.py)
+    run_loggers = {lg: lg.level for lg in map(logging.getLogger, ("prefect.flow_runs", "prefect.task_runs"))}
+    for lg in run_loggers:
+        lg.addHandler(keep)
+        lg.setLevel(logging.INFO)
+    try:
+        assert bcd_train(config=cfg, run_id="prog")["version"] == 2
+    finally:
+        for lg, level in run_loggers.items():
+            lg.removeHandler(keep)
+            lg.setLevel(level)
+    text = "\n".join(keep.lines)
+    assert "c0-b0 train: steps 6/6 (100%)" in text and "tok/s" in text
+    assert "c0-b1 pre-infer: shards" in text
+    with get_client(sync_client=True) as client:
+        visits = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["c0-b0", "c0-b1"])))
+    assert len(visits) >= 2
+    for fr in visits:
+        (art,) = _prefect_artifacts(str(fr.id))["progress"]
+        assert art["data"] == 100.0 and "steps 6/6" in art["description"], art
