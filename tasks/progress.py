@@ -6,8 +6,8 @@
 
 Where it shows:
 
-- **a terminal** (stderr is one): a ``rich`` progress bar, ``c0-b1 train steps ━━━━╸━━ 120/200 loss 3.2100 ·
-  12.3k tok/s · 0:01:02 < 0:00:40 · $0.0123``, redrawn at most every 0.5 s and removed when the stage ends;
+- **a terminal** (stderr is one): a ``rich`` progress bar, ``c0-b1 train steps 120/200 ━━━━╸━━ loss 3.2100 ·
+  12.3k tok/s · 0:01:02 < 0:00:40 · run $0.0123`` (the run's spend so far), redrawn at most every 0.5 s and removed when the stage ends;
 - **anything else** (CI, a worker's log, a pipe): the same figures as one log line every ``BCDFLOW_PROGRESS_SECONDS``
   (default 30) through the logger given (the Prefect run logger: the lines show in the flow run's logs in the UI);
 - **the Prefect UI**: with ``artifact=True``, a progress artifact of the visit's flow run, moved every 10 s from a
@@ -98,7 +98,7 @@ class Progress:
         if s["tokens_per_s"] is not None and self.unit == "steps":
             parts.append(f"{_si(s['tokens_per_s'])} tok/s")
         parts.append(f"{hms(s['elapsed_s'])} < {hms(s['left_s'])}")
-        parts.append(f"${s['spend_usd']:.4f}")
+        parts.append(f"run ${s['spend_usd']:.4f}")
         return " · ".join(parts)
 
     def line(self) -> str:
@@ -159,7 +159,8 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
 
             # auto_refresh off: no drawing thread; the bar is redrawn by our throttled updates only
-            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            # step of max before the bar, so a narrow terminal cuts the figures at the end, not the count
+            self._bar = RichProgress(TextColumn("{task.description}"), MofNCompleteColumn(), BarColumn(bar_width=20),
                                      TextColumn("{task.fields[info]}"), console=Console(stderr=True),
                                      auto_refresh=False, transient=True)
             self._task = self._bar.add_task(f"{self.label} {self.unit}", total=self.total, completed=self.done,
