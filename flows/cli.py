@@ -317,13 +317,13 @@ def cmd_status(args) -> int:
 def _runs_table(rows: list[dict]) -> str:
     from bcdflow.storage.overview import ago
 
-    head = f"{'run':<24} {'mode':<4} {'status':<11} {'ver':>4} {'visits':>7} {'val loss':>9} {'spend $':>9}  changed"
+    head = f"{'run':<24} {'mode':<4} {'status':<16} {'ver':>4} {'visits':>7} {'val loss':>9} {'spend $':>9}  changed"
     lines = [head]
     for o in rows:
         status = o["status"] + (f" ({o['training']['visit']})" if o["status"] == "running" and o["training"] else "")
         visits = f"{o['visits_done']}/{o['visits_planned'] or '?'}"
         val = "–" if o["val_loss"] is None else f"{o['val_loss']:.4f}"
-        lines.append(f"{o['run_id']:<24} {o['mode']:<4} {status:<11} {o['version']:>4} {visits:>7} {val:>9} "
+        lines.append(f"{o['run_id']:<24} {o['mode']:<4} {status:<16} {o['version']:>4} {visits:>7} {val:>9} "
                      f"{o['spend_usd']:>9.4f}  {ago(o['changed'])}")
     return "\n".join(lines)
 

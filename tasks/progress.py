@@ -1,4 +1,4 @@
-"""Live progress of a visit while it runs: its training steps and its pre-inference shards (docs/DESIGN.md §2.6).
+"""Live progress of a visit while it runs: its training steps and its pre-inference shards (docs/DESIGN.md §2.3).
 
     prog = visit_progress(ctx, cycle, block, log=get_run_logger(), spend_before=state.spend_usd)
     run_steps(..., progress=prog)      # called once before the first step and after each step: (step, tokens, loss)
