@@ -145,6 +145,8 @@ class Progress:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._t0 = None  # a retried task's loop starts the stage again (same artifact, a new bar)
+        self._last_draw = -float("inf")
 
     def __enter__(self) -> "Progress":
         return self
