@@ -66,12 +66,14 @@ def main() -> None:
             prog(i, i * 512, 3.2)
         per_call[mode] = (time.perf_counter() - t0) / n * 1e6
         prog.close()
-    print(f"tiny model, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, {torch.get_num_threads()} threads")
+    print(f"tiny model, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, "
+          f"{torch.get_num_threads()} threads")
     print(f"{'progress':<9} {'ms/step (median)':>17}  runs")
     for mode, v in times.items():
         print(f"{mode:<9} {statistics.median(v):>17.2f}  {', '.join(f'{x:.1f}' for x in v)}")
     for mode, us in per_call.items():
-        print(f"one {mode} progress call: {us:.2f} us ({us / 1e3 / statistics.median(times['none']) * 100:.5f}% of a step)")
+        share = us / 1e3 / statistics.median(times["none"]) * 100
+        print(f"one {mode} progress call: {us:.2f} us ({share:.5f}% of a step)")
 
 
 if __name__ == "__main__":

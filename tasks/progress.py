@@ -7,7 +7,8 @@
 Where it shows:
 
 - **a terminal** (stderr is one): a ``rich`` progress bar, ``c0-b1 train steps 120/200 ━━━━╸━━ loss 3.2100 ·
-  12.3k tok/s · 0:01:02 < 0:00:40 · run $0.0123`` (the run's spend so far), redrawn at most every 0.5 s and removed when the stage ends;
+  12.3k tok/s · 0:01:02 < 0:00:40 · run $0.0123`` (the run's spend so far), redrawn at most every 0.5 s and
+  removed when the stage ends;
 - **anything else** (CI, a worker's log, a pipe): the same figures as one log line every ``BCDFLOW_PROGRESS_SECONDS``
   (default 30) through the logger given (the Prefect run logger: the lines show in the flow run's logs in the UI);
 - **the Prefect UI**: with ``artifact=True``, a progress artifact of the visit's flow run, moved every 10 s from a
@@ -63,7 +64,8 @@ class Progress:
 
     def __init__(self, label: str, total: int, unit: str = "steps", *, spend_before: float = 0.0,
                  usd_per_s: float = 0.0, tty: bool | None = None,
-                 log: logging.Logger | logging.LoggerAdapter | None = None, every_s: float | None = None, artifact: bool = False, clock: Callable[[], float] = time.monotonic):
+                 log: logging.Logger | logging.LoggerAdapter | None = None, every_s: float | None = None,
+                 artifact: bool = False, clock: Callable[[], float] = time.monotonic):
         self.label, self.total, self.unit = label, max(int(total), 1), unit
         self.spend_before, self.usd_per_s = spend_before, usd_per_s
         self.mode = _mode(tty)

@@ -15,9 +15,9 @@ from bcdflow.storage.store import Store
 
 
 def _visit(cycle: int, block: int, version: int, val: float, usd: float) -> VisitRecord:
-    return VisitRecord(cycle=cycle, block=block, version=version, steps=10, step_end=10 * version, stopped_by="max_steps",
-                       rows=80, tokens=2560, first_loss=5.0, train_loss=val + 0.1, val_loss=val, val_ppl=2.0,
-                       tokens_per_s=1000.0, seconds=3.0, spend_usd=usd, cum_spend_usd=usd * version)
+    return VisitRecord(cycle=cycle, block=block, version=version, steps=10, step_end=10 * version,
+                       stopped_by="max_steps", rows=80, tokens=2560, first_loss=5.0, train_loss=val + 0.1,
+                       val_loss=val, val_ppl=2.0, tokens_per_s=1000.0, seconds=3.0, spend_usd=usd, cum_spend_usd=usd * version)
 
 
 def _run(store: Store, run_id: str, n_visits: int, status: str = "running", mode: str = "bcd") -> None:

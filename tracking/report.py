@@ -2,8 +2,8 @@
 
 Figures (matplotlib, Agg): training loss over steps with each visit's span coloured by block, validation
 loss against cumulative spend, spend by stage per visit; and ``compare_figure``, the validation curves of
-compared runs against steps and spend (``bcdflow compare --plot``), drawn by the same ``val_loss_axes``. ``log_run_outputs`` logs them and (``log_model``)
-the exported final model to the run's MLflow run. Prefect's artifacts are ``flows/artifacts.py``.
+compared runs against steps and spend (``bcdflow compare --plot``), drawn by the same ``val_loss_axes``.
+``log_run_outputs`` logs them and (``log_model``) the exported final model to the run's MLflow run. Prefect's artifacts are ``flows/artifacts.py``.
 """
 from __future__ import annotations
 
