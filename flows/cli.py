@@ -1,11 +1,13 @@
-"""``bcdflow`` command line: demo, train, baseline, resume, status, export, compare.
+"""``bcdflow`` command line: demo, train, baseline, resume, status, runs, export, compare.
 
     bcdflow demo                         # tiny model, built-in corpus, embedded defaults
     bcdflow train -c run.yaml --set bcd.blocks=4 --run-id my-run
     bcdflow status my-run --json
+    bcdflow runs [--store URL] [--json]  # every run of a store: done, running (which visit, how far) or interrupted
     bcdflow export my-run ./out
     bcdflow export my-run ./hf-out --format hf --dtype bf16   # a transformers model directory
     bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
+    bcdflow compare full-run bcd-run --plot cmp.png   # and their validation curves against steps and spend
     bcdflow worker --pool bcdflow-gpu         # a worker on a GPU box (visits as deployment runs, fleet.visit_pool)
     bcdflow plan-memory -c run.yaml --gpu-gb 24   # predicted peak memory per visit; the bcd.blocks that fits
 
@@ -321,19 +323,36 @@ def cmd_demo(args) -> int:
 
 
 def status_dict(store, run_id: str) -> dict:
-    from bcdflow.storage import runs
+    """The run's committed visits, and (``live``) what it is doing now: running (its lease's owner, the visit in
+    training and its last checkpoint's step), interrupted or done (storage/overview.py)."""
+    from bcdflow.storage import overview, runs
 
     state = _existing_state(store, run_id)
     cfg = runs.read_config(store, run_id)
     keep = {"cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
             "preinfer_seconds", "train_seconds", "tokens_per_s", "stopped_by"}
+    live = overview.overview(store, run_id)
     return {"run_id": run_id, "version": state.version, "status": state.status, "mode": state.mode,
-            "blocks": cfg["plan"]["blocks"], "visits": [v.model_dump(include=keep) for v in state.visits]}
+            "blocks": cfg["plan"]["blocks"], "visits": [v.model_dump(include=keep) for v in state.visits],
+            "live": {k: live[k] for k in ("status", "visits_done", "visits_planned", "spend_usd", "changed",
+                                          "lease_owner", "training")}}
 
 
 def _status_table(st: dict) -> str:
-    lines = [f"run {st['run_id']}: version {st['version']} ({st['status']}, {st['mode']})",
-             f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'train':>8} {'val':>8} {'secs':>7}"]
+    from bcdflow.storage.overview import ago, owner_text
+
+    live = st.get("live") or {}
+    lines = [f"run {st['run_id']}: version {st['version']} ({live.get('status', st['status'])}, {st['mode']})"]
+    if live.get("status") == "running":
+        lines.append(f"  lease: {owner_text(live['lease_owner'])}")
+    if tr := live.get("training"):
+        where = "not checkpointed yet" if tr["step"] is None else \
+            f"step {tr['step']}/{tr['max_steps']} at its last checkpoint ({ago(tr['checkpoint_at'])})"
+        doing = "training" if tr["lease_owner"] else "interrupted in"
+        lines.append(f"  {doing} visit {tr['visit']}: {where}")
+    if live.get("status") == "interrupted":
+        lines.append(f"  no process holds the run: continue it with bcdflow resume {st['run_id']}")
+    lines.append(f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'train':>8} {'val':>8} {'secs':>7}")
     for v in st["visits"]:
         lines.append(f"{v['cycle']:>5} {v['block']:>5} {v['version']:>4} {v['steps']:>6} "
                      f"{v['train_loss']:>8.4f} {v['val_loss']:>8.4f} {v['seconds']:>7.1f}")
@@ -346,11 +365,45 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_compare(args) -> int:
-    from bcdflow.flows.compare import compare
+def _runs_table(rows: list[dict]) -> str:
+    from bcdflow.storage.overview import ago
 
-    result = compare(_store(args.store, args, write=False), args.run_ids)
+    head = f"{'run':<24} {'mode':<4} {'status':<16} {'ver':>4} {'visits':>7} {'val loss':>9} {'spend $':>9}  changed"
+    lines = [head]
+    for o in rows:
+        status = o["status"] + (f" ({o['training']['visit']})" if o["status"] == "running" and o["training"] else "")
+        visits = f"{o['visits_done']}/{o['visits_planned'] or '?'}"
+        val = "–" if o["val_loss"] is None else f"{o['val_loss']:.4f}"
+        lines.append(f"{o['run_id']:<24} {o['mode']:<4} {status:<16} {o['version']:>4} {visits:>7} {val:>9} "
+                     f"{o['spend_usd']:>9.4f}  {ago(o['changed'])}")
+    return "\n".join(lines)
+
+
+def cmd_runs(args) -> int:
+    """Every run of the store: mode, status (done / running / interrupted), version, visits done of planned, last
+    validation loss, spend and when it last changed."""
+    from bcdflow.storage.overview import overviews
+
+    store = _store(args.store, args, write=False)
+    rows = overviews(store)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(_runs_table(rows) if rows else f"no runs in store {store.url}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from bcdflow.flows.compare import check_plot_path, compare, plot
+
+    if args.plot:
+        check_plot_path(args.plot)
+    store = _store(args.store, args, write=False)
+    result = compare(store, args.run_ids)
     print(json.dumps(result, indent=2) if args.json else result["markdown"])
+    if args.plot:
+        plot(store, result, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -412,6 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
     store_opts(sp)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_status)
+    sp = sub.add_parser("runs", help="every run of a store: status, visits done, last val loss, spend",
+                        parents=[common])
+    store_opts(sp, one_run=False)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_runs)
     sp = sub.add_parser("export", help="write model.safetensors + config.json of a version", parents=[common])
     store_opts(sp)
     sp.add_argument("out_dir")
@@ -426,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="the baseline first, then the others")
     store_opts(sp, one_run=False)
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--plot", metavar="FILE.png", help="also draw validation loss against steps and spend, L* marked")
     sp.set_defaults(fn=cmd_compare)
     sp = sub.add_parser("worker", help="a Prefect process worker whose flow runs checkpoint on SIGTERM (spot GPUs)",
                         parents=[common])

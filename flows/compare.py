@@ -93,6 +93,29 @@ def compare(store: Store, run_ids: list[str]) -> dict:
     return out
 
 
+def plot(store: Store, result: dict, path: str) -> list[list[str]]:
+    """Draw the compared runs' validation curves against steps and spend, L* marked, into ``path`` (a PNG);
+    returns each panel's line labels."""
+    from bcdflow.tracking.report import compare_figure
+
+    ids = [r["run_id"] for r in result["runs"]]
+    curves = {r: spend.curve(runs.read_state(store, r).visits) for r in ids}
+    return compare_figure(curves, result["target_val_loss"], path)
+
+
+def check_plot_path(path: str) -> None:
+    """``--plot``: a .png whose directory exists (checked before anything is read)."""
+    import os
+
+    if not path.lower().endswith(".png"):
+        raise BadInput(f"--plot: {path!r} is not a .png file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise BadInput(f"--plot: directory {folder} does not exist (create it first)")
+    if os.path.isdir(path):
+        raise BadInput(f"--plot: {path} is a directory")
+
+
 def markdown(result: dict) -> str:
     kinds = list(result["catalog"])
     runs_ = result["runs"]

@@ -30,6 +30,7 @@ from bcdflow.storage.lease import Lease, LeaseHeld, LeaseLost, this_process
 from bcdflow.storage.runs import RunStateError, VisitRecord
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.engine import EvalResult
+from bcdflow.tasks.progress import Progress, preinfer_usd_per_s, visit_progress
 from bcdflow.tasks.run import commit_visit
 from bcdflow.tasks.train import evaluate_version, train_block
 from bcdflow.tracking.tracker import TrackTarget, Tracker
@@ -125,9 +126,12 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     t0 = time.perf_counter()
     preinfer_s = 0.0
     if ctx.from_acts(block):  # paper §3.2.2
-        preinfer(ctx, cycle, block, version)
+        preinfer(ctx, cycle, block, version, state.spend_usd)
         preinfer_s = time.perf_counter() - t0
-    tr = train_block(ctx, cycle, block, version, track=track)
+    # the live line and the visit run's progress artifact while it trains (tasks/progress.py)
+    spent = state.spend_usd + preinfer_s * preinfer_usd_per_s(cfg)
+    live = visit_progress(cfg, run_id, cycle, block, spend_before=spent, log=log, artifact=True)
+    tr = train_block(ctx, cycle, block, version, track=track, progress=live)
     if tr.val_loss is None:  # the visit could not validate the new version itself: the whole model, from the store
         ev = evaluate_version(ctx, version, {block: tr.block_file})
     else:
@@ -174,13 +178,16 @@ def shard_runner(cfg: RunConfig):
     return ThreadPoolTaskRunner(max_workers=n)
 
 
-def preinfer(ctx: RunContext, cycle: int, block: int, version: int) -> None:
+def preinfer(ctx: RunContext, cycle: int, block: int, version: int, spend_before: float = 0.0) -> None:
     """The visit's shards still to compute, each a task on the shard runner; complete ones are skipped (a
-    shard whose Dask worker dies is run again elsewhere, and costs only that shard)."""
+    shard whose Dask worker dies is run again elsewhere, and costs only that shard). Shards done of those are shown
+    as the training steps are (tasks/progress.py)."""
     cfg = ctx.cfg
     shards = plan_shards(ctx, cycle, block)
     if not shards:
         return
+    live = Progress(f"c{cycle}-b{block} pre-infer", len(shards), "shards", spend_before=spend_before,
+                    usd_per_s=preinfer_usd_per_s(cfg), log=get_run_logger())
     runner = shard_runner(cfg)
     params = {"ctx": ctx, "cycle": cycle, "block": block, "version": version}  # a context pickles as its ids
     with runner:
@@ -191,5 +198,8 @@ def preinfer(ctx: RunContext, cycle: int, block: int, version: int) -> None:
                 futures = [runner.submit(preinfer_shard, {**params, "shard": s}) for s in shards]
         else:
             futures = [runner.submit(preinfer_shard, {**params, "shard": s}) for s in shards]
-        for f in futures:
-            f.result()
+        with live:
+            live.update(0)
+            for i, f in enumerate(futures):
+                f.result()
+                live.update(i + 1)

@@ -111,12 +111,12 @@ class LLaMA(Decoder):
             self.lm_head = nn.Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False)
 
     def _init_buffers(self) -> None:
-        # RoPE tables are derived, never stored in checkpoints
-        device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.n_ctx, self.cfg.rope_theta, self.cfg.rope_scaling,
-                               device=device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # RoPE tables are derived, never stored in checkpoints, and built for the longest sequence seen, not the
+        # model's context (n_ctx 131072 at head_dim 128: 33 MB of tables for 1k-token rows). Row p of a table is
+        # cos/sin(p * inv_freq) whatever its length, so they are bitwise the rows an n_ctx table would have had
+        # (tests/test_models.py). A plain attribute, not a buffer: DDP/FSDP and .to() leave it alone; it is built on
+        # the parameters' device, as the n_ctx table was, and moved to the input's.
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, *args, **kwargs):
         super().__init__(cfg, *args, **kwargs)
@@ -126,4 +126,10 @@ class LLaMA(Decoder):
         return self.wte(idx)  # (B, T, C)
 
     def _layer_extra(self, T: int, device):
-        return self.rope_cos[:T].to(device), self.rope_sin[:T].to(device)
+        if self._rope is None or self._rope[0].size(0) < T:
+            if T > self.cfg.n_ctx:
+                raise ValueError(f"sequence length {T} exceeds n_ctx={self.cfg.n_ctx}")
+            home = next((p.device for p in self.parameters()), torch.device("cpu"))
+            self._rope = rope_tables(self.cfg.head_dim, T, self.cfg.rope_theta, self.cfg.rope_scaling, device=home)
+        cos, sin = self._rope
+        return cos[:T].to(device), sin[:T].to(device)

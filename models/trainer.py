@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from bcdflow.constants import IGNORE_INDEX
 from bcdflow.models.errors import ConfigError, Diverged
 
 # paper §4.2.1 defaults
@@ -100,7 +101,8 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
               on_window: Callable[[int, list[float]], None] | None = None,
               should_stop: Callable[[], bool] | None = None, state: LoopState | None = None,
               checkpoint: Callable[[LoopState, str], None] | None = None, ckpt_steps: int = 0,
-              ckpt_seconds: float = 0.0, clock: Callable[[], float] | None = None) -> LoopResult:
+              ckpt_seconds: float = 0.0, clock: Callable[[], float] | None = None,
+              progress: Callable[[int, int, float | None], None] | None = None) -> LoopResult:
     """Train ``params`` with ``optimizer`` on ``batches`` until the stop rule fires.
 
     ``loss_fn(batch)`` runs the forward pass and returns a scalar loss. Losses (and gradient norms) are
@@ -113,7 +115,9 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
     ``should_stop()`` turns true (``"signal"``: SIGTERM or Ctrl-C), after which the loop ends with
     ``stopped_by="interrupted"``. ``clock`` replaces ``time.perf_counter`` (processes of one distributed visit
     share rank 0's, so they checkpoint by seconds at the same step). Sharded (DTensor) gradient norms are
-    gathered whole.
+    gathered whole. ``progress(step, tokens, loss)`` is called once before the first step (the starting point,
+    ``loss`` None) and after every step, with the last synced window's mean loss (None before the first window):
+    a live display, which must throttle itself (it is never given anything that would sync a GPU).
     """
     clock = clock or time.perf_counter
     st = state or LoopState()
@@ -133,6 +137,9 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
 
     it: Iterator = iter(batches)
     t0 = last_ckpt = clock()
+    window_loss: float | None = None
+    if progress:
+        progress(res.steps, res.tokens, None)
     while res.steps < stop.max_steps:
         batch = next(it)
         if spec.warmup_steps:
@@ -159,11 +166,14 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             pending.clear()
             norms.clear()
             res.losses.extend(window)
+            window_loss = sum(window) / len(window)
             if on_window:
                 on_window(res.steps, window)
             if len(window) == stop.window and plateau_update(st, stop, sum(window) / len(window)):
                 res.stopped_by = "plateau"
                 break
+        if progress:
+            progress(res.steps, res.tokens, window_loss)
         interrupted = bool(should_stop and should_stop())
         now = clock()
         why = "signal" if interrupted else None
@@ -185,9 +195,13 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
 
 
 def _tokens(batch) -> int:
-    """Tokens of a batch: its targets' count, or a third item that says the whole batch's (a process of a
-    distributed visit trains on a slice of it)."""
+    """Trained tokens of a batch: a third item that says the whole batch's (counted on the host where the batch was
+    read; a process of a distributed visit trains on a slice of it), else its targets that are not ``IGNORE_INDEX``
+    (masked prompt positions of the supervised formats are not trained). Integer targets on a GPU are counted by
+    size: counting them there would sync the device every step, so the engine passes the count instead."""
     if isinstance(batch, (tuple, list)) and len(batch) == 3 and isinstance(batch[2], int):
         return batch[2]
     targets = batch[1] if isinstance(batch, (tuple, list)) else batch
+    if targets.device.type == "cpu" and not targets.is_floating_point():
+        return int((targets != IGNORE_INDEX).sum())
     return int(targets.numel())

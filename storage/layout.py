@@ -100,6 +100,17 @@ def visit_key(run_id: str, cycle: int, block: int) -> str:
     return run_key(run_id, "visits", f"c{cycle}-b{block}")
 
 
+def visits_key(run_id: str) -> str:
+    """Where a run's visits keep their working objects (one ``c{cycle}-b{block}`` folder each)."""
+    return run_key(run_id, "visits")
+
+
+def parse_visit(name: str) -> tuple[int, int] | None:
+    """(cycle, block) of a visit folder's name (``c0-b2`` -> (0, 2)); None for anything else."""
+    m = re.fullmatch(r"c(\d+)-b(\d+)", name)
+    return (int(m[1]), int(m[2])) if m else None
+
+
 def acts_key(run_id: str, cycle: int, block: int) -> str:
     return f"{visit_key(run_id, cycle, block)}/activations.zarr"
 

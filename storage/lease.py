@@ -126,6 +126,12 @@ class Lease:
                 return True  # a dead owner frees it at once
         return self.unrenewed_for(lease) >= float(lease.get("ttl", self.ttl))
 
+    def holder(self) -> dict | None:
+        """The current lease object while a live process other than this one holds it (its ``owner``: host, pid,
+        flow run), else None: never leased, expired, released, or its owner on this machine is gone."""
+        cur = self.current()
+        return None if self._free(cur) else cur
+
     def expires_in(self) -> float:
         """Seconds until the current holder's lease expires, as this observer judges it (0 when it is free)."""
         cur = self.current()

@@ -126,6 +126,15 @@ class Store:
             names = []
         return sorted(os.path.basename(x.rstrip("/")) for x in names)
 
+    def modified(self, *parts: str) -> float | None:
+        """When the object was last written (seconds since the epoch), or None when it does not exist."""
+        try:
+            info = self.fs.info(self.path(*parts))
+        except FileNotFoundError:
+            return None
+        when = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
+        return when.timestamp() if hasattr(when, "timestamp") else None if when is None else float(when)
+
     def rm(self, *parts: str) -> None:
         p = self.path(*parts)
         if self.fs.exists(p):

@@ -258,6 +258,13 @@ class TokenDataset:
         rows = self.train_rows(idx)
         return self._pairs(rows, self._train_array("train_mask", idx) if self.masked else None)
 
+    def trained_tokens(self, idx: np.ndarray) -> int:
+        """How many target positions of train rows ``idx`` are trained (not ``IGNORE_INDEX``): every one of a
+        text dataset, the unmasked ones of a supervised one (reads the mask only)."""
+        if not self.masked:
+            return len(idx) * self.seq_len
+        return int((self._train_array("train_mask", idx)[:, 1:] != 0).sum())
+
     def val_pairs(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of the first ``n`` validation rows (all when None), as :meth:`train_pairs`."""
         rows = self.val_rows()[:n]

@@ -69,6 +69,16 @@ def window_logger(track: TrackTarget | None, eval_every: int, model: torch.nn.Mo
     return on_window
 
 
+def counted(fetch: Callable) -> Callable:
+    """``fetch(a, b)`` -> (inputs, targets) made (inputs, targets, trained tokens): the count of targets that are
+    not ``IGNORE_INDEX``, taken on the host in the prefetch thread, so the step loop's ``tokens`` and
+    ``tokens_per_s`` count trained positions only without syncing a GPU (``models/trainer._tokens``)."""
+    def fetch_counted(a: int, b: int):
+        x, y = fetch(a, b)
+        return x, y, int((y != IGNORE_INDEX).sum())
+    return fetch_counted
+
+
 def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> Iterator:
     """Read batch k+1 from the store while batch k trains (tensors of a batch go to the device, other items as
     they are)."""

@@ -29,17 +29,20 @@ from bcdflow.models.visit import autocast, visit_loss
 from bcdflow.storage import activations, checkpoints, trainckpt
 from bcdflow.tasks import preemption
 from bcdflow.tasks.data import batch_ranges, sample_rows, visit_rows
-from bcdflow.tasks.engine import (EvalResult, TrainResult, compile_layers, diverged_message, evaluate_model, prefetched,
-                                  use_recompute, val_batches, visit_val_batches, window_logger)
+from bcdflow.tasks.engine import (EvalResult, TrainResult, compile_layers, counted, diverged_message, evaluate_model,
+                                  prefetched, use_recompute, val_batches, visit_val_batches, window_logger)
+from bcdflow.tasks.progress import Progress
 from bcdflow.tasks.retry import retrying
 from bcdflow.tasks.train_dist import launch
 from bcdflow.tracking.tracker import TrackTarget
 
 
 @task(name="train-block", **retrying(2))
-def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None) -> TrainResult:
+def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None,
+                progress: Progress | None = None) -> TrainResult:
     """Train block ``block`` of ``version`` to local convergence (a visit's training); returns its result, the
-    block file written (content-addressed) but not committed."""
+    block file written (content-addressed) but not committed. ``progress``: the visit's live line
+    (tasks/progress.py), closed when the loop ends."""
     cfg, run_id = ctx.cfg, ctx.run_id
     if cfg.train.gpus > 1:  # torchrun: one process per GPU, rank 0 commits (tasks/train_dist.py)
         return launch(ctx, cycle, block, version, track)
@@ -73,9 +76,9 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
         def fetch(a: int, b: int):
             return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE_INDEX)
 
-    def loss_fn(batch):
+    def loss_fn(batch):  # (inputs, targets, trained tokens)
         with autocast(device, cfg.train.precision), saving():
-            return visit_loss(model, *batch, lo, from_acts, hi=hi, recompute=recompute,
+            return visit_loss(model, *batch[:2], lo, from_acts, hi=hi, recompute=recompute,
                               recompute_active=cfg.bcd.recompute == "all")
 
     val_points: list[tuple[int, float]] = []
@@ -110,11 +113,15 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, cycle, block), resumed_at, None)
     try:
         with preempt.training():
-            res = run_steps(loss_fn, params, prefetched(ranges, fetch, device), opt, spec, cfg.stop_rule(),
+            res = run_steps(loss_fn, params, prefetched(ranges, counted(fetch), device), opt, spec, cfg.stop_rule(),
                             on_window=on_window, should_stop=preempt.requested, state=state, checkpoint=checkpoint,
-                            ckpt_steps=cfg.checkpoint.every_steps, ckpt_seconds=cfg.checkpoint.every_seconds)
+                            ckpt_steps=cfg.checkpoint.every_steps, ckpt_seconds=cfg.checkpoint.every_seconds,
+                            progress=progress)
     except Diverged as e:
         raise BadInput(diverged_message(cfg, run_id, cycle, block, e)) from None
+    finally:
+        if progress is not None:
+            progress.close()
     if res.stopped_by == "interrupted":  # SIGTERM or Ctrl-C: the checkpoint is written
         preemption.after_checkpoint(cfg.fleet.reschedule_delay_s)
     val_loss, eval_s = None, 0.0

@@ -48,6 +48,7 @@ from bcdflow.tasks import preemption
 from bcdflow.tasks.data import batch_ranges, visit_rows
 from bcdflow.tasks.engine import (TrainResult, compile_layers, diverged_message, evaluate_model, prefetched,
                                   use_recompute, visit_val_batches, window_logger)
+from bcdflow.tasks.progress import visit_progress
 from bcdflow.tracking.tracker import TrackTarget
 
 ERRORS = {"BadInput": BadInput, "DamagedArtifact": DamagedArtifact}
@@ -233,7 +234,6 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
     step.train()
 
     rows = visit_rows(cfg, ds.n_train, cycle, block)
-    T = ds.seq_len
     if from_acts:
         reader = activations.ActivationReader(ctx.store, ctx.acts_key(cycle, block), pin=device.type == "cuda")
 
@@ -246,7 +246,7 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
     def fetch(a: int, b: int):
         la, lb = par.slice_rows(a, b, rank, world)
         x, y = read(la, lb) if lb > la else par.empty_slice_batch(*read(a, a + 1))
-        return x, y, (b - a) * T  # this process's slice; the whole batch's tokens
+        return x, y, ds.trained_tokens(rows[a:b])  # this process's slice; the whole batch's trained tokens
 
     def loss_fn(batch):
         x, y, _ = batch
@@ -284,10 +284,13 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
     resumed_at = state.steps if state else 0
     ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, cycle, block), resumed_at, None)
     sync = par.StopSync(preempt.requested)
+    progress = visit_progress(cfg, run_id, cycle, block, ctx.store) if rank == 0 else None  # the live line
     res = run_steps(loss_fn, params, prefetched(ranges, fetch, device), opt, opt_spec, cfg.stop_rule(),
                     on_window=on_window, should_stop=sync, state=state, checkpoint=checkpoint,
                     ckpt_steps=cfg.checkpoint.every_steps, ckpt_seconds=cfg.checkpoint.every_seconds,
-                    clock=sync.clock)
+                    clock=sync.clock, progress=progress)
+    if progress is not None:
+        progress.close()
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0],
                         dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=sync.group)

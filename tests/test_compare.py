@@ -112,3 +112,28 @@ def test_compare_cli_and_flow_artifact(two_runs, capsys):
 
     (art,) = _prefect_artifacts(str(state.state_details.flow_run_id))["markdown"]
     assert art["key"] == artifact_key("compare", "full-bcd") and "B-F ×" in art["data"]
+
+
+def test_compare_plot_draws_one_line_per_run_with_l_star(tmp_path, capsys):
+    """``--plot``: validation loss against steps and against spend, one line per run and L* in each panel; a plot
+    path in a missing directory is one line and exit 2, before anything is read."""
+    from bcdflow.flows.cli import main
+    from bcdflow.flows.compare import compare, plot
+    from tests.test_runs import _run
+
+    store = Store(str(tmp_path / "store"))
+    _run(store, "base", 6, status="done", mode="full")
+    _run(store, "bcd", 4, status="done")
+    out = tmp_path / "cmp.png"
+    assert main(["compare", "base", "bcd", "--store", store.url, "--plot", str(out)]) == 0
+    assert f"plot: {out}" in capsys.readouterr().out
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = compare(store, ["base", "bcd"])
+    labels = plot(store, result, str(tmp_path / "again.png"))
+    star = f"L* = {result['target_val_loss']:.4f}"
+    assert labels == [["base", "bcd", star], ["base", "bcd", star]]
+
+    for bad, words in ((str(tmp_path / "no" / "dir" / "x.png"), "does not exist"), (str(tmp_path / "x.txt"), ".png")):
+        assert main(["compare", "base", "bcd", "--store", store.url, "--plot", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0] and "--plot" in err[0]

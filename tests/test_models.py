@@ -185,3 +185,26 @@ def test_init_is_seeded():
     torch.manual_seed(3)
     b = build_model(cfg).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rope_tables_are_sized_to_the_sequence_not_the_context_and_bitwise_its_rows():
+    """A 131k-context model trained on short rows holds tables for the rows' length only; row p of a short table is
+    bitwise row p of the context-long one, so the forward pass is unchanged bit for bit."""
+    from bcdflow.models.llama import rope_tables
+
+    cfg = get_config("tiny-llama", d_model=64, n_head=4, n_ctx=8192, vocab_size=256)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    x = tokens(cfg, T=24)[:, :-1]
+    logits = model(x)
+    cos, sin = model._rope
+    assert cos.shape == (24, cfg.head_dim // 2)  # not (8192, ...)
+    full_cos, full_sin = rope_tables(cfg.head_dim, cfg.n_ctx, cfg.rope_theta, cfg.rope_scaling)
+    assert torch.equal(cos, full_cos[:24]) and torch.equal(sin, full_sin[:24])
+    # the forward with the context-long tables gives the same logits, bitwise
+    model._rope = (full_cos, full_sin)
+    assert torch.equal(model(x), logits)
+    model._init_buffers()
+    model(tokens(cfg, T=40)[:, :-1])  # a longer sequence grows the tables
+    assert model._rope[0].size(0) == 40
+    assert "rope_cos" not in model.state_dict()

@@ -205,3 +205,37 @@ def test_masked_loss_and_evaluation_count_completion_tokens_only(tmp_path, tok_d
     assert abs(evaluate_model(model, val_batches(ds, cfg), cfg, torch.device("cpu")) - by_hand) < 1e-5
     every = torch.from_numpy(ds.val_rows()[:, 1:]).long()
     assert abs(F.cross_entropy(logits.flatten(0, 1), every.flatten()).item() - by_hand) > 1e-3
+
+
+
+def test_trained_tokens_count_the_unmasked_targets_only(tmp_path, tok_dir):
+    """``tokens`` and ``tokens_per_s`` of a supervised visit count completion positions: the step loop's count of a
+    batch (``tasks/engine.counted``), and the mask-only count a distributed visit uses, agree with the targets."""
+    import itertools
+
+    import numpy as np
+
+    from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
+    from bcdflow.tasks.engine import counted
+
+    store = Store(str(tmp_path / "store"))
+    files = _records(tmp_path, "pc.jsonl", [{"prompt": p, "completion": c} for p, c in PAIRS * 40])
+    ds = TokenDataset.open(store, prepare_token_dataset(
+        store, files=files, seq_len=32, vocab_size=300, format="prompt_completion",
+        tokenizer_file=f"{tok_dir}/tokenizer.json", eos_token="<|endoftext|>", val_fraction=0.2))
+    idx = np.array([3, 0, 5, 1])
+    _, y = ds.train_pairs(idx)
+    trained = int((y != IGNORE_INDEX).sum())
+    assert 0 < trained < y.numel()
+    assert ds.trained_tokens(idx) == trained
+    batch = counted(lambda a, b: ds.train_pairs(idx[a:b]))(0, 4)
+    assert batch[2] == trained
+    w = torch.nn.Parameter(torch.ones(1))
+    spec = OptimSpec("sgd", lr=0.0, grad_clip=0.0)
+    res = run_steps(lambda b: (w * 0).sum(), [w], itertools.repeat(batch), make_optimizer([w], spec), spec,
+                    StopRule(max_steps=2, window=2))
+    assert res.tokens == 2 * trained
+    # without the count the loop still leaves the masked targets out (CPU targets), never counts B x T
+    res = run_steps(lambda b: (w * 0).sum(), [w], itertools.repeat(batch[:2]), make_optimizer([w], spec), spec,
+                    StopRule(max_steps=2, window=2))
+    assert res.tokens == 2 * trained

@@ -1,8 +1,9 @@
 """What a run reports besides its metrics: markdown tables and the figures logged to MLflow.
 
 Figures (matplotlib, Agg): training loss over steps with each visit's span coloured by block, validation
-loss against cumulative spend, spend by stage per visit. ``log_run_outputs`` logs them and (``log_model``)
-the exported final model to the run's MLflow run. Prefect's artifacts are ``flows/artifacts.py``.
+loss against cumulative spend, spend by stage per visit; and ``compare_figure``, the validation curves of
+compared runs against steps and spend (``bcdflow compare --plot``), drawn by the same ``val_loss_axes``.
+``log_run_outputs`` logs them and (``log_model``) the exported final model to the run's MLflow run. Prefect's artifacts are ``flows/artifacts.py``.
 """
 from __future__ import annotations
 
@@ -72,11 +73,7 @@ def figures(visits: list[VisitRecord], train_loss: list[tuple[int, float]], out_
 
     # 2. validation loss against cumulative spend
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    if pts:
-        ax.plot([p["spend_usd"] for p in pts], [p["val_loss"] for p in pts], "-", color="gray", lw=0.8)
-        for p in pts:
-            ax.plot(p["spend_usd"], p["val_loss"], "o", color=colors[p["block"]], ms=4)
-    ax.set(xlabel="cumulative spend (USD)", ylabel="validation loss", title="Validation loss vs spend")
+    val_loss_axes(ax, {"": pts}, "spend_usd", block_colors=colors)
     paths.append(_save(fig, out_dir, "val_loss_vs_spend.png"))
 
     # 3. spend by stage, one stacked bar per visit
@@ -92,6 +89,45 @@ def figures(visits: list[VisitRecord], train_loss: list[tuple[int, float]], out_
     ax.legend(fontsize="small")
     paths.append(_save(fig, out_dir, "spend_by_stage.png"))
     return paths
+
+
+X_LABELS = {"step": "step", "spend_usd": "cumulative spend (USD)", "tokens": "tokens", "seconds": "wall seconds"}
+
+
+def val_loss_axes(ax, curves: dict[str, list[dict]], x: str, target: float | None = None,
+                  block_colors: dict[int, tuple] | None = None) -> None:
+    """Validation loss against ``x`` (a key of ``core.spend.curve``'s points: step, spend_usd, ...) on ``ax``, one
+    line per run of ``curves`` (run -> points); one run with ``block_colors``: a grey line, each point in its
+    block's colour (the run's own figure). ``target``: L* as a dashed line. The one drawing of validation curves,
+    for a run's MLflow figures and for ``bcdflow compare --plot``."""
+    for name, pts in curves.items():
+        if not pts:
+            continue
+        xs, ys = [p[x] for p in pts], [p["val_loss"] for p in pts]
+        if block_colors is not None:
+            ax.plot(xs, ys, "-", color="gray", lw=0.8)
+            for p in pts:
+                ax.plot(p[x], p["val_loss"], "o", color=block_colors[p["block"]], ms=4)
+        else:
+            ax.plot(xs, ys, "o-", ms=3, lw=1, label=name)
+    if target is not None:
+        ax.axhline(target, color="black", ls="--", lw=0.8, label=f"L* = {target:.4f}")
+    ax.set(xlabel=X_LABELS.get(x, x), ylabel="validation loss", title=f"Validation loss vs {X_LABELS.get(x, x)}")
+    if block_colors is None:
+        ax.legend(fontsize="small")
+
+
+def compare_figure(curves: dict[str, list[dict]], target: float, path: str) -> list[list[str]]:
+    """``bcdflow compare --plot``: validation loss of each run against steps and against spend, side by side, L*
+    marked; written to ``path`` (the format from its suffix). Returns each panel's line labels."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, x in zip(axes, ("step", "spend_usd")):
+        val_loss_axes(ax, curves, x, target)
+    labels = [[ln.get_label() for ln in ax.get_lines()] for ax in axes]
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return labels
 
 
 def _save(fig, out_dir: str, name: str) -> str:

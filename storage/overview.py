@@ -1,0 +1,98 @@
+"""What a store says about its runs, read without running anything: ``bcdflow runs`` and ``bcdflow status``.
+
+    for o in overviews(store): print(o["run_id"], o["status"], o["visits_done"], "/", o["visits_planned"])
+
+A run's status is what its objects say (docs/DESIGN.md §5, I7): ``done`` (state.json says so), ``running`` (its run
+lease is held by a live process: the lease names the owner), ``interrupted`` (neither: the process died or was
+stopped; ``bcdflow resume`` continues it), ``new`` (config written, no state yet). The visit in training is the
+one whose visit lease is held, or failing that the one with a mid-visit checkpoint; how far it is comes from that
+checkpoint's pointer (storage/trainckpt.py), so it moves every ``checkpoint.every_steps`` steps.
+"""
+from __future__ import annotations
+
+import time
+
+from bcdflow.errors import BadInput
+
+from . import layout, runs, trainckpt
+from .lease import Lease
+from .store import Store
+
+
+def _holder(store: Store, key: str) -> dict | None:
+    return Lease(store, key, key).holder()
+
+
+def training_visit(store: Store, run_id: str, max_steps: int | None = None) -> dict | None:
+    """The visit of ``run_id`` in training (or interrupted mid-visit): ``visit`` (c0-b1), ``step`` of its last
+    checkpoint (None before the first), ``max_steps``, ``checkpoint_at`` (epoch seconds) and ``lease_owner``."""
+    found = []
+    for name in store.listdir(layout.visits_key(run_id)):
+        if (cb := layout.parse_visit(name)) is None:
+            continue
+        vkey = layout.visit_key(run_id, *cb)
+        owner = _holder(store, vkey)
+        pointer = trainckpt.read_pointer(store, vkey)
+        if owner is None and pointer is None:
+            continue
+        at = store.modified(layout.train_ckpt_key(vkey), "ckpt.json") if pointer else None
+        found.append({"visit": name, "cycle": cb[0], "block": cb[1], "step": pointer["step"] if pointer else None,
+                      "max_steps": max_steps, "checkpoint_at": at,
+                      "lease_owner": owner.get("owner") if owner else None})
+    # the live one first, then the latest checkpoint
+    found.sort(key=lambda v: (v["lease_owner"] is not None, v["checkpoint_at"] or 0), reverse=True)
+    return found[0] if found else None
+
+
+def overview(store: Store, run_id: str) -> dict:
+    """One run's row: mode, status, version, visits done of planned, last validation loss, spend, last change
+    (epoch seconds: state.json or the latest mid-visit checkpoint), the run lease's owner and the visit in
+    training."""
+    cfg = runs.read_config(store, run_id) if store.exists(layout.config_key(run_id)) else {}
+    state = runs.read_state(store, run_id)
+    bcd = cfg.get("bcd") or {}
+    planned = (bcd.get("cycles") or 0) * len((cfg.get("plan") or {}).get("blocks") or [])
+    owner = _holder(store, layout.run_key(run_id))
+    if state is None:
+        status = "running" if owner else "new"
+    elif state.status == "done":
+        status = "done"
+    else:
+        status = "running" if owner else "interrupted"
+    training = training_visit(store, run_id, bcd.get("max_steps")) if status != "done" else None
+    changed = [t for t in (store.modified(layout.state_key(run_id)), store.modified(layout.config_key(run_id)),
+                           (training or {}).get("checkpoint_at")) if t]
+    visits = state.visits if state else []
+    return {"run_id": run_id, "mode": (state.mode if state else cfg.get("mode")) or "bcd", "status": status,
+            "stop_reason": state.stop_reason if state else None, "version": state.version if state else 0,
+            "visits_done": len(visits), "visits_planned": planned or None,
+            "val_loss": visits[-1].val_loss if visits else None, "spend_usd": state.spend_usd if state else 0.0,
+            "changed": max(changed) if changed else None, "lease_owner": owner.get("owner") if owner else None,
+            "training": training}
+
+
+def overviews(store: Store) -> list[dict]:
+    """Every run of the store, most recently changed first. A local store that does not exist is bad input (a
+    mistyped --store), not an empty list."""
+    if store.is_local and not store.fs.exists(store.root):
+        raise BadInput(f"store {store.url} does not exist (check --store)")
+    rows = [overview(store, r) for r in runs.list_runs(store)]
+    return sorted(rows, key=lambda o: o["changed"] or 0, reverse=True)
+
+
+def ago(t: float | None, now: float | None = None) -> str:
+    """``t`` (epoch seconds) as how long ago: 12 s, 5 min, 3 h, 2 d."""
+    if t is None:
+        return "–"
+    s = max(0.0, (now or time.time()) - t)
+    for div, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if s >= div:
+            return f"{s / div:.0f} {unit} ago"
+    return f"{s:.0f} s ago"
+
+
+def owner_text(owner: dict | None) -> str:
+    if not owner:
+        return "–"
+    run = f", flow run {owner['flow_run_id']}" if owner.get("flow_run_id") else ""
+    return f"{owner.get('host', '?')} pid {owner.get('pid', '?')}{run}"

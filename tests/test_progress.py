@@ -1,0 +1,167 @@
+"""A visit's live progress (tasks/progress.py): the step loop's callback, the time-left estimate, the log lines written
+where stderr is not a terminal, the bar where it is; and the trained-token count of the supervised formats."""
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+
+import pytest
+import torch
+
+from bcdflow.constants import IGNORE_INDEX
+from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
+from bcdflow.tasks.engine import counted
+from bcdflow.tasks.progress import Progress, hms
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _loop(progress, steps=12, window=4, clock=None):
+    w = torch.nn.Parameter(torch.ones(3))
+    spec = OptimSpec("sgd", lr=0.01, grad_clip=0.0)
+    batch = (torch.zeros(2, 5, dtype=torch.long), torch.tensor([[1, 2, IGNORE_INDEX, 3, IGNORE_INDEX]] * 2))
+
+    def loss_fn(b):
+        if clock is not None:
+            clock.t += 0.5  # each step takes half a second
+        return (w ** 2).sum()
+
+    return run_steps(loss_fn, [w], itertools.repeat(batch), make_optimizer([w], spec), spec,
+                     StopRule(max_steps=steps, window=window), progress=progress)
+
+
+def test_progress_callback_fires_with_monotone_steps_and_a_time_left_estimate():
+    clock = FakeClock()
+    prog = Progress("c0-b1 train", 12, tty=False, every_s=1e9, clock=clock)
+    seen = []
+
+    def spy(step, tokens, loss):
+        prog(step, tokens, loss)
+        seen.append((step, tokens, loss, prog.snapshot()))
+
+    res = _loop(spy, clock=clock)
+    steps = [s for s, *_ in seen]
+    assert steps == list(range(0, 13))  # the starting point, then every step
+    assert all(a <= b for a, b in zip(steps, steps[1:]))
+    assert seen[0][2] is None and seen[3][2] is None and seen[4][2] is not None  # window loss after the first window
+    # 6 trained targets per batch (4 of 10 positions masked): tokens count trained positions only
+    assert [t for _, t, *_ in seen][:3] == [0, 6, 12] and res.tokens == 72
+    snap = seen[6][3]  # 6 steps in 3 s: 2 steps/s, 6 steps to go
+    assert snap["left_s"] == pytest.approx(3.0) and snap["tokens_per_s"] == pytest.approx(12.0)
+    assert seen[-1][3]["left_s"] == 0
+    assert hms(snap["left_s"]) == "0:00:03"
+
+
+def test_progress_of_a_resumed_loop_rates_from_where_it_continued():
+    clock = FakeClock()
+    prog = Progress("v", 100, tty=False, every_s=1e9, clock=clock, spend_before=1.0, usd_per_s=0.5)
+    prog(40, 4000)  # resumed at step 40
+    clock.t = 10.0
+    prog(50, 5000, 2.5)
+    s = prog.snapshot()
+    assert s["left_s"] == pytest.approx(50.0) and s["tokens_per_s"] == pytest.approx(100.0)
+    assert s["spend_usd"] == pytest.approx(6.0) and s["loss"] == 2.5
+
+
+def test_not_a_terminal_writes_one_log_line_every_n_seconds(caplog):
+    clock = FakeClock()
+    log = logging.getLogger("test.progress")
+    prog = Progress("c0-b2 train", 12, tty=False, log=log, every_s=2.0, clock=clock, usd_per_s=0.001)
+    with caplog.at_level(logging.INFO, logger="test.progress"):
+        _loop(prog, clock=clock)  # 12 steps of 0.5 s: a line at step 1, then every 2 s (4 steps)
+        prog.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "test.progress"]
+    assert len(lines) == 3 == prog.lines, lines
+    assert lines[0].startswith("c0-b2 train: steps 1/12 (8%)")
+    assert "steps 9/12 (75%), loss " in lines[2] and "tok/s" in lines[2] and "left" in lines[2] and "$0.00" in lines[2]
+
+
+def test_preinfer_shards_are_logged_to_the_last():
+    stream = io.StringIO()
+    log = logging.getLogger("test.progress.shards")
+    log.addHandler(logging.StreamHandler(stream))
+    log.setLevel(logging.INFO)
+    with Progress("c0-b1 pre-infer", 3, "shards", tty=False, log=log, every_s=1e9) as prog:
+        for i in range(4):
+            prog.update(i)
+    assert stream.getvalue().splitlines()[-1].startswith("c0-b1 pre-infer: shards 3/3 (100%)")
+
+
+def test_a_terminal_gets_a_rich_bar_that_is_removed_at_the_end(monkeypatch):
+    monkeypatch.setenv("BCDFLOW_PROGRESS", "bar")
+    prog = Progress("c0-b1 train", 12, every_s=0)
+    _loop(prog)
+    assert prog._bar is not None and prog.lines == 0  # no log lines in a terminal
+    prog.close()
+    assert prog._bar is None
+
+
+def test_off_shows_nothing(monkeypatch, caplog):
+    monkeypatch.setenv("BCDFLOW_PROGRESS", "off")
+    prog = Progress("v", 12, every_s=0)
+    with caplog.at_level(logging.INFO):
+        _loop(prog)
+    assert prog.lines == 0 and prog._bar is None
+
+
+def test_counted_batches_carry_their_trained_tokens_and_the_loop_sums_them():
+    y = torch.tensor([[5, IGNORE_INDEX, IGNORE_INDEX, 7], [IGNORE_INDEX] * 4])
+    fetch = counted(lambda a, b: (torch.zeros_like(y), y))
+    x, y2, n = fetch(0, 2)
+    assert n == 2 and y2 is y
+    w = torch.nn.Parameter(torch.ones(1))
+    spec = OptimSpec("sgd", lr=0.0, grad_clip=0.0)
+    res = run_steps(lambda b: (w * 0).sum(), [w], itertools.repeat(fetch(0, 2)), make_optimizer([w], spec), spec,
+                    StopRule(max_steps=3, window=3))
+    assert res.tokens == 6
+
+
+def test_each_visit_run_has_a_progress_artifact_and_logs_its_steps(tiny_cfg, prefect_server, monkeypatch):
+    """A tiny run, not in a terminal: each visit's flow run shows its own progress artifact (at 100% when the visit
+    ends), and its logs carry the steps and the pre-inference shards."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from bcdflow.flows.bcd import bcd_train
+    from tests.test_tracking import _prefect_artifacts
+
+    monkeypatch.setenv("BCDFLOW_PROGRESS", "log")
+    monkeypatch.setenv("BCDFLOW_PROGRESS_SECONDS", "0")
+    cfg = tiny_cfg("bcd.blocks=2")
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    keep = Keep()
+    # the run loggers do not propagate, and the tests set them to WARNING (conftest.py)
+    run_loggers = {lg: lg.level for lg in map(logging.getLogger, ("prefect.flow_runs", "prefect.task_runs"))}
+    for lg in run_loggers:
+        lg.addHandler(keep)
+        lg.setLevel(logging.INFO)
+    try:
+        assert bcd_train(config=cfg, run_id="prog")["version"] == 2
+    finally:
+        for lg, level in run_loggers.items():
+            lg.removeHandler(keep)
+            lg.setLevel(level)
+    text = "\n".join(keep.lines)
+    assert "c0-b0 train: steps 6/6 (100%)" in text and "tok/s" in text
+    assert "c0-b1 pre-infer: shards" in text
+    with get_client(sync_client=True) as client:
+        visits = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["c0-b0", "c0-b1"])))
+    assert len(visits) >= 2
+    for fr in visits:
+        (art,) = _prefect_artifacts(str(fr.id))["progress"]
+        assert art["data"] == 100.0 and "steps 6/6" in art["description"], art
