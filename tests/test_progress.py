@@ -127,7 +127,7 @@ def test_each_visit_run_has_a_progress_artifact_and_logs_its_steps(tiny_cfg, pre
     """A tiny run, not in a terminal: each visit's flow run shows its own progress artifact (at 100% when the visit
     ends), and its logs carry the steps and the pre-inference shards."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterTags
 
     from bcdflow.flows.bcd import bcd_train
     from tests.test_tracking import _prefect_artifacts
@@ -160,7 +160,8 @@ def test_each_visit_run_has_a_progress_artifact_and_logs_its_steps(tiny_cfg, pre
     assert "c0-b0 train: steps 6/6 (100%)" in text and "tok/s" in text
     assert "c0-b1 pre-infer: shards" in text
     with get_client(sync_client=True) as client:
-        visits = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["c0-b0", "c0-b1"])))
+        visits = client.read_flow_runs(flow_run_filter=FlowRunFilter(  # this run's visits: the session server has others
+            name=FlowRunFilterName(any_=["c0-b0", "c0-b1"]), tags=FlowRunFilterTags(all_=["run:prog"])))
     assert len(visits) >= 2
     for fr in visits:
         (art,) = _prefect_artifacts(str(fr.id))["progress"]
