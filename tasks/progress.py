@@ -105,8 +105,10 @@ class Progress:
 
     def line(self) -> str:
         s = self.snapshot()
+        timing = f"{hms(s['elapsed_s'])} < {hms(s['left_s'])}"
         return (f"{self.label}: {self.unit} {s['done']}/{s['total']} ({100 * s['done'] / s['total']:.0f}%), "
-                + self._info(s).replace(" · ", ", ").replace(" < ", " elapsed, ") + " left")
+                + self._info(s).replace(timing, f"{hms(s['elapsed_s'])} elapsed, {hms(s['left_s'])} left")
+                .replace(" · ", ", "))
 
     # -- updates ------------------------------------------------------------------------------------------------
     def __call__(self, done: int, tokens: int = 0, loss: float | None = None) -> None:
