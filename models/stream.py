@@ -53,7 +53,6 @@ class LayerStream:
         self._step = +1
         self._pointed: set[int] = set()
         self.host_bytes = 0
-        self._hooks = []
         for i in self.order:
             layer = model.h[str(i)]
             named = list(layer.named_parameters())
@@ -66,8 +65,8 @@ class LayerStream:
                 self.host_bytes += t.numel() * t.element_size()
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)  # placeholder until materialised
             self.host[i], self.params[i] = host, named
-            self._hooks.append(layer.register_forward_pre_hook(self._before(i)))
-            self._hooks.append(layer.register_forward_hook(self._after(i)))
+            layer.register_forward_pre_hook(self._before(i))
+            layer.register_forward_hook(self._after(i))
 
     # -- device copies ---------------------------------------------------------------------------------------
     def _drop(self, i: int) -> None:
@@ -193,13 +192,3 @@ class LayerStream:
         for i in list(self._pointed):
             self._point(i, None)
 
-    def close(self) -> None:
-        self.release()
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
-
-def stream_bytes(model: nn.Module, layers: Iterable[int]) -> int:
-    """Host bytes the weights of ``layers`` of ``model`` take (what streaming them pins)."""
-    return sum(p.numel() * p.element_size() for i in layers for p in model.h[str(i)].parameters())
