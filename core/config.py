@@ -10,6 +10,7 @@ A config is data plus validation: it reads no file, opens no store and looks at 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Literal, get_args
@@ -134,8 +135,18 @@ class BcdSection(_Section):
     """Also validate every N steps within a visit (None = once, after the visit); the baseline sets it
     from ``train.eval_every``."""
     patience: int = Field(3, ge=0)
-    min_delta: float = Field(1e-3, ge=0)
+    """Plateau rule (models/trainer.StopRule): a visit has converged once a least-squares line through its last
+    ``patience`` windows of step losses (half the visit once that is longer) lowers the loss by less than
+    ``min_delta`` per window even at the optimistic end of its noise (two standard errors); 0 = off."""
+    min_delta: float = Field(1e-2, ge=0)
     window: int = Field(20, ge=1)
+    """Steps per window: the loss is synced to the host and the stop rules are read once per window."""
+    budget: Literal["fixed", "adaptive"] = "fixed"
+    """``adaptive``: a visit also ends (``stopped_by: budget``) once it lowers the training loss more slowly per
+    step than the other blocks did on average over their last visits, so steps go where the loss falls; ``fixed``:
+    visits run to ``max_steps`` or the plateau rule."""
+    lr_scales: list[float] | None = None
+    """Per-block multipliers of ``optim.lr`` (one per block), e.g. a lower rate for the embedding block."""
     shard_rows: int = Field(256, ge=1)
     act_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     act_compression: Literal["none", "zstd"] = "none"
@@ -172,12 +183,20 @@ class OptimSection(_Section):
     momentum: float = Field(0.9, ge=0)
     grad_clip: float = Field(1.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
+    """Linear warmup over each visit's first steps (a visit starts with a fresh optimizer); the baseline's run is
+    one visit."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """``cosine``: decay the rate over the run's planned steps (``bcd.cycles`` × blocks × ``bcd.max_steps``; the
+    baseline's ``train.steps``), counted across visits, down to ``min_lr_ratio`` × ``lr``."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
 
 
 class TrainSection(_Section):
     batch_size: int = Field(16, ge=1)
     steps: int = Field(300, ge=1)
-    """Step count of the full-parameter baseline."""
+    """Step count of the full-parameter baseline: it trains them all unless ``patience`` asks for a stop rule."""
+    patience: int = Field(0, ge=0)
+    """The baseline's plateau rule (as ``bcd.patience``, with ``bcd.min_delta`` and ``bcd.window``); 0 = off."""
     eval_every: int = Field(100, ge=1)
     """Baseline: validation every N steps (BCD validates after each visit)."""
     eval_rows: int = Field(256, ge=1)
@@ -377,6 +396,12 @@ class RunConfig(_Section):
         if self.train.gpus > self.train.batch_size:
             raise ValueError(f"train.gpus: {self.train.gpus} processes need at least one row each of a batch, but "
                              f"train.batch_size={self.train.batch_size}")
+        if self.bcd.lr_scales is not None:
+            if len(self.bcd.lr_scales) != self.n_blocks:
+                raise ValueError(f"bcd.lr_scales: {len(self.bcd.lr_scales)} value(s) for {self.n_blocks} blocks "
+                                 "(one per block)")
+            if any(not (math.isfinite(v) and v > 0) for v in self.bcd.lr_scales):
+                raise ValueError(f"bcd.lr_scales: each must be a positive number, got {self.bcd.lr_scales}")
         if self.train.offload == "stream" and (self.train.gpus > 1 or self.train.compile):
             raise ValueError("train.offload: stream runs a visit in one process without torch.compile (set "
                              "train.gpus=1 and train.compile=false, or train.offload=off)")
@@ -384,14 +409,24 @@ class RunConfig(_Section):
             check_model(self, get_config(self.model.name, **self.model.overrides(), vocab_size=self.data.vocab_size))
         return self
 
-    def optim_spec(self) -> OptimSpec:
-        o = self.optim
-        return OptimSpec(o.name, o.lr, o.weight_decay, o.momentum, grad_clip=o.grad_clip,
-                         warmup_steps=o.warmup_steps)
+    @property
+    def n_blocks(self) -> int:
+        """Blocks the run's plan has (``bcd.boundaries`` or ``bcd.blocks``)."""
+        return len(self.bcd.boundaries) + 1 if self.bcd.boundaries else self.bcd.blocks
 
-    def stop_rule(self) -> StopRule:
+    def optim_spec(self, block: int | None = None) -> OptimSpec:
+        """The optimizer of a visit of ``block`` (None: without its ``bcd.lr_scales`` entry)."""
+        o, b = self.optim, self.bcd
+        return OptimSpec(o.name, o.lr, o.weight_decay, o.momentum, grad_clip=o.grad_clip,
+                         warmup_steps=o.warmup_steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
+                         total_steps=b.cycles * self.n_blocks * b.max_steps,
+                         lr_scale=b.lr_scales[block] if b.lr_scales and block is not None else 1.0)
+
+    def stop_rule(self, min_rate: float | None = None) -> StopRule:
+        """A visit's stop rule; ``min_rate``: the adaptive budget's rate to beat (``bcd.budget``)."""
         b = self.bcd
-        return StopRule(b.max_steps, b.patience, b.min_delta, b.window)
+        return StopRule(b.max_steps, b.patience, b.min_delta, b.window,
+                        min_rate=min_rate if b.budget == "adaptive" else None)
 
     def storage_options(self) -> dict:
         """fsspec options for the store URL (s3fs reads credentials from the AWS environment)."""

@@ -194,11 +194,12 @@ def bcd_train(run_id: str | None = None, config: RunParams = RunParams()) -> dic
 
 
 def full_config(cfg: RunConfig) -> RunConfig:
-    """The baseline as a BCD run: one block, one cycle, every row, ``train.steps`` steps, validating every
-    ``train.eval_every`` steps (I3)."""
+    """The baseline as a BCD run: one block, one cycle, every row, ``train.steps`` steps (unless
+    ``train.patience`` asks for the plateau rule), validating every ``train.eval_every`` steps (I3)."""
     bcd = cfg.bcd.model_copy(update={"blocks": 1, "boundaries": None, "cycles": 1, "sample_rate": 1.0,
                                      "preinfer": False, "max_steps": cfg.train.steps,
-                                     "eval_every": cfg.train.eval_every})
+                                     "eval_every": cfg.train.eval_every, "patience": cfg.train.patience,
+                                     "budget": "fixed", "lr_scales": None})
     return cfg.model_copy(update={"bcd": bcd})
 
 

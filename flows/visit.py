@@ -131,7 +131,8 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     # the live line and the visit run's progress artifact while it trains (tasks/progress.py)
     spent = state.spend_usd + preinfer_s * preinfer_usd_per_s(cfg)
     live = visit_progress(cfg, run_id, cycle, block, spend_before=spent, log=log, artifact=True)
-    tr = train_block(ctx, cycle, block, version, track=track, progress=live)
+    tr = train_block(ctx, cycle, block, version, track=track, progress=live, global_step=state.steps,
+                     min_rate=rate_to_beat(state.visits, block))
     if tr.val_loss is None:  # the visit could not validate the new version itself: the whole model, from the store
         ev = evaluate_version(ctx, version, {block: tr.block_file})
     else:
@@ -142,7 +143,7 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     record = VisitRecord(
         cycle=cycle, block=block, version=version + 1, steps=tr.steps, step_end=state.steps + tr.steps,
         resumed_at=tr.resumed_at, stopped_by=tr.stopped_by, rows=tr.rows, tokens=tr.tokens,
-        first_loss=tr.first_loss, train_loss=tr.train_loss, val_loss=ev.val_loss, val_ppl=ev.val_ppl,
+        first_loss=tr.first_loss, train_loss=tr.train_loss, val_loss=ev.val_loss, val_ppl=ev.val_ppl, rate=tr.rate,
         val_points=[(state.steps + s, v) for s, v in tr.val_points], tokens_per_s=tr.tokens / max(tr.seconds, 1e-9),
         peak_mem_bytes=tr.peak_mem_bytes, preinfer_seconds=preinfer_s, train_seconds=tr.seconds,
         eval_seconds=ev.seconds, seconds=seconds, **cost, cum_spend_usd=state.spend_usd + cost["spend_usd"])
@@ -162,6 +163,17 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     log.info("visit c%d-b%d: %d steps (%s), train %.4f, val %.4f, %.1fs, $%.4f", cycle, block, record.steps,
              record.stopped_by, record.train_loss, record.val_loss, record.seconds, record.spend_usd)
     return record
+
+
+def rate_to_beat(visits: list[VisitRecord], block: int) -> float | None:
+    """The adaptive budget's bar for a visit of ``block`` (``bcd.budget``): the mean rate at which the other blocks
+    lowered the training loss over their last visits; None while no other block has one (the visit then runs to
+    its step cap or plateau). Read from the committed state, so a resumed visit gets the same bar."""
+    last: dict[int, float] = {}
+    for v in visits:
+        if v.block != block and v.rate is not None:
+            last[v.block] = v.rate
+    return sum(last.values()) / len(last) if last else None
 
 
 def shard_runner(cfg: RunConfig):

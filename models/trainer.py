@@ -1,11 +1,12 @@
 """The step loop shared by a BCD visit and the full-parameter baseline (so invariant I3 holds exactly).
 
 Algorithm 1 (paper §3.1), line 7-8: build a fresh optimizer over the active block only and train
-until local convergence: a per-visit step cap or a loss plateau (``patience`` windows of ``window``
-steps whose mean loss improved by less than ``min_delta``).
+until local convergence: a per-visit step cap, a loss plateau, or (``bcd.budget=adaptive``) the point where the
+block lowers the loss more slowly than the other blocks did on their last visits (``StopRule``; docs/DESIGN.md §2.3).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -29,10 +30,32 @@ class OptimSpec:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = off
     warmup_steps: int = 0
+    """Linear warmup over a loop's first steps (each visit's, after its fresh optimizer)."""
+    schedule: str = "constant"
+    """``cosine``: the learning rate decays over the run's ``total_steps`` (global steps, counted across visits)
+    from ``lr`` to ``min_lr_ratio`` × ``lr``; ``constant``: no decay."""
+    total_steps: int = 0
+    min_lr_ratio: float = 0.1
+    lr_scale: float = 1.0
+    """This loop's multiplier of ``lr`` (``bcd.lr_scales``: one per block)."""
 
     @property
     def base_lr(self) -> float:
-        return self.lr if self.lr is not None else PAPER_LR[self.name]
+        return (self.lr if self.lr is not None else PAPER_LR[self.name]) * self.lr_scale
+
+    def lr_at(self, step: int, global_step: int) -> float:
+        """The learning rate of the loop's ``step``-th step (0-based) at the run's ``global_step`` (0-based)."""
+        lr = self.base_lr
+        if self.schedule == "cosine" and self.total_steps:
+            frac = min(1.0, global_step / self.total_steps)
+            lr *= self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+        if self.warmup_steps:
+            lr *= min(1.0, (step + 1) / self.warmup_steps)
+        return lr
+
+    @property
+    def scheduled(self) -> bool:
+        return bool(self.warmup_steps) or (self.schedule == "cosine" and bool(self.total_steps))
 
 
 def make_optimizer(params: list[torch.nn.Parameter], spec: OptimSpec) -> torch.optim.Optimizer:
@@ -48,10 +71,56 @@ def make_optimizer(params: list[torch.nn.Parameter], spec: OptimSpec) -> torch.o
 
 @dataclass
 class StopRule:
+    """When a loop has converged (checked at the end of each window of ``window`` steps).
+
+    The loss is noisy (each step sees other rows), so both rules read a least-squares line through the last
+    ``horizon`` step losses (at least ``max(patience, 2)`` windows, half the loop once it is longer), not a
+    comparison of two window means, which a lucky window fools:
+
+    - ``plateau`` (``patience`` > 0): even the optimistic end of the slope's noise (slope + ``z`` standard
+      errors) lowers the loss by less than ``min_delta`` per window;
+    - ``budget`` (``min_rate`` set; ``bcd.budget=adaptive``): the line lowers the loss by less than ``min_rate``
+      per step, the rate the other blocks reached on their last visits: a step spent elsewhere buys more.
+    """
     max_steps: int
-    patience: int = 0  # windows without improvement before stopping; 0 = plateau rule off
-    min_delta: float = 1e-3
+    patience: int = 0  # plateau rule: 0 = off; else its horizon in windows (at least 2)
+    min_delta: float = 1e-2
     window: int = 20
+    min_rate: float | None = None
+    z: float = 2.0
+
+    def horizon(self, steps: int) -> int:
+        return max(max(self.patience, 2) * self.window, steps // 2)
+
+    def verdict(self, losses: list[float]) -> str | None:
+        """``"plateau"``, ``"budget"`` or None (go on) after ``losses`` (one per step so far)."""
+        if (self.patience == 0 and self.min_rate is None) or len(losses) < max(self.patience, 2) * self.window:
+            return None
+        slope, se = loss_trend(losses, self.horizon(len(losses)))
+        if self.patience and (-slope + self.z * se) * self.window < self.min_delta:
+            return "plateau"
+        if self.min_rate is not None and -slope < self.min_rate:
+            return "budget"
+        return None
+
+
+def loss_trend(losses: list[float], horizon: int) -> tuple[float, float]:
+    """Least-squares slope (loss per step) of the last ``horizon`` losses and its standard error."""
+    y = losses[-horizon:]
+    n = len(y)
+    mid, mean = (n - 1) / 2, sum(y) / n
+    sxx = sum((t - mid) ** 2 for t in range(n))
+    slope = sum((t - mid) * (v - mean) for t, v in enumerate(y)) / sxx
+    rss = sum((v - mean - slope * (t - mid)) ** 2 for t, v in enumerate(y))
+    return slope, math.sqrt(rss / max(n - 2, 1) / sxx)
+
+
+def visit_rate(losses: list[float], window: int) -> float | None:
+    """How fast a loop lowered its loss on average: its first window's mean minus its last window's, per step
+    between them (None for a loop shorter than two windows)."""
+    if len(losses) < 2 * window:
+        return None
+    return (sum(losses[:window]) - sum(losses[-window:])) / window / (len(losses) - window)
 
 
 @dataclass
@@ -62,8 +131,6 @@ class LoopState:
     tokens: int = 0
     losses: list[float] = field(default_factory=list)
     pending: list[float] = field(default_factory=list)  # losses of the still-open window
-    best: float = float("inf")
-    bad: int = 0
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -81,19 +148,16 @@ class LoopResult:
     seconds: float = 0.0
     tokens: int = 0
 
+    window: int = 20
+
+    @property
+    def rate(self) -> float | None:
+        return visit_rate(self.losses, self.window)
+
     @property
     def final_loss(self) -> float:
         tail = self.losses[-10:]
         return sum(tail) / len(tail) if tail else float("nan")
-
-
-def plateau_update(st: LoopState, rule: StopRule, window_mean: float) -> bool:
-    """Loss-plateau rule over window means; True when the visit has converged."""
-    if st.best - window_mean >= rule.min_delta:
-        st.best, st.bad = window_mean, 0
-    else:
-        st.bad += 1
-    return rule.patience > 0 and st.bad >= rule.patience
 
 
 def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.Parameter],
@@ -102,7 +166,7 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
               should_stop: Callable[[], bool] | None = None, state: LoopState | None = None,
               checkpoint: Callable[[LoopState, str], None] | None = None, ckpt_steps: int = 0,
               ckpt_seconds: float = 0.0, clock: Callable[[], float] | None = None,
-              progress: Callable[[int, int, float | None], None] | None = None) -> LoopResult:
+              progress: Callable[[int, int, float | None], None] | None = None, global_step: int = 0) -> LoopResult:
     """Train ``params`` with ``optimizer`` on ``batches`` until the stop rule fires.
 
     ``loss_fn(batch)`` runs the forward pass and returns a scalar loss. Losses (and gradient norms) are
@@ -118,10 +182,11 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
     gathered whole. ``progress(step, tokens, loss)`` is called once before the first step (the starting point,
     ``loss`` None) and after every step, with the last synced window's mean loss (None before the first window):
     a live display, which must throttle itself (it is never given anything that would sync a GPU).
+    ``global_step``: the run's steps before this loop's first (the learning-rate schedule's clock).
     """
     clock = clock or time.perf_counter
     st = state or LoopState()
-    res = LoopResult(steps=st.steps, losses=list(st.losses), tokens=st.tokens)
+    res = LoopResult(steps=st.steps, losses=list(st.losses), tokens=st.tokens, window=stop.window)
     pending = [torch.tensor(v, dtype=torch.float32) for v in st.pending]
     norms = [torch.zeros(()) for _ in st.pending]  # gradient norms of the pending steps (checked at sync)
 
@@ -142,10 +207,9 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
         progress(res.steps, res.tokens, None)
     while res.steps < stop.max_steps:
         batch = next(it)
-        if spec.warmup_steps:
-            scale = min(1.0, (res.steps + 1) / spec.warmup_steps)
+        if spec.scheduled:
             for g in optimizer.param_groups:
-                g["lr"] = spec.base_lr * scale
+                g["lr"] = spec.lr_at(res.steps, global_step + res.steps)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(batch)
         loss.backward()
@@ -169,8 +233,8 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             window_loss = sum(window) / len(window)
             if on_window:
                 on_window(res.steps, window)
-            if len(window) == stop.window and plateau_update(st, stop, sum(window) / len(window)):
-                res.stopped_by = "plateau"
+            if len(window) == stop.window and (verdict := stop.verdict(res.losses)):
+                res.stopped_by = verdict
                 break
         if progress:
             progress(res.steps, res.tokens, window_loss)

@@ -52,7 +52,8 @@ class VisitRecord(_Record):
     resumed_at: int = 0
     """Step the visit continued from after an interruption (0 = ran in one go)."""
     stopped_by: str
-    """What ended the local convergence loop: ``max_steps`` or ``plateau``."""
+    """What ended the local convergence loop: ``max_steps``, ``plateau`` (the loss stopped falling) or ``budget``
+    (``bcd.budget=adaptive``: it fell more slowly than the other blocks' last visits)."""
     rows: int
     """Training sequences the visit could reach (its sample cut to the step cap)."""
     tokens: int
@@ -61,6 +62,8 @@ class VisitRecord(_Record):
     """Mean training loss of the last 10 steps."""
     val_loss: float
     val_ppl: float
+    rate: float | None = None
+    """Training loss lowered per step on average over the visit (the adaptive budget's measure of a block)."""
     val_points: list[tuple[int, float]] = []
     """(global step, validation loss) within the visit (the baseline validates every ``train.eval_every``)."""
     tokens_per_s: float

@@ -43,6 +43,8 @@ class TrainResult(BaseModel):
     """The new version's validation loss, computed by the visit's own model (the frozen prefix does not change in
     a visit); None where that would not be the whole model's (bf16/fp16 stored activations, several processes)."""
     eval_seconds: float = 0.0
+    rate: float | None = None
+    """Training loss lowered per step on average over the visit (models/trainer.visit_rate; None: too short)."""
 
 
 class EvalResult(BaseModel):

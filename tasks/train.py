@@ -39,13 +39,14 @@ from bcdflow.tracking.tracker import TrackTarget
 
 @task(name="train-block", **retrying(2))
 def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None,
-                progress: Progress | None = None) -> TrainResult:
+                progress: Progress | None = None, global_step: int = 0, min_rate: float | None = None) -> TrainResult:
     """Train block ``block`` of ``version`` to local convergence (a visit's training); returns its result, the
     block file written (content-addressed) but not committed. ``progress``: the visit's live line
-    (tasks/progress.py), closed when the loop ends."""
+    (tasks/progress.py), closed when the loop ends. ``global_step``: the run's steps before this visit (the
+    learning-rate schedule's clock); ``min_rate``: the adaptive budget's rate to beat (``bcd.budget``)."""
     cfg, run_id = ctx.cfg, ctx.run_id
     if cfg.train.gpus > 1:  # torchrun: one process per GPU, rank 0 commits (tasks/train_dist.py)
-        return launch(ctx, cycle, block, version, track)
+        return launch(ctx, cycle, block, version, track, global_step=global_step, min_rate=min_rate)
     ds, device, n_layer = ctx.dataset, ctx.device, ctx.model_cfg.n_layer
     lo, hi = ctx.plan[block].layers
     from_acts = ctx.from_acts(block)
@@ -87,7 +88,7 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    spec = cfg.optim_spec()
+    spec = cfg.optim_spec(block)
     opt = make_optimizer(params, spec)
     vkey = ctx.visit_key(cycle, block)
     state = None
@@ -113,10 +114,10 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, cycle, block), resumed_at, None)
     try:
         with preempt.training():
-            res = run_steps(loss_fn, params, prefetched(ranges, counted(fetch), device), opt, spec, cfg.stop_rule(),
-                            on_window=on_window, should_stop=preempt.requested, state=state, checkpoint=checkpoint,
-                            ckpt_steps=cfg.checkpoint.every_steps, ckpt_seconds=cfg.checkpoint.every_seconds,
-                            progress=progress)
+            res = run_steps(loss_fn, params, prefetched(ranges, counted(fetch), device), opt, spec,
+                            cfg.stop_rule(min_rate), on_window=on_window, should_stop=preempt.requested, state=state,
+                            checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
+                            ckpt_seconds=cfg.checkpoint.every_seconds, progress=progress, global_step=global_step)
     except Diverged as e:
         raise BadInput(diverged_message(cfg, run_id, cycle, block, e)) from None
     finally:
@@ -139,6 +140,7 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     return TrainResult(
         steps=res.steps, first_loss=res.losses[0], train_loss=res.final_loss, stopped_by=res.stopped_by,
         seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows), val_points=val_points,
+        rate=res.rate,
         peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         block_file=checkpoints.save_block(ctx.store, run_id, block_tensors(model, ctx.plan, block)),
         recompute=recompute, streamed=len(streamed), val_loss=val_loss, eval_seconds=eval_s)

@@ -63,7 +63,8 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGTERM to torchru
         pass
 
 
-def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None) -> TrainResult:
+def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None,
+           global_step: int = 0, min_rate: float | None = None) -> TrainResult:
     """Train the visit with ``train.gpus`` processes and return rank 0's result (as ``train_block`` does)."""
     cfg, run_id, dataset_id = ctx.cfg, ctx.run_id, ctx.dataset_id
     n = cfg.train.gpus
@@ -72,7 +73,7 @@ def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTa
     work = tempfile.mkdtemp(prefix=f"visit-c{cycle}-b{block}-", dir=base) if base else tempfile.mkdtemp(
         prefix="bcdflow-visit-")
     spec = {"cfg": cfg.model_dump(mode="json"), "run_id": run_id, "cycle": cycle, "block": block, "version": version,
-            "dataset_id": dataset_id, "work": work,
+            "dataset_id": dataset_id, "work": work, "global_step": global_step, "min_rate": min_rate,
             "track": None if track is None else {f.name: getattr(track, f.name) for f in dataclasses.fields(track)
                                                  if not f.name.startswith("_")}}
     with open(os.path.join(work, "spec.json"), "w") as f:
@@ -260,7 +261,7 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    opt_spec = cfg.optim_spec()
+    opt_spec = cfg.optim_spec(block)
     opt = make_optimizer(params, opt_spec)
     vkey = ctx.visit_key(cycle, block)
     state = None
@@ -285,10 +286,11 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
     ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, cycle, block), resumed_at, None)
     sync = par.StopSync(preempt.requested)
     progress = visit_progress(cfg, run_id, cycle, block, ctx.store) if rank == 0 else None  # the live line
-    res = run_steps(loss_fn, params, prefetched(ranges, fetch, device), opt, opt_spec, cfg.stop_rule(),
-                    on_window=on_window, should_stop=sync, state=state, checkpoint=checkpoint,
-                    ckpt_steps=cfg.checkpoint.every_steps, ckpt_seconds=cfg.checkpoint.every_seconds,
-                    clock=sync.clock, progress=progress)
+    res = run_steps(loss_fn, params, prefetched(ranges, fetch, device), opt, opt_spec,
+                    cfg.stop_rule(spec.get("min_rate")), on_window=on_window, should_stop=sync, state=state,
+                    checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
+                    ckpt_seconds=cfg.checkpoint.every_seconds, clock=sync.clock, progress=progress,
+                    global_step=spec.get("global_step", 0))
     if progress is not None:
         progress.close()
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0],
@@ -303,7 +305,7 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
         steps=res.steps, first_loss=res.losses[0] if res.losses else float("nan"), train_loss=res.final_loss,
         stopped_by=res.stopped_by, seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows),
         val_points=val_points, peak_mem_bytes=int(peak.item()) if device.type == "cuda" else None,
-        block_file=block_file, recompute=recompute, gpus=world)
+        block_file=block_file, recompute=recompute, gpus=world, rate=res.rate)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,10 @@ BAD = [
     (["train", "--set", "data.vocab_size=2147483647"], "data.vocab_size: 2147483647 is beyond what the tokenizer"),
     (["train", "--set", "fleet.lease_seconds=1e12"], "fleet.lease_seconds: Input should be less than or equal to"),
     (["train", "--set", "data.files=[]"], "data.files: empty (no files given"),
+    (["train", "--set", "bcd.lr_scales=[1, 2]"], "bcd.lr_scales: 2 value(s) for 3 blocks (one per block)"),
+    (["train", "--set", "bcd.lr_scales=[1, 0, 1]"], "bcd.lr_scales: each must be a positive number"),
+    (["train", "--set", "bcd.budget=greedy"], "bcd.budget: unknown budget 'greedy' (choose from fixed, adaptive)"),
+    (["train", "--set", "optim.min_lr_ratio=2"], "optim.min_lr_ratio: Input should be less than or equal to 1"),
 ]
 
 

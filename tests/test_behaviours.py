@@ -49,6 +49,40 @@ def test_a_real_visit_stops_on_its_loss_plateau(tiny_cfg, prefect_server):
 
 
 @pytest.mark.slow
+def test_the_baseline_trains_its_steps_unless_asked_to_stop(tiny_cfg, prefect_server):
+    from bcdflow.flows.bcd import full_train
+
+    # the visit plateau rule as strict as it gets (min_delta 100) does not stop the baseline ...
+    cfg = tiny_cfg("train.steps=12", "bcd.patience=1", "bcd.min_delta=100")
+    full_train(config=cfg, run_id="full-steps")
+    (v,) = runs.read_state(Store(cfg.store), "full-steps").visits
+    assert (v.steps, v.stopped_by) == (12, "max_steps")
+    # ... train.patience asks the baseline for it
+    cfg = tiny_cfg("train.steps=12", "train.patience=1", "bcd.min_delta=100")
+    full_train(config=cfg, run_id="full-plateau")
+    (v,) = runs.read_state(Store(cfg.store), "full-plateau").visits
+    assert (v.steps, v.stopped_by) == (6, "plateau")
+
+
+@pytest.mark.slow
+def test_an_adaptive_budget_run_records_each_blocks_rate_and_bar(tiny_cfg, prefect_server):
+    from bcdflow.flows.visit import rate_to_beat
+
+    cfg, out, state = _run(tiny_cfg, "adaptive", "bcd.budget=adaptive", "bcd.cycles=2", "bcd.max_steps=12",
+                           "optim.schedule=cosine", "bcd.lr_scales=[0.5, 1, 1]")
+    assert state.status == "done" and len(state.visits) == 6
+    assert all(v.rate is not None for v in state.visits)  # every visit ran at least two windows of 3 steps
+    first = state.visits[0]
+    assert first.stopped_by == "max_steps" and first.steps == 12  # no other block has a rate yet: no bar
+    # a visit ended by the budget fell more slowly than its bar (the other blocks' last rates)
+    for i, v in enumerate(state.visits):
+        bar = rate_to_beat(state.visits[:i], v.block)
+        assert v.stopped_by in ("max_steps", "budget")
+        if v.stopped_by == "budget":
+            assert bar is not None and v.steps < 12
+
+
+@pytest.mark.slow
 def test_sgd_through_real_visits(tiny_cfg, prefect_server):
     cfg, out, state = _run(tiny_cfg, "sgd", "optim.name=sgd", "optim.lr=0.1")
     assert state.status == "done" and all(math.isfinite(v.val_loss) for v in state.visits)

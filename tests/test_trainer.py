@@ -1,4 +1,5 @@
-"""The step loop (``models.trainer.run_steps``) on its own: the plateau rule, warmup, the checkpoint cadence
+"""The step loop (``models.trainer.run_steps``) on its own: the plateau and budget rules, warmup and the run's
+learning-rate schedule, the checkpoint cadence
 (steps, seconds, a signal), interruption and a bitwise-equal continuation, and divergence detection.
 
 Scripted losses (``batch`` is the loss value, on a parameter it does not move) give exact control of the
@@ -10,12 +11,14 @@ import copy
 import itertools
 import types
 
+import numpy as np
 import pytest
 import torch
 
 import bcdflow.models.trainer as trainer_mod
 from bcdflow.models.errors import Diverged
-from bcdflow.models.trainer import LoopState, OptimSpec, StopRule, make_optimizer, run_steps
+from bcdflow.models.trainer import (LoopState, OptimSpec, StopRule, loss_trend, make_optimizer, run_steps,
+                                    visit_rate)
 
 
 def scripted(values, **loop):
@@ -29,19 +32,73 @@ def scripted(values, **loop):
     return res, saved
 
 
-def test_plateau_stops_after_patience_windows_without_min_delta_improvement():
-    # window means 10, 9 (better by 1 >= 0.5), 8.8 (better by 0.2 < 0.5: bad 1), 8.7 (bad 2): stop
-    values = [10.0] * 5 + [9.0] * 5 + [8.8] * 5 + [8.7] * 5 + [1.0] * 20
+def noisy(start: float, slope: float, steps: int, sigma: float, seed: int = 0) -> list[float]:
+    """A training loss: a line from ``start`` falling ``slope`` per step, plus batch-to-batch noise."""
+    g = torch.Generator().manual_seed(seed)
+    return [start - slope * t + sigma * float(torch.randn((), generator=g)) for t in range(steps)]
+
+
+def test_plateau_fires_on_a_flat_noisy_loss_and_not_on_a_slowly_falling_one():
+    rule = dict(max_steps=1000, patience=3, min_delta=0.01, window=20)  # the defaults at a window of 20
+    # the noise of a 16 x 128-token batch of the tiny model on Python sources (sigma 0.19, measured)
+    for seed in range(5):
+        flat, _ = scripted(noisy(4.0, 0.0, 1000, 0.19, seed), stop=StopRule(**rule))
+        assert flat.stopped_by == "plateau", seed
+        # 0.06 lower per window (0.003 per step): slower than the noise of any one window, but still falling
+        falling, _ = scripted(noisy(7.0, 0.003, 1000, 0.19, seed), stop=StopRule(**rule))
+        assert (falling.stopped_by, falling.steps) == ("max_steps", 1000), seed
+
+
+def test_plateau_on_exact_window_means_and_patience_zero_switches_it_off():
+    values = [10.0] * 5 + [9.0] * 5 + [8.0] * 5 + [8.0] * 5 + [8.0] * 5 + [8.0] * 5 + [1.0] * 10
+    # horizon: 2 windows (patience 2), half the loop once longer; the first flat pair of windows ends it
     res, _ = scripted(values, stop=StopRule(max_steps=40, patience=2, min_delta=0.5, window=5))
     assert (res.stopped_by, res.steps) == ("plateau", 20)
     assert res.losses == pytest.approx(values[:20])
-    # patience 0 switches the rule off: the step cap ends the loop
     res, _ = scripted(values, stop=StopRule(max_steps=40, patience=0, min_delta=0.5, window=5))
     assert (res.stopped_by, res.steps) == ("max_steps", 40)
-    # a real improvement resets the count
-    better = [10.0] * 5 + [9.0] * 5 + [8.8] * 5 + [7.0] * 5 + [6.9] * 5 + [6.8] * 5
-    res, _ = scripted(better, stop=StopRule(max_steps=30, patience=2, min_delta=0.5, window=5))
-    assert (res.stopped_by, res.steps) == ("plateau", 30)
+
+
+def test_the_budget_rule_ends_a_loop_that_falls_slower_than_the_bar():
+    values = noisy(6.0, 0.01, 200, 0.05) + noisy(4.0, 0.001, 400, 0.05, seed=1)  # fast, then slow
+    res, _ = scripted(values, stop=StopRule(max_steps=600, window=20, min_rate=0.004))
+    assert res.stopped_by == "budget" and 200 < res.steps <= 400
+    assert res.rate == pytest.approx(visit_rate(res.losses, 20))
+    assert res.rate > 0.004  # its average over the loop, the fast start included
+    # no bar (the first block of a run), or a bar below the slow rate: the step cap
+    for bar in (None, 0.0001):
+        res, _ = scripted(values, stop=StopRule(max_steps=600, window=20, min_rate=bar))
+        assert res.stopped_by == "max_steps", bar
+
+
+def test_loss_trend_is_the_least_squares_line():
+    slope, se = loss_trend([5.0 - 0.5 * t for t in range(10)], 10)
+    assert slope == pytest.approx(-0.5) and se == pytest.approx(0.0, abs=1e-12)
+    slope, se = loss_trend([0.0, 1.0, 0.0, 1.0, 9.0, 9.0], 4)  # the last 4: numpy's fit of [0, 1, 9, 9]
+    (ref, _), cov = np.polyfit(np.arange(4), [0.0, 1.0, 9.0, 9.0], 1, cov="unscaled")
+    resid = np.array([0.0, 1.0, 9.0, 9.0]) - np.polyval(np.polyfit(np.arange(4), [0.0, 1.0, 9.0, 9.0], 1), np.arange(4))
+    assert slope == pytest.approx(ref) and se == pytest.approx(np.sqrt(cov[0, 0] * (resid ** 2).sum() / 2))
+
+
+def test_cosine_schedule_decays_over_the_run_across_loops():
+    spec = OptimSpec("adamw", lr=1.0, schedule="cosine", total_steps=100, min_lr_ratio=0.1, warmup_steps=2)
+    assert spec.lr_at(5, 0) == pytest.approx(1.0)
+    assert spec.lr_at(5, 50) == pytest.approx(0.55)
+    assert spec.lr_at(5, 100) == pytest.approx(0.1) and spec.lr_at(5, 300) == pytest.approx(0.1)
+    assert spec.lr_at(0, 50) == pytest.approx(0.275)  # the warmup of a visit multiplies the run's decay
+    # a loop started at global step 50 sees the run's clock, not its own
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = make_optimizer([w], spec)
+    seen = []
+
+    def loss_fn(_):
+        seen.append(opt.param_groups[0]["lr"])
+        return (w ** 2).sum()
+
+    run_steps(loss_fn, [w], itertools.repeat(torch.zeros(1)), opt, spec, StopRule(max_steps=3, window=3),
+              global_step=50)
+    assert seen == pytest.approx([spec.lr_at(i, 50 + i) for i in range(3)])
+    assert OptimSpec("adamw", lr=2.0, lr_scale=0.5).base_lr == 1.0
 
 
 def test_warmup_ramps_the_learning_rate_linearly():
