@@ -145,6 +145,10 @@ class BcdSection(_Section):
     """``adaptive``: a visit also ends (``stopped_by: budget``) once it lowers the training loss more slowly per
     step than the other blocks did on average over their last visits, so steps go where the loss falls; ``fixed``:
     visits run to ``max_steps`` or the plateau rule."""
+    moments: Literal["reset", "keep"] = "reset"
+    """The optimizer state a visit starts from: ``reset`` (a fresh optimizer, paper Algorithm 1 and BAdam);
+    ``keep``: the block's own state (AdamW moments and step count) from its last visit, stored with the committed
+    version, so a block picks up where it left off. One process per visit (``train.gpus=1``)."""
     lr_scales: list[float] | None = None
     """Per-block multipliers of ``optim.lr`` (one per block), e.g. a lower rate for the embedding block."""
     shard_rows: int = Field(256, ge=1)
@@ -402,6 +406,8 @@ class RunConfig(_Section):
                                  "(one per block)")
             if any(not (math.isfinite(v) and v > 0) for v in self.bcd.lr_scales):
                 raise ValueError(f"bcd.lr_scales: each must be a positive number, got {self.bcd.lr_scales}")
+        if self.bcd.moments == "keep" and self.train.gpus > 1:
+            raise ValueError("bcd.moments: keep runs a visit in one process (set train.gpus=1, or bcd.moments=reset)")
         if self.train.offload == "stream" and (self.train.gpus > 1 or self.train.compile):
             raise ValueError("train.offload: stream runs a visit in one process without torch.compile (set "
                              "train.gpus=1 and train.compile=false, or train.offload=off)")

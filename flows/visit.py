@@ -131,8 +131,9 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     # the live line and the visit run's progress artifact while it trains (tasks/progress.py)
     spent = state.spend_usd + preinfer_s * preinfer_usd_per_s(cfg)
     live = visit_progress(cfg, run_id, cycle, block, spend_before=spent, log=log, artifact=True)
+    moments = next((v.moments for v in reversed(state.visits) if v.block == block), None)
     tr = train_block(ctx, cycle, block, version, track=track, progress=live, global_step=state.steps,
-                     min_rate=rate_to_beat(state.visits, block))
+                     min_rate=rate_to_beat(state.visits, block), moments=moments if cfg.bcd.moments == "keep" else None)
     if tr.val_loss is None:  # the visit could not validate the new version itself: the whole model, from the store
         ev = evaluate_version(ctx, version, {block: tr.block_file})
     else:
@@ -144,6 +145,7 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
         cycle=cycle, block=block, version=version + 1, steps=tr.steps, step_end=state.steps + tr.steps,
         resumed_at=tr.resumed_at, stopped_by=tr.stopped_by, rows=tr.rows, tokens=tr.tokens,
         first_loss=tr.first_loss, train_loss=tr.train_loss, val_loss=ev.val_loss, val_ppl=ev.val_ppl, rate=tr.rate,
+        moments=tr.moments_file,
         val_points=[(state.steps + s, v) for s, v in tr.val_points], tokens_per_s=tr.tokens / max(tr.seconds, 1e-9),
         peak_mem_bytes=tr.peak_mem_bytes, preinfer_seconds=preinfer_s, train_seconds=tr.seconds,
         eval_seconds=ev.seconds, seconds=seconds, **cost, cum_spend_usd=state.spend_usd + cost["spend_usd"])

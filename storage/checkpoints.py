@@ -97,6 +97,20 @@ def save_block(store: Store, run_id: str, tensors: dict[str, torch.Tensor]) -> d
     return {"file": rel, "sha256": sha, "bytes": size}
 
 
+def load_file(store: Store, run_id: str, entry: dict[str, Any], what: str,
+              device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of one content-addressed file that ``save_block`` wrote (``entry``: its manifest entry), its
+    checksum verified; ``what`` names it in errors (e.g. "the optimizer moments of block 1")."""
+    key = run_key(run_id, entry["file"])
+    try:
+        data = store.read_bytes(key)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{what}: file {key} is missing") from e
+    if (sha := sha256_bytes(data)) != entry["sha256"]:
+        raise CheckpointError(f"{what}: file {key} is corrupt: sha256 {sha} != {entry['sha256']}")
+    return {name: t.to(device) for name, t in st_load(data).items()}
+
+
 def _check_entry(block: Any, entry: Any) -> dict[str, Any]:
     if not isinstance(entry, dict) or not {"file", "sha256", "bytes"} <= set(entry):
         raise CheckpointError(f"manifest entry of block {block} must have file, sha256 and bytes; got {entry!r}")

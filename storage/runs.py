@@ -64,6 +64,9 @@ class VisitRecord(_Record):
     val_ppl: float
     rate: float | None = None
     """Training loss lowered per step on average over the visit (the adaptive budget's measure of a block)."""
+    moments: dict | None = None
+    """``bcd.moments=keep``: the optimizer state the visit ended with (file, sha256, bytes), the next visit of
+    the block starts from."""
     val_points: list[tuple[int, float]] = []
     """(global step, validation loss) within the visit (the baseline validates every ``train.eval_every``)."""
     tokens_per_s: float

@@ -45,6 +45,8 @@ class TrainResult(BaseModel):
     eval_seconds: float = 0.0
     rate: float | None = None
     """Training loss lowered per step on average over the visit (models/trainer.visit_rate; None: too short)."""
+    moments_file: dict | None = None
+    """``bcd.moments=keep``: the optimizer state the visit ended with (a content-addressed file's entry)."""
 
 
 class EvalResult(BaseModel):
@@ -155,3 +157,22 @@ def evaluate_model(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         total += float(loss) * n
         count += n
     return total / count if count else float("nan")
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
+    """The per-parameter state of ``opt`` (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``) as named tensors
+    ``{state}/{parameter name}``; ``names``: the names of the optimizer's parameters, in its order."""
+    state = opt.state_dict()["state"]
+    return {f"{k}/{n}": torch.as_tensor(v) for i, n in enumerate(names) for k, v in state.get(i, {}).items()}
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor]) -> None:
+    """Put what ``optimizer_tensors`` saved back into ``opt`` (its parameter groups, learning rate included, stay
+    as they are); a parameter without saved state starts fresh."""
+    by_name: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        k, n = key.split("/", 1)
+        by_name.setdefault(n, {})[k] = t
+    sd = opt.state_dict()
+    sd["state"] = {i: by_name[n] for i, n in enumerate(names) if n in by_name}
+    opt.load_state_dict(sd)

@@ -30,7 +30,8 @@ from bcdflow.storage import activations, checkpoints, trainckpt
 from bcdflow.tasks import preemption
 from bcdflow.tasks.data import batch_ranges, sample_rows, visit_rows
 from bcdflow.tasks.engine import (EvalResult, TrainResult, compile_layers, counted, diverged_message, evaluate_model,
-                                  prefetched, use_recompute, val_batches, visit_val_batches, window_logger)
+                                  load_optimizer_tensors, optimizer_tensors, prefetched, use_recompute, val_batches,
+                                  visit_val_batches, window_logger)
 from bcdflow.tasks.progress import Progress
 from bcdflow.tasks.retry import retrying
 from bcdflow.tasks.train_dist import launch
@@ -39,11 +40,13 @@ from bcdflow.tracking.tracker import TrackTarget
 
 @task(name="train-block", **retrying(2))
 def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None,
-                progress: Progress | None = None, global_step: int = 0, min_rate: float | None = None) -> TrainResult:
+                progress: Progress | None = None, global_step: int = 0, min_rate: float | None = None,
+                moments: dict | None = None) -> TrainResult:
     """Train block ``block`` of ``version`` to local convergence (a visit's training); returns its result, the
     block file written (content-addressed) but not committed. ``progress``: the visit's live line
     (tasks/progress.py), closed when the loop ends. ``global_step``: the run's steps before this visit (the
-    learning-rate schedule's clock); ``min_rate``: the adaptive budget's rate to beat (``bcd.budget``)."""
+    learning-rate schedule's clock); ``min_rate``: the adaptive budget's rate to beat (``bcd.budget``);
+    ``moments``: the optimizer state the block's last visit ended with (``bcd.moments=keep``)."""
     cfg, run_id = ctx.cfg, ctx.run_id
     if cfg.train.gpus > 1:  # torchrun: one process per GPU, rank 0 commits (tasks/train_dist.py)
         return launch(ctx, cycle, block, version, track, global_step=global_step, min_rate=min_rate)
@@ -63,6 +66,7 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
     for name, p in model.named_parameters():
         p.requires_grad_(name in active)
+    names = [n for n, _ in model.named_parameters() if n in active]
     params = [p for n, p in model.named_parameters() if n in active]
     model.train()
     recompute = use_recompute(cfg, ctx, block)
@@ -103,6 +107,9 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
         for g in opt.param_groups:  # a continued run may have lowered optim.lr (after a divergence)
             g["lr"] = spec.base_lr
         state = LoopState.from_dict(pointer["meta"]["loop"])
+    elif moments is not None:  # bcd.moments=keep: where the block's last visit left its optimizer
+        load_optimizer_tensors(opt, names, checkpoints.load_file(ctx.store, run_id, moments,
+                                                                  f"the optimizer moments of block {block}", device))
 
     def checkpoint(st: LoopState, why: str) -> None:
         trainckpt.save(ctx.store, vkey, st.steps, {n: p for n, p in model.named_parameters() if n in active},
@@ -140,7 +147,8 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     return TrainResult(
         steps=res.steps, first_loss=res.losses[0], train_loss=res.final_loss, stopped_by=res.stopped_by,
         seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows), val_points=val_points,
-        rate=res.rate,
+        rate=res.rate, moments_file=checkpoints.save_block(ctx.store, run_id, optimizer_tensors(opt, names))
+        if cfg.bcd.moments == "keep" and res.stopped_by != "interrupted" else None,
         peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         block_file=checkpoints.save_block(ctx.store, run_id, block_tensors(model, ctx.plan, block)),
         recompute=recompute, streamed=len(streamed), val_loss=val_loss, eval_seconds=eval_s)

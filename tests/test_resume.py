@@ -15,7 +15,7 @@ import time
 import pytest
 
 from bcdflow.flows.cli import main
-from bcdflow.storage import runs
+from bcdflow.storage import checkpoints, runs
 from bcdflow.storage.store import Store
 from tests.helpers import TINY, assert_same, finished_weights
 
@@ -60,6 +60,41 @@ def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, tmp_path
     if point.startswith("train-checkpoint"):
         # killed right after the step-4 checkpoint of visit c0-b0: at most one interval lost
         assert visits[0].resumed_at == 4
+
+
+KEEP = ["bcd.moments=keep", "bcd.cycles=2"]
+
+
+@pytest.fixture(scope="module")
+def keep_reference(prefect_server, tmp_path_factory):
+    """An uninterrupted two-cycle run that keeps each block's AdamW moments between its visits."""
+    root = tmp_path_factory.mktemp("keep")
+    assert main(["train", *_sets(*KEEP), "--store", str(root), "--run-id", "keep"]) == 0
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["train-checkpoint:8", "before-commit:4"])
+def test_kept_moments_resume_bitwise_after_kill9(prefect_api_url, keep_reference, tmp_path, point):
+    # train-checkpoint:8: after step 4 of c1-b0 (two checkpoints per visit), whose optimizer started from c0-b0's
+    # moments; before-commit:4: c1-b0 trained to the end, its moments file written, the visit not committed
+    ref = Store(str(keep_reference))
+    visits = runs.read_state(ref, "keep").visits
+    assert all(v.moments for v in visits) and len({v.moments["sha256"] for v in visits}) == 6
+    moments = checkpoints.load_file(ref, "keep", visits[3].moments, "c1-b0's moments")
+    assert {float(t) for k, t in moments.items() if k.startswith("step/")} == {12.0}  # 6 steps + 6 kept
+    store = str(tmp_path / "store")
+    killed = _cli(prefect_api_url, "train", *_sets(*KEEP), "--store", store, "--run-id", "keep",
+                  env={"BCDFLOW_FAILPOINTS": point})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    done = _cli(prefect_api_url, "resume", "keep", "--store", store)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same(finished_weights(Store(store), "keep"), finished_weights(ref, "keep"))
+    assert [v.moments for v in runs.read_state(Store(store), "keep").visits] == [v.moments for v in visits]
+    # and keeping them changed the training: a run that resets them ends elsewhere
+    reset = str(tmp_path / "reset")
+    assert main(["train", *_sets("bcd.cycles=2"), "--store", reset, "--run-id", "keep"]) == 0
+    assert finished_weights(Store(reset), "keep")["wte.weight"].ne(finished_weights(ref, "keep")["wte.weight"]).any()
 
 
 def _start(args: list[str], tmp_path, env: dict, **kw) -> subprocess.Popen:
