@@ -70,14 +70,15 @@ def build(name: str, dest: Path, max_bytes: int) -> list[str]:
     size = 0
     for pkg, text in texts:
         b = text.encode()
-        if total + len(b) > max_bytes:
+        full = total + len(b) >= max_bytes
+        if full:
             b = b[:max_bytes - total].decode("utf-8", "ignore").encode()  # cut on a character boundary
         buf.append(b.decode())
         size, total, taken[pkg] = size + len(b), total + len(b), taken[pkg] + len(b)
-        if size >= PART_BYTES or total >= max_bytes:
+        if size >= PART_BYTES or full:
             parts.append("".join(buf))
             buf, size = [], 0
-        if total >= max_bytes:
+        if full:
             break
     if buf:
         parts.append("".join(buf))

@@ -20,10 +20,11 @@ its whole sample (1280 rows > 0.9 x 1200): only then does the sample rate change
 ``suite`` sizes ``python -m benchmarks suite`` (benchmarks/suite.py): corpora (name -> bytes, built by
 benchmarks/corpora.py), models (name -> ``--set`` list), seeds, ``--set`` lists shared by every run
 (``sets``), the full baseline's (``full``) and every BCD run's (``bcd``), and the named BCD settings (name ->
-``--set`` list, applied after ``bcd``; data only: add a key here to add a setting). Quick: ~10 MB per
-corpus (about 2.5M tokens at V=4096: the 1800-step baseline (3.7M tokens) reads the training rows about 1.5
-times, ``suite.md`` says how often), validation on the whole held-out tail (``train.eval_rows`` 1024 >=
-its ~1000 rows: the first 256 rows alone would be a few source files). The ``full`` size reuses quick's.
+``--set`` list, applied after ``bcd``; data only: add a key here to add a setting). Quick: 10 MB per
+corpus (pysrc: 2.8M tokens at V=4096, 20.6k training rows of 128: the 1800-step baseline (3.7M tokens) reads
+them 1.4 times; ``suite.md`` says how often for each corpus), validation on the whole held-out tail
+(``train.eval_rows`` 1024 ~ its 1083 rows: the first 256 rows alone would be a few source files). The
+``full`` size reuses quick's.
 """
 from __future__ import annotations
 

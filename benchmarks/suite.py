@@ -99,14 +99,15 @@ def prepare(bk: RunBook, s: dict, corpus_dir: Path) -> dict[str, list[str]]:
               f"file(s) under {corpus_dir / f'{name}-{size}'} ({time.perf_counter() - t:.0f} s)", flush=True)
     for c in files:
         for m in s["models"]:
-            for mode, setting in [("full", None), *(("bcd", k) for k in s["settings"])]:
-                load_config(sets=bk.sets(s["optim"], run_sets(s, m, files[c], 0, mode, setting)))
+            for seed in s["seeds"]:
+                for mode, setting in [("full", None), *(("bcd", k) for k in s["settings"])]:
+                    load_config(sets=bk.sets(s["optim"], run_sets(s, m, files[c], seed, mode, setting)))
     return files
 
 
 def suite(bk: RunBook, s: dict, files: dict[str, list[str]], out: Path, meta: dict, t0: float) -> dict:
     """Every run of the selection, the metrics per seed and over seeds; writes the outputs as it goes."""
-    res = {"meta": meta, "suite": {k: v for k, v in s.items()},
+    res = {"meta": meta, "suite": dict(s),
            "corpora": {c: corpora.info(Path(files[c][0]).parent) for c in files}, "groups": [], "errors": []}
     for c in files:
         for m in s["models"]:
@@ -349,6 +350,8 @@ def write(out: Path, res: dict) -> None:
 
 
 def main(args, argv: list[str]) -> int:
+    """The ``suite`` command (``benchmarks.cli.main`` parsed ``argv`` into ``args``); exit status 0, 1 when a run
+    failed (the others still ran), 2 for bad input (a name the profile lacks, a bad ``--set``)."""
     size = "tiny" if args.tiny or os.environ.get("BCDFLOW_BENCH_SIZE") == "tiny" else (
         "quick" if args.quick else "full")
     prof = profile(size)
