@@ -135,7 +135,9 @@ def seed_runs(bk: RunBook, s: dict, corpus: str, model: str, files: list[str], s
     out = {"full": run_row(full) | {"dataset": full["dataset"]}, "settings": {}}
     for k in s["settings"]:
         bcd = bk.get(f"{tag}/{k}", "bcd", s["optim"], run_sets(s, model, files, seed, "bcd", k))
-        out["settings"][k] = {**compare(full, bcd, s["tol"]), "run": run_row(bcd)}
+        b = load_config(sets=bcd["sets"]).bcd
+        cap = b.cycles * bcd["n_blocks"] * b.max_steps  # what the run may train at most
+        out["settings"][k] = {**compare(full, bcd, s["tol"]), "cap_steps": cap, "run": run_row(bcd)}
     return out
 
 
@@ -199,7 +201,7 @@ def summarize(corpus: str, model: str, setting: str, cells: list[dict]) -> dict:
         row[k] = spread([c[k]["value"] for c in cells], [not c[k]["reached"] for c in cells])
     row["gap"] = spread([c["gap"] for c in cells])
     row["gap_after"] = sum(c["gap_where"] == "after" for c in cells)
-    for k in ("final_bcd", "final_full", "steps_bcd", "steps_full"):
+    for k in ("final_bcd", "final_full", "steps_bcd", "steps_full", "cap_steps"):
         row[k] = spread([c[k] for c in cells])
     row["stopped_by"] = dict(sum((Counter(c["stopped_by"]) for c in cells), Counter()))
     row["stop_reason"] = dict(Counter(c["stop_reason"] for c in cells))
@@ -219,6 +221,8 @@ def baseline_row(corpus: str, model: str, seeds: dict) -> dict:
     return {"corpus": corpus, "model": model, "seeds": len(fulls), "final": spread([f["final_val"] for f in fulls]),
             "best": spread([f["best_val"] for f in fulls]),
             "rise": spread([f["final_val"] - f["best_val"] for f in fulls]),
+            "late": spread([interp(f["curve"], 2 * f["steps"] / 3)[0] - f["final_val"] if f["curve"] else None
+                            for f in fulls]),
             "steps": spread([f["steps"] for f in fulls]), "epochs": spread(epochs),
             "train_tokens": (ds.get("n_train") or 0) * (ds.get("seq_len") or 0) or None,
             "val_tokens": (ds.get("n_val") or 0) * (ds.get("seq_len") or 0) or None}
@@ -241,10 +245,11 @@ def shown(sp: dict | None, fmt: str = ".2f", brackets: bool = True) -> str:
 
 COLUMNS = [("corpus", "corpus"), ("model", "model"), ("setting", "setting"), ("seeds", "seeds"),
            ("bf", "B-F × mean [min–max]"), ("tok", "tokens ×"), ("gap", "end gap (BCD − full, same step)"),
-           ("time", "GPU-time ratio"), ("final", "final val BCD vs full"), ("steps", "steps BCD / full"),
+           ("time", "GPU-time ratio"), ("final", "final val BCD vs full"), ("steps", "steps BCD / full (BCD cap)"),
            ("ended", "visits ended by")]
 BASE_COLUMNS = [("corpus", "corpus"), ("model", "model"), ("seeds", "seeds"), ("final", "final val"),
-                ("best", "best val"), ("rise", "final − best"), ("steps", "steps"), ("epochs", "epochs read"),
+                ("best", "best val"), ("rise", "final − best"), ("late", "drop in the last third"), ("steps", "steps"),
+                ("epochs", "epochs read"),
                 ("tokens", "train / val tokens")]
 
 
@@ -258,7 +263,8 @@ def table_rows(res: dict) -> list[dict]:
                          "bf": shown(r["steps"]), "tok": shown(r["tokens"]), "time": shown(r["time"]),
                          "gap": shown(r["gap"], "+.3f") + (f" †{r['gap_after']}" if r["gap_after"] else ""),
                          "final": f"{shown(r['final_bcd'], '.3f', False)} vs {shown(r['final_full'], '.3f', False)}",
-                         "steps": f"{shown(r['steps_bcd'], '.0f', False)} / {shown(r['steps_full'], '.0f', False)}",
+                         "steps": f"{shown(r['steps_bcd'], '.0f', False)} / {shown(r['steps_full'], '.0f', False)}"
+                                  f" (cap {shown(r['cap_steps'], '.0f', False)})",
                          "ended": ", ".join(f"{k} {n}" for k, n in sorted(r["stopped_by"].items()))
                          + "; run: " + ", ".join(f"{k} {n}" for k, n in sorted(r["stop_reason"].items()))})
     return rows
@@ -272,7 +278,7 @@ def base_rows(res: dict) -> list[dict]:
             continue
         tok = f"{b['train_tokens'] / 1e6:.2f}M / {b['val_tokens'] / 1e6:.3f}M" if b["train_tokens"] else "–"
         rows.append({"corpus": b["corpus"], "model": b["model"], "seeds": b["seeds"], "final": shown(b["final"], ".3f"),
-                     "best": shown(b["best"], ".3f"), "rise": shown(b["rise"], "+.3f"),
+                     "best": shown(b["best"], ".3f"), "rise": shown(b["rise"], "+.3f"), "late": shown(b["late"], ".3f"),
                      "steps": shown(b["steps"], ".0f", False), "epochs": shown(b["epochs"], ".2f"), "tokens": tok})
     return rows
 
@@ -298,10 +304,12 @@ def markdown(res: dict) -> str:
         "final val loss − the baseline's at the same step (interpolated; † = BCD ran past the baseline's last "
         "point, compared there, for that many seeds). GPU-time ratio = seconds of training, pre-inference and "
         f"evaluation to L*, BCD / baseline, measured on this device ({m['machine']['device']}; orchestration, "
-        "commits and store I/O excluded). Mean [min–max] over seeds.", "",
+        "commits and store I/O excluded). Mean [min–max] over seeds. BCD cap = cycles × blocks × bcd.max_steps: "
+        "a B-F above cap / the baseline's steps to L* cannot show here (it reads as `> x`).", "",
         report.md_table(table_rows(res), [(k, h, "s") for k, h in COLUMNS]), "",
-        "Baselines: 'final − best' > 0 = validation loss went back up (overfitting); 'epochs read' = trained "
-        "tokens / training tokens of the corpus.", "",
+        "Baselines: 'final − best' > 0 = validation loss went back up (overfitting); 'drop in the last third' = "
+        f"how much it still fell over the last third of the steps (well above {s['tol']}: not flat, L* is a moving "
+        "target); 'epochs read' = trained tokens / training tokens of the corpus.", "",
         report.md_table(base_rows(res), [(k, h, "s") for k, h in BASE_COLUMNS]), ""]
     lines += [f"![{p}]({p})" for p in res.get("plots", [])]
     for e in res["errors"]:

@@ -212,11 +212,13 @@ def test_suite_tiny_end_to_end(tmp_path, monkeypatch, prefect_server, capsys):
             assert isinstance(m["reached"], bool)
         assert isinstance(cell["gap"], float) and cell["gap_where"] in (None, "after")
         assert sum(cell["stopped_by"].values()) == len(r["stopped_by"])
+        assert cell["cap_steps"] == 2 * 5 and cell["steps_bcd"] <= cell["cap_steps"]  # 2 blocks x 5 steps, 1 cycle
         row = group["rows"][name]
         assert row["seeds"] == 1 and row["steps"]["mean"] == cell["steps"]["value"]
         assert row["steps"]["mean_bound"] == (not cell["steps"]["reached"])
     base = group["baseline"]
     assert base["final"]["mean"] == full["final_val"] and 0 < base["epochs"]["mean"] < 1
+    assert isinstance(base["late"]["mean"], float)
     md = (tmp_path / "suite.md").read_text()
     assert "| pysrc | l2 | fixed | 1 |" in md and "| pysrc | l2 | default | 1 |" in md
     assert (tmp_path / "suite-pysrc.png").stat().st_size > 1000
