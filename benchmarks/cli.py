@@ -14,6 +14,9 @@ step counts and losses, and the tiny model's small ops stall at 2 threads on a s
     python -m benchmarks run --quick
     python -m benchmarks run --quick --only memory iteration --out /tmp/bench
     python -m benchmarks run --only memory iteration --model gpt2-124m --batch-size 8 --seq-len 1024 --blocks 3
+
+``python -m benchmarks suite [--quick|--tiny] ...``: BCD against full-parameter training on local corpora over
+models, seeds and settings (benchmarks/suite.py).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import cost, iteration, memory, report, training, utilization
+from benchmarks import cost, iteration, memory, report, suite, training, utilization
 from benchmarks.common import machine
 from benchmarks.profiles import profile
 from benchmarks.runs import book, flow_server
@@ -81,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
     step.add_argument("--compile", action="store_true", help="torch.compile each layer (train.compile=true)")
     step.add_argument("--loss-chunk-rows", type=int, help="train.loss_chunk_rows (default: 128 MB of fp32 logits)")
     step.add_argument("--blocks", type=int, nargs="+", help="bcd.blocks values to measure (default: the size's)")
+    suite.add_parser(sub)
     return ap
 
 
@@ -107,6 +111,8 @@ def compute_profile(c: dict, args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.cmd == "suite":
+        return suite.main(args, argv)
     size = "tiny" if args.tiny or os.environ.get("BCDFLOW_BENCH_SIZE") == "tiny" else (
         "quick" if args.quick else "full")
     prof = profile(size)

@@ -16,8 +16,32 @@ Quick flows model: ``tiny`` at d=64 on 150 kB of the built-in corpus (about 1200
 tokens), so the full AdamW run's validation loss flattens within ~600 steps and one 80-step visit reads
 its whole sample (1280 rows > 0.9 x 1200): only then does the sample rate change what a visit trains on
 (``tasks.data.sample_rows`` takes a prefix of one permutation, paper A.2).
+
+``suite`` sizes ``python -m benchmarks suite`` (benchmarks/suite.py): corpora (name -> bytes, built by
+benchmarks/corpora.py), models (name -> ``--set`` list), seeds, ``--set`` lists shared by every run
+(``sets``), the full baseline's (``full``) and every BCD run's (``bcd``), and the named BCD settings (name ->
+``--set`` list, applied after ``bcd``; data only: add a key here to add a setting). Quick: 10 MB per
+corpus (pysrc: 2.8M tokens at V=4096, 20.6k training rows of 128: the 1800-step baseline (3.7M tokens) reads
+them 1.4 times; ``suite.md`` says how often for each corpus), validation on the whole held-out tail
+(``train.eval_rows`` 1024 ~ its 1083 rows: the first 256 rows alone would be a few source files). The
+``full`` size reuses quick's.
 """
 from __future__ import annotations
+
+_SUITE_QUICK = {
+    "corpora": {"pysrc": 10_000_000, "docs": 10_000_000},
+    "models": {"tiny": ["model.name=tiny"],
+               "tiny-l4-d96": ["model.name=tiny", "model.n_layer=4", "model.d_model=96", "model.n_head=4"]},
+    "seeds": [0, 1, 2],
+    "optim": "adamw",
+    "sets": ["data.seq_len=128", "data.vocab_size=4096", "train.batch_size=16", "optim.lr=1e-3",
+             "train.eval_every=100", "train.eval_rows=1024"],
+    # the baseline runs to its step cap: its plateau rule (bcd.patience) off, as in validity
+    "full": ["train.steps=1800", "bcd.patience=0"],
+    "bcd": ["bcd.blocks=3", "bcd.max_steps=150", "bcd.cycles=4"],
+    "settings": {"fixed": ["bcd.patience=0"], "default": []},
+    "tol": 0.02,
+}
 
 # paper §4.2.1: AdamW 1e-4, SGD 0.1 (momentum 0.9, weight decay 1e-5). AdamW at 1e-4 barely moves a
 # tiny model in a few hundred steps; the CPU sizes use the demo's 3e-3 for both BCD and full runs.
@@ -35,6 +59,7 @@ PROFILES: dict[str, dict] = {
                   "lr": {"adamw": 3e-3, "sgd": 0.1}, "full_steps": {"adamw": 6000, "sgd": 8000},
                   "bcd_cycles": {"adamw": 20, "sgd": 20},
                   "variant_cycles": 12, "tol": 0.02},
+        "suite": _SUITE_QUICK,
     },
     "quick": {
         "compute": {"model": "gpt2-124m", "overrides": {"d_model": 192, "n_head": 3, "vocab_size": 12576},
@@ -50,6 +75,7 @@ PROFILES: dict[str, dict] = {
                   "lr": {"adamw": 3e-3, "sgd": 0.1}, "full_steps": {"adamw": 600, "sgd": 600},
                   "bcd_cycles": {"adamw": 6, "sgd": 4},
                   "variant_cycles": 4, "tol": 0.02},
+        "suite": _SUITE_QUICK,
     },
     "tiny": {
         "compute": {"model": "tiny", "overrides": {"d_model": 32, "n_head": 2, "vocab_size": 320},
@@ -64,6 +90,19 @@ PROFILES: dict[str, dict] = {
                   "lr": {"adamw": 3e-3, "sgd": 0.1}, "full_steps": {"adamw": 6, "sgd": 6},
                   "bcd_cycles": {"adamw": 1, "sgd": 1},
                   "variant_cycles": 1, "tol": 0.02},
+        "suite": {"corpora": {"pysrc": 150_000},
+                  "models": {"l2": ["model.name=tiny", "model.n_layer=2", "model.d_model=32", "model.n_head=2"]},
+                  "seeds": [0], "optim": "adamw",
+                  # bcd.blocks for every run: the baseline's config is checked (default 3 blocks) before
+                  # full_train makes it one block, and this model has 2 layers. The baseline validates at the
+                  # first window end (bcd.window steps) past each multiple of train.eval_every: window 5.
+                  "sets": ["data.seq_len=16", "data.vocab_size=300", "train.batch_size=8", "optim.lr=3e-3",
+                           "train.eval_every=5", "train.eval_rows=16", "bcd.shard_rows=64", "bcd.blocks=2",
+                           "bcd.window=5"],
+                  "full": ["train.steps=10", "bcd.patience=0"],
+                  "bcd": ["bcd.max_steps=5", "bcd.cycles=1"],
+                  "settings": {"fixed": ["bcd.patience=0"], "default": []},
+                  "tol": 0.02},
     },
 }
 

@@ -8,7 +8,8 @@ so benchmarks asking for the same run in one process get it once: the cyclic BCD
 
 Curves come from ``storage.runs.read_state``: one point per BCD visit (``step_end``, ``val_loss``), the
 full run's ``val_points`` in between, with cumulative tokens, seconds and GPU-hours from
-``core.spend.curve`` and analytic FLOPs (training steps, pre-inference, evaluation) added here.
+``core.spend.curve`` and, added here, analytic FLOPs (training steps, pre-inference, evaluation) and
+``stage_seconds`` (the measured seconds of those three stages, without orchestration, commits and store I/O).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from bcdflow.core.config import load_config
 from bcdflow.core.context import open_store
 from bcdflow.models.config import ModelConfig
 from bcdflow.storage import runs
+from bcdflow.storage.layout import DATASET_META, dataset_key
 
 # Prefect and the flows (which import it) are imported inside the functions below, when runs start: Prefect reads
 # its settings (PREFECT_HOME, ...) on import, and the command line sets them (cli.setup_env) after importing this.
@@ -35,11 +37,12 @@ from bcdflow.storage import runs
 _BOOKS: dict[tuple, "RunBook"] = {}
 
 
-def book(profile_name: str, prof: dict, threads: int) -> "RunBook":
-    """The process's run book for a profile and thread count (tests share runs across calls)."""
-    key = (profile_name, threads)
+def book(profile_name: str, prof: dict, threads: int, section: str = "flows") -> "RunBook":
+    """The process's run book for a profile's section (``flows``, ``suite``) and thread count (tests share
+    runs across calls)."""
+    key = (profile_name, section, threads)
     if key not in _BOOKS:
-        _BOOKS[key] = RunBook(prof["flows"], threads)
+        _BOOKS[key] = RunBook(prof[section], threads)
     return _BOOKS[key]
 
 
@@ -66,7 +69,10 @@ class RunBook:
         self.order: list[str] = []
 
     def sets(self, optim: str, extra: list[str] = ()) -> list[str]:
-        return [*self.flows["sets"], f"optim.name={optim}", f"optim.lr={self.flows['lr'][optim]}",
+        """The run's ``--set`` list: the book's, the optimizer (and its learning rate where the book has one per
+        optimizer), the book's store, then ``extra`` (later keys win)."""
+        lr = self.flows.get("lr", {}).get(optim)
+        return [*self.flows["sets"], f"optim.name={optim}", *([f"optim.lr={lr}"] if lr is not None else []),
                 f"store={self.root / 'store'}", "tracking_uri=none", *extra]
 
     def get(self, label: str, mode: str, optim: str, extra: list[str] = ()) -> dict:
@@ -117,16 +123,21 @@ def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str
         evals = (1 + len(v.get("val_points") or [])) * forward_flops(meta, mcfg, T, 0, mcfg.n_layer, head=True) \
             * eval_tokens
         flops_by_visit.append({"train": train, "preinfer": prefix, "eval": evals})
-    # cumulative FLOPs on the curve, pro rata by step within a visit (as spend.curve does for cost)
-    acc, start = 0.0, 0
+    # cumulative FLOPs and stage seconds on the curve, pro rata by step within a visit (as spend.curve does for
+    # cost)
+    acc, acc_s, start = 0.0, 0.0, 0
     for v, f in zip(visits, flops_by_visit):
         total = f["train"] + f["preinfer"] + f["eval"]
+        secs = sum(float(v.get(f"{k}_seconds") or 0) for k in ("train", "preinfer", "eval"))
         for p in curve:
             if (p["cycle"], p["block"]) == (v["cycle"], v["block"]) and start < p["step"] <= v["step_end"]:
                 frac = (p["step"] - start) / v["steps"] if v["steps"] else 1.0
                 p["flops"] = acc + frac * total
+                p["stage_seconds"] = acc_s + frac * secs
         acc += total
+        acc_s += secs
         start = v["step_end"]
+    ds = store.read_json(dataset_key(state.dataset, DATASET_META)) if state.dataset else {}
     return {"label": label, "run_id": run_id, "mode": mode, "optim": optim, "sets": sets,
             "store": cfg.store, "stop_reason": state.stop_reason, "visits": visits, "curve": curve,
             "steps": curve[-1]["step"] if curve else 0, "final_val": visits[-1]["val_loss"] if visits else None,
@@ -134,7 +145,8 @@ def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str
             "flops": {k: sum(f[k] for f in flops_by_visit) for k in ("train", "preinfer", "eval")},
             "stopped_by": [v["stopped_by"] for v in visits], "n_blocks": len(blocks),
             "time": {k: sum(float(v.get(f"{k}_seconds") or 0) for v in visits) for k in ("train", "preinfer", "eval")},
-            "rows_per_visit": [v["rows"] for v in visits]}
+            "rows_per_visit": [v["rows"] for v in visits],
+            "dataset": {k: ds.get(k) for k in ("id", "n_train", "n_val", "n_tokens", "n_docs", "seq_len")}}
 
 
 def first_reach(curve: list[dict], target: float, key: str = "step"):

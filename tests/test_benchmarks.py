@@ -117,3 +117,109 @@ def test_memory_isolated_per_configuration(tmp_path, monkeypatch):
         assert row["peak_bytes"] > 0 and abs(row["planned_peak_bytes"] / row["peak_bytes"] - 1) <= 0.10
     wi = res["what_if_checkpoint"]
     assert wi["timing"]["isolated"] and all(r["recompute_step_ms"] > 0 for r in wi["rows"])
+
+
+# -- the validity suite (python -m benchmarks suite) -----------------------------------------------------------
+
+def _curve(points: list[tuple[int, float]], tokens_per_step: float = 10.0, secs_per_step: float = 0.5) -> list[dict]:
+    return [{"step": s, "val_loss": v, "tokens": s * tokens_per_step, "stage_seconds": s * secs_per_step}
+            for s, v in points]
+
+
+def test_suite_metrics_on_synthetic_curves():
+    """The suite's figures on curves worked by hand: first reach, the lower bound when BCD never reaches L*,
+    interpolation for the equal-step gap (and past the baseline's end), and the mean [min–max] over seeds."""
+    from benchmarks.runs import first_reach
+    from benchmarks.suite import compare, interp, multiplier, shown, spread
+
+    full = _curve([(100, 4.0), (200, 3.0), (300, 2.5), (400, 2.49)])
+    assert first_reach(full, 2.51) == 300 and first_reach(full, 2.0) is None
+    assert interp(full, 250) == (2.75, None) and interp(full, 400) == (2.49, None)
+    assert interp(full, 500) == (2.49, "after") and interp(full, 50) == (4.0, "before")
+
+    # BCD (2 tokens per step more, 1 s per step) reaches L* = 2.49 + 0.02 at its 4th visit, step 600
+    bcd = _curve([(150, 4.5), (300, 3.2), (450, 2.6), (600, 2.5)], tokens_per_step=12.0, secs_per_step=1.0)
+    m = multiplier(full, bcd, 2.51, "step")
+    assert m == {"value": 2.0, "reached": True, "full": 300, "bcd": 600}
+    assert multiplier(full, bcd, 2.51, "tokens")["value"] == 600 * 12.0 / (300 * 10.0)
+    assert multiplier(full, bcd, 2.51, "stage_seconds")["value"] == 600 * 1.0 / (300 * 0.5)
+    # never reached: BCD's total over the baseline's steps to L*, flagged as a lower bound
+    short = bcd[:3]
+    assert multiplier(full, short, 2.51, "step") == {"value": 1.5, "reached": False, "full": 300, "bcd": 450}
+
+    run = lambda curve: {"curve": curve, "final_val": curve[-1]["val_loss"], "steps": curve[-1]["step"],  # noqa: E731
+                         "stopped_by": ["max_steps"] * len(curve), "stop_reason": "cycles"}
+    c = compare(run(full), run(_curve([(125, 4.5), (250, 3.2)])), tol=0.02)
+    assert c["target"] == 2.49 + 0.02 and not c["steps"]["reached"] and c["steps"]["value"] == 250 / 300
+    assert abs(c["gap"] - (3.2 - 2.75)) < 1e-12 and c["gap_where"] is None  # the baseline at 250: 2.75
+    c = compare(run(full), run(bcd), tol=0.02)  # BCD ran to 600, the baseline to 400: compared at its end
+    assert c["gap_where"] == "after" and abs(c["gap"] - (2.5 - 2.49)) < 1e-12
+    assert c["stopped_by"] == {"max_steps": 4}
+
+    sp = spread([2.0, 1.5, 3.0], [False, True, False])
+    assert sp["mean"] == 6.5 / 3 and (sp["min"], sp["max"]) == (1.5, 3.0)
+    assert sp["mean_bound"] and sp["min_bound"] and not sp["max_bound"] and sp["n_bound"] == 1
+    assert shown(sp) == "> 2.17 [> 1.50–3.00] (2/3 reached)"
+    assert shown(spread([1.25])) == "1.25" and shown(None) == "–" and spread([None]) is None
+
+
+def test_corpora_are_deterministic_cached_and_refuse_nothing(tmp_path, monkeypatch):
+    from benchmarks import corpora
+    from bcdflow.errors import BadInput
+
+    a = corpora.build("docs", tmp_path / "a", 30_000)
+    b = corpora.build("docs", tmp_path / "b", 30_000)
+    text = [Path(f).read_bytes() for f in a]
+    assert text == [Path(f).read_bytes() for f in b] and sum(map(len, text)) == 30_000
+    info = corpora.info(tmp_path / "a")
+    assert info["corpus"] == "docs" and set(info["packages"]).isdisjoint(corpora.PACKAGES["pysrc"])
+    stamp = (tmp_path / "a" / corpora.MARKER).stat().st_mtime_ns
+    assert corpora.build("docs", tmp_path / "a", 30_000) == a  # reused, not rebuilt
+    assert (tmp_path / "a" / corpora.MARKER).stat().st_mtime_ns == stamp
+    src = corpora.build("pysrc", tmp_path / "p", 20_000)
+    assert Path(src[0]).read_bytes() != text[0][:20_000]
+    with pytest.raises(ValueError, match="corpus 'nope'"):
+        corpora.build("nope", tmp_path / "n", 1000)
+    monkeypatch.setitem(corpora.PACKAGES, "pysrc", ("no_such_package_here",))
+    with pytest.raises(BadInput, match="corpus 'pysrc': no text found"):
+        corpora.build("pysrc", tmp_path / "q", 1000)
+
+
+@pytest.mark.slow
+def test_suite_tiny_end_to_end(tmp_path, monkeypatch, prefect_server, capsys):
+    """``python -m benchmarks suite --tiny`` through the real flows: one baseline and one BCD run per setting,
+    every figure of the table a number (or a lower bound) where it should be, the outputs written."""
+    monkeypatch.delenv("BCDFLOW_BENCH_SIZE", raising=False)
+    assert main(["suite", "--tiny", "--settings", "nope", "--out", str(tmp_path)]) == 2
+    assert "--settings: unknown nope (choose from fixed, default)" in capsys.readouterr().out
+    rc = main(["suite", "--tiny", "--out", str(tmp_path), "--set", "optim.warmup_steps=1"])
+    data = json.loads((tmp_path / "suite.json").read_text())
+    assert rc == 0 and not data["errors"]
+    (group,) = data["groups"]
+    assert (group["corpus"], group["model"]) == ("pysrc", "l2") and list(group["seeds"]) == ["0"]
+    seed = group["seeds"]["0"]
+    full = seed["full"]
+    assert full["mode"] == "full" and "optim.warmup_steps=1" in full["sets"] and len(full["curve"]) >= 2
+    assert any(s.startswith("data.files=") and "pysrc" in s for s in full["sets"]) and "seed=0" in full["sets"]
+    assert full["dataset"]["n_train"] > 0
+    for name, cell in seed["settings"].items():
+        r = cell["run"]
+        assert r["mode"] == "bcd" and "optim.warmup_steps=1" in r["sets"] and r["steps"] == cell["steps_bcd"]
+        assert cell["target"] == full["final_val"] + data["suite"]["tol"]
+        for key in ("steps", "tokens", "time"):
+            m = cell[key]
+            assert m["full"] > 0 and m["bcd"] > 0 and m["value"] == m["bcd"] / m["full"]
+            assert isinstance(m["reached"], bool)
+        assert isinstance(cell["gap"], float) and cell["gap_where"] in (None, "after")
+        assert sum(cell["stopped_by"].values()) == len(r["stopped_by"])
+        assert cell["cap_steps"] == 2 * 5 and cell["steps_bcd"] <= cell["cap_steps"]  # 2 blocks x 5 steps, 1 cycle
+        row = group["rows"][name]
+        assert row["seeds"] == 1 and row["steps"]["mean"] == cell["steps"]["value"]
+        assert row["steps"]["mean_bound"] == (not cell["steps"]["reached"])
+    base = group["baseline"]
+    assert base["final"]["mean"] == full["final_val"] and 0 < base["epochs"]["mean"] < 1
+    assert isinstance(base["late"]["mean"], float)
+    md = (tmp_path / "suite.md").read_text()
+    assert "| pysrc | l2 | fixed | 1 |" in md and "| pysrc | l2 | default | 1 |" in md
+    assert (tmp_path / "suite-pysrc.png").stat().st_size > 1000
+    assert "B-F × mean [min–max]" in capsys.readouterr().out
