@@ -20,26 +20,30 @@ its whole sample (1280 rows > 0.9 x 1200): only then does the sample rate change
 ``suite`` sizes ``python -m benchmarks suite`` (benchmarks/suite.py): corpora (name -> bytes, built by
 benchmarks/corpora.py), models (name -> ``--set`` list), seeds, ``--set`` lists shared by every run
 (``sets``), the full baseline's (``full``) and every BCD run's (``bcd``), and the named BCD settings (name ->
-``--set`` list, applied after ``bcd``; data only: add a key here to add a setting). Quick: 10 MB per
-corpus (pysrc: 2.8M tokens at V=4096, 20.6k training rows of 128: the 1800-step baseline (3.7M tokens) reads
-them 1.4 times; ``suite.md`` says how often for each corpus), validation on the whole held-out tail
-(``train.eval_rows`` 1024 ~ its 1083 rows: the first 256 rows alone would be a few source files). The
+``--set`` list, applied after ``bcd``; data only: add a key here to add a setting). Quick: 6 MB per
+corpus at V=2048 and 64-token rows, two 64-wide models of 4 and 8 layers (0.1-0.2 s a step on one CPU thread),
+a 600-step baseline (still falling: L* is where it got, not a converged loss) and BCD runs that stop at the
+first visit reaching L* (``stop_at_target``), so the suite costs what reaching L* costs; validation on the
+first 512 rows of the held-out tail (files are interleaved, so they span many sources). The
 ``full`` size reuses quick's.
 """
 from __future__ import annotations
 
 _SUITE_QUICK = {
-    "corpora": {"pysrc": 10_000_000, "docs": 10_000_000},
-    "models": {"tiny": ["model.name=tiny"],
-               "tiny-l4-d96": ["model.name=tiny", "model.n_layer=4", "model.d_model=96", "model.n_head=4"]},
+    "corpora": {"pysrc": 6_000_000, "docs": 6_000_000},
+    "models": {"l4-d64": ["model.name=tiny", "model.n_layer=4", "model.d_model=64", "model.n_head=4"],
+               "l8-d64": ["model.name=tiny", "model.n_layer=8", "model.d_model=64", "model.n_head=4"]},
     "seeds": [0, 1, 2],
     "optim": "adamw",
-    "sets": ["data.seq_len=128", "data.vocab_size=4096", "train.batch_size=16", "optim.lr=1e-3",
-             "train.eval_every=100", "train.eval_rows=1024"],
-    # the baseline runs to its step cap: its plateau rule (bcd.patience) off, as in validity
-    "full": ["train.steps=1800", "bcd.patience=0"],
-    "bcd": ["bcd.blocks=3", "bcd.max_steps=150", "bcd.cycles=4"],
-    "settings": {"fixed": ["bcd.patience=0"], "default": []},
+    "sets": ["data.seq_len=64", "data.vocab_size=2048", "train.batch_size=16", "optim.lr=2e-3",
+             "train.eval_every=50", "train.eval_rows=512", "bcd.window=10"],
+    # the baseline runs to its step cap: its plateau rule off (train.patience=0, the default)
+    "full": ["train.steps=600"],
+    # BCD stops at the first visit that reaches the baseline's final loss + tol (stop_at_target); 10 cycles is a cap
+    "bcd": ["bcd.blocks=3", "bcd.max_steps=80", "bcd.cycles=10", "stop.patience_cycles=0"],
+    "stop_at_target": True,
+    "settings": {"reset-fixed": ["bcd.budget=fixed", "bcd.moments=reset"],
+                 "keep-adaptive": ["bcd.budget=adaptive", "bcd.moments=keep"]},
     "tol": 0.02,
 }
 

@@ -81,11 +81,14 @@ def select(suite: dict, args) -> dict:
     return s
 
 
-def run_sets(s: dict, model: str, files: list[str], seed: int, mode: str, setting: str | None = None) -> list[str]:
+def run_sets(s: dict, model: str, files: list[str], seed: int, mode: str, setting: str | None = None,
+             target: float | None = None) -> list[str]:
     """A run's ``--set`` list after the book's: model, corpus, seed, the mode's, the setting's, the command
-    line's (later keys win)."""
+    line's (later keys win). ``target``: a BCD run stops at the first visit that reaches it (the profile's
+    ``stop_at_target``: its cycle cap is then only a cap, and the run costs what reaching L* costs)."""
     own = s["full"] if mode == "full" else [*s["bcd"], *s["settings"][setting]]
-    return [*s["models"][model], f"data.files={json.dumps(files)}", f"seed={seed}", *own, *s["extra"]]
+    stop = [f"stop.target_val_loss={target:.6f}"] if target is not None and s.get("stop_at_target") else []
+    return [*s["models"][model], f"data.files={json.dumps(files)}", f"seed={seed}", *own, *stop, *s["extra"]]
 
 
 def prepare(bk: RunBook, s: dict, corpus_dir: Path) -> dict[str, list[str]]:
@@ -134,7 +137,8 @@ def seed_runs(bk: RunBook, s: dict, corpus: str, model: str, files: list[str], s
     full = bk.get(f"{tag}/full", "full", s["optim"], run_sets(s, model, files, seed, "full"))
     out = {"full": run_row(full) | {"dataset": full["dataset"]}, "settings": {}}
     for k in s["settings"]:
-        bcd = bk.get(f"{tag}/{k}", "bcd", s["optim"], run_sets(s, model, files, seed, "bcd", k))
+        bcd = bk.get(f"{tag}/{k}", "bcd", s["optim"],
+                     run_sets(s, model, files, seed, "bcd", k, target=full["final_val"] + s["tol"]))
         b = load_config(sets=bcd["sets"]).bcd
         cap = b.cycles * bcd["n_blocks"] * b.max_steps  # what the run may train at most
         out["settings"][k] = {**compare(full, bcd, s["tol"]), "cap_steps": cap, "run": run_row(bcd)}
