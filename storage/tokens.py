@@ -39,6 +39,8 @@ from tokenizers import Tokenizer
 from . import corpus, sft
 from bcdflow.constants import IGNORE_INDEX
 
+from bcdflow.errors import DamagedArtifact
+
 from .errors import DataError
 from .layout import DATASET_META, DATASET_TOKENIZER, dataset_key
 from .store import Store, sha256_bytes
@@ -201,6 +203,11 @@ _OPEN: dict[tuple[str, str], "TokenDataset"] = {}
 _OPEN_LOCK = threading.RLock()
 
 
+class DamagedDataset(DamagedArtifact):
+    """A stored token dataset whose arrays do not match its meta.json (truncated or altered): a damaged
+    artifact (exit 1), not bad input; the dataset is content-addressed, so deleting it rebuilds it."""
+
+
 class TokenDataset:
     """A finished token dataset, read-only. Train rows are served from memory when the array is
     small enough (one read, then numpy fancy indexing), else by orthogonal Zarr reads. A dataset of a
@@ -299,13 +306,13 @@ class TokenDataset:
         arr = zarr.open_array(store=self.store.zarr_store(dataset_key(self.id, f"{name}.zarr"), read_only=True), mode="r")
         want = (self.meta[f"n_{name.split('_')[0]}"], self.seq_len + 1)
         if arr.shape != want:
-            raise DataError(f"dataset {self.id!r}: {name}.zarr has shape {arr.shape}, meta.json says {want}")
+            raise DamagedDataset(f"dataset {self.id!r}: {name}.zarr has shape {arr.shape}, meta.json says {want}")
         return arr
 
     def _load_checked(self, name: str, arr: zarr.Array) -> np.ndarray:
         data = np.asarray(arr[:], dtype=arr.dtype)
         if _array_sha256(data) != self.meta[f"{name}_sha256"]:  # docs/DESIGN.md I5: never train on altered data
-            raise DataError(f"dataset {self.id!r}: {name}.zarr checksum mismatch (truncated or altered)")
+            raise DamagedDataset(f"dataset {self.id!r}: {name}.zarr checksum mismatch (truncated or altered)")
         return data
 
 

@@ -15,7 +15,7 @@ import zarr
 import bcdflow.storage.corpus as corpus
 from bcdflow.storage.errors import DataError
 from bcdflow.storage.store import Store
-from bcdflow.storage.tokens import TokenDataset, dataset_id, prepare_token_dataset
+from bcdflow.storage.tokens import DamagedDataset, TokenDataset, dataset_id, prepare_token_dataset
 
 SMALL = dict(seq_len=32, vocab_size=400)
 
@@ -208,5 +208,5 @@ def test_altered_dataset_is_detected(tmp_path, hf, stdlib_files):
     ds_id = prepare_token_dataset(store, files=stdlib_files, cache_dir=hf, **SMALL)
     z = zarr.open_array(store=store.zarr_store("datasets", ds_id, "train.zarr"), mode="r+")
     z[0, 0] = z[0, 0] + 1
-    with pytest.raises(DataError, match="train.zarr checksum mismatch"):
+    with pytest.raises(DamagedDataset, match="train.zarr checksum mismatch"):
         TokenDataset.open(store, ds_id).train_rows(np.array([0]))

@@ -17,7 +17,7 @@ from bcdflow.storage import sft
 from bcdflow.storage.errors import DataError
 from bcdflow.storage.store import Store
 from bcdflow.constants import IGNORE_INDEX
-from bcdflow.storage.tokens import TokenDataset, dataset_id, prepare_token_dataset
+from bcdflow.storage.tokens import DamagedDataset, TokenDataset, dataset_id, prepare_token_dataset
 from tests.hf_checkpoints import CHATML, make_tokenizer
 
 LLAMA3_LIKE = (  # a system block with a date, bos_token, {% generation %} markers, loop controls
@@ -161,7 +161,7 @@ def test_altered_mask_is_refused(tmp_path, tok_dir):
                                   tokenizer_file=f"{tok_dir}/tokenizer.json", eos_token="<|endoftext|>")
     arr = zarr.open_array(store=store.zarr_store("datasets", ds_id, "train_mask.zarr"), mode="r+")
     arr[0, :] = 1  # "train on the prompts too"
-    with pytest.raises(DataError, match="train_mask.zarr checksum mismatch"):
+    with pytest.raises(DamagedDataset, match="train_mask.zarr checksum mismatch"):
         TokenDataset(store, ds_id, store.read_json("datasets", ds_id, "meta.json")).train_pairs(np.array([0]))
 
 
