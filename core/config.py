@@ -263,7 +263,7 @@ class S3Section(_Section):
 class CheckpointSection(_Section):
     every_steps: int = Field(50, ge=1)
     """Mid-visit checkpoint every N optimizer steps ..."""
-    every_seconds: float = Field(300.0, gt=0)
+    every_seconds: float = Field(300.0, gt=0, le=86400)
     """... and at least every S seconds (whichever comes first)."""
 
 
@@ -332,7 +332,7 @@ class FleetSection(_Section):
     job_variables: str = "{}"
     """Job variables of the visit runs, a JSON object (e.g. {"env": {"NCCL_DEBUG": "WARN"}}), merged over the
     deployment's."""
-    poll_seconds: float = Field(5.0, gt=0)
+    poll_seconds: float = Field(5.0, gt=0, le=86400)
     """How often the parent polls a dispatched visit's state."""
     preinfer: Literal["local", "dask"] = "local"
     """Where a visit's pre-inference shards run: threads of the visit's process, or a Dask cluster
@@ -344,7 +344,7 @@ class FleetSection(_Section):
     """How long a run's (or a visit's) lease lasts without renewal (renewed every third of it): after a crash
     elsewhere, the wait before another process may take the run over. At most a day: longer can only be a
     mistake (and overflows the keep-alive thread's timer)."""
-    reschedule_delay_s: float = Field(30.0, ge=0)
+    reschedule_delay_s: float = Field(30.0, ge=0, le=86400)
     """A preempted visit (SIGTERM under a worker) is rescheduled this far ahead, so the worker of the machine
     going away does not pick it up again."""
 

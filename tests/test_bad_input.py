@@ -67,6 +67,9 @@ BAD = [
     (["train", "--set", "bcd.lr_scales=[1, 0, 1]"], "bcd.lr_scales: each must be a positive number"),
     (["train", "--set", "bcd.budget=greedy"], "bcd.budget: unknown budget 'greedy' (choose from fixed, adaptive)"),
     (["train", "--set", "optim.min_lr_ratio=2"], "optim.min_lr_ratio: Input should be less than or equal to 1"),
+    (["train", "--set", "checkpoint.every_seconds=1e12"], "checkpoint.every_seconds: Input should be less than or"),
+    (["train", "--set", "fleet.poll_seconds=inf"], "fleet.poll_seconds: Input should be"),
+    (["train", "--set", "fleet.reschedule_delay_s=1e300"], "fleet.reschedule_delay_s: Input should be less than"),
 ]
 
 
