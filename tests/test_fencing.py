@@ -197,3 +197,58 @@ def test_same_hostname_in_another_pid_namespace_is_not_judged_dead(store):
     with a.held():
         with pytest.raises(LeaseHeld):
             Lease(store, "runs/r", "run 'r'", ttl=1.0).acquire()
+
+
+# -- exclusive creates verified, failing closed (issue 17 part 3) ----------------------------------------------
+
+def _files(s3_server, bucket: str) -> list[str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server.endpoint, skip_instance_cache=True)
+    return fs.find(bucket.removeprefix("s3://"))
+
+
+def test_a_store_that_ignores_if_none_match_is_refused_before_anything_is_written(s3_server, s3_bucket, s3_proxy,
+                                                                                   capsys):
+    """A conditional PUT that silently overwrites (the proxy drops If-None-Match): two processes would both take
+    epoch 0 of a lease and a manifest could be overwritten, so `train` exits 2 with one line and writes nothing."""
+    from bcdflow.errors import BadInput
+    from bcdflow.flows.cli import main
+
+    s3_proxy.mode = "strip"
+    url = f"{s3_bucket}/x"
+    with pytest.raises(BadInput, match="does not honour an exclusive create"):
+        Store(url, {"endpoint_url": s3_proxy.endpoint}).probe()
+    sets = [a for s in [*TINY, "tracking_uri=none", f"s3.endpoint_url={s3_proxy.endpoint}"] for a in ("--set", s)]
+    capsys.readouterr()
+    assert main(["train", *sets, "--store", url, "--run-id", "r"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert url in err and s3_proxy.endpoint in err and "does not honour an exclusive create" in err, err
+    assert "If-None-Match" in err and "resume" not in err, err
+    assert _files(s3_server, s3_bucket) == []  # no run state, no dataset, no probe object left
+
+
+@pytest.mark.parametrize("reply", ["409", "412"])
+def test_a_409_or_412_from_the_store_means_exists(s3_server, s3_bucket, s3_proxy, reply):
+    """s3fs turns S3's 412 into FileExistsError only when the reply names the If-None-Match condition; a 412 without
+    it (S3-compatible stores) and a 409 ConditionalRequestConflict come out as plain OSErrors: still "exists"."""
+    s3_proxy.mode = reply
+    store = Store(f"{s3_bucket}/{reply}", {"endpoint_url": s3_proxy.endpoint})  # (one bucket for both replies)
+    store.probe()  # the probe's second create gets the 409/412: the store is exclusive
+    assert store.create(b"one", "k") and not store.create(b"two", "k")
+    assert store.read_bytes("k") == b"one"
+    with pytest.raises(OSError) as raised:  # what s3fs itself raises for this reply
+        store.fs.pipe_file(store.path("k"), b"three", mode="create")
+    assert not isinstance(raised.value, FileExistsError) and raised.value.errno == {"409": 5, "412": 22}[reply]
+
+
+def test_the_exclusive_create_probe_runs_once_per_store_and_process(s3_server, s3_bucket, s3_proxy):
+    store = Store(f"{s3_bucket}/x", {"endpoint_url": s3_proxy.endpoint})
+    store.probe()
+    assert s3_proxy.requests.get("PUT") == 2 and s3_proxy.requests.get("DELETE") == 1  # create twice, remove
+    Store(f"{s3_bucket}/x", {"endpoint_url": s3_proxy.endpoint}).probe()  # another Store of it: known already
+    assert store.create(b"one", "k") and not store.create(b"two", "k")
+    assert s3_proxy.requests.get("PUT") == 4 and s3_proxy.requests.get("DELETE") == 1
+    assert _files(s3_server, s3_bucket) == [f"{s3_bucket.removeprefix('s3://')}/x/k"]
+
