@@ -252,3 +252,25 @@ def test_the_exclusive_create_probe_runs_once_per_store_and_process(s3_server, s
     assert s3_proxy.requests.get("PUT") == 4 and s3_proxy.requests.get("DELETE") == 1
     assert _files(s3_server, s3_bucket) == [f"{s3_bucket.removeprefix('s3://')}/x/k"]
 
+
+
+def test_a_filesystem_that_checks_then_writes_is_refused():
+    """fsspec's generic create (``exists()``, then a write) is not exclusive between two processes."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from bcdflow.errors import BadInput
+
+    class CheckThenWrite(MemoryFileSystem):
+        protocol = "checkthenwrite"
+        pipe_file = fsspec.AbstractFileSystem.pipe_file
+
+    fsspec.register_implementation("checkthenwrite", CheckThenWrite, clobber=True)
+    store = Store("checkthenwrite://x")
+    with pytest.raises(BadInput, match="checkthenwrite://x does not honour an exclusive create .*checks for the "
+                                       "object, then writes it"):
+        store.probe()
+    with pytest.raises(BadInput):
+        store.create(b"one", "k")
+    assert not store.exists("k")
+
