@@ -2,6 +2,7 @@
 
     datasets/{dataset_id}/                        a token dataset: {train,val}.zarr, {train,val}_mask.zarr
                                                   (supervised formats), tokenizer.json, meta.json (written last)
+    probes/{token}                                an object store's exclusive-create probe, removed at once
     runs/{run_id}/config.json                     the resolved run config
     runs/{run_id}/states/{seq}.json               the run's state after its seq-th change, created exclusively (the
                                                   commit point; the current state is the highest seq)
@@ -143,6 +144,12 @@ def lease_epoch(name: str) -> int | None:
     """The epoch of a lease object's name (``000000000007.json`` -> 7); None for anything else."""
     stem = name.removesuffix(".json")
     return int(stem) if name.endswith(".json") and stem.isdigit() else None
+
+
+# -- the store itself ------------------------------------------------------------------------------------------
+def probe_key(token: str) -> str:
+    """A key that ``Store`` creates twice and removes, to learn whether an exclusive create is exclusive."""
+    return f"probes/{token}"
 
 
 # -- datasets -------------------------------------------------------------------------------------------------

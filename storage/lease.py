@@ -12,11 +12,14 @@ when it was released, or at once when its owner is provably a process of this ma
 namespace) that no longer exists (a ``kill -9`` here need not wait out the ttl). So taking over from a holder that
 died elsewhere costs the taker one ttl of watching, however long ago the holder died.
 A holder that finds a higher epoch than its own has lost the lease (it was too slow to renew) and must stop
-before it commits anything.
+before it commits anything. A holder whose renewals fail stops its work once the lease could expire: its training
+asks ``lost_lease()`` after every step, which names any lease this process holds that another process has taken or
+that was not renewed for two thirds of its ttl by this process's monotonic clock (docs/DESIGN.md §9).
 
     lease = Lease(store, "runs/r1", "run r1", ttl=60, owner={"flow_run_id": ...})
     with lease.held():          # LeaseHeld (bad input: one line naming the owner) if another process has it
         ...; lease.check()      # LeaseLost before a commit if another process took over
+        check_leases()          # LeaseLost in the step loop (any lease held here) once one could have expired
 """
 from __future__ import annotations
 
@@ -55,7 +58,29 @@ class LeaseHeld(BadInput):
 
 
 class LeaseLost(DamagedArtifact):
-    """This process's lease was taken over by another one: it stops without committing."""
+    """This process's lease was taken over by another one, or could have been: it stops without committing."""
+
+
+# the leases this process holds (``Lease.held``): what its training polls between steps (``lost_lease``)
+_holding: list["Lease"] = []
+_holding_lock = threading.Lock()
+
+
+def lost_lease() -> LeaseLost | None:
+    """LeaseLost for the first lease this process holds that it can no longer count on (``Lease.lapsed``), else
+    None. Cheap (no store request): the step loop asks after every step (tasks/train.py)."""
+    with _holding_lock:
+        held = list(_holding)
+    for lease in held:
+        if why := lease.lapsed():
+            return LeaseLost(why)
+    return None
+
+
+def check_leases() -> None:
+    """Raise ``lost_lease()`` if there is one: before a holder writes anything more (a mid-visit checkpoint)."""
+    if (lost := lost_lease()) is not None:
+        raise lost
 
 
 def _machine() -> dict[str, Any]:
@@ -179,6 +204,23 @@ class Lease:
             raise LeaseLost(self._lost)
         self._write()
 
+    def lapsed(self) -> str | None:
+        """Why this holder must stop its work now, or None: another process took the lease over (the keep-alive
+        saw it), or it was not renewed for ``ttl - margin`` seconds by this process's monotonic clock (renewals
+        failing or hanging, the process paused), so it could expire, and be taken, before the work in flight ends.
+        ``margin`` is a third of the ttl (the renewal period: two renewals in a row did not succeed), left for the
+        step in flight, and a checkpoint begun before the lapse, to end within the lease. The clock starts before
+        each successful write, so it runs ahead of any observer's (which starts when it reads the object)."""
+        if self._lost:
+            return self._lost
+        if self.epoch is None:
+            return None
+        late = time.monotonic() - self._renewed
+        if late < self.ttl - self.ttl / 3:
+            return None
+        return (f"{self.what}: its lease was not renewed for {late:.1f} s (ttl {self.ttl:g} s), so it could expire "
+                "and be taken over; this one stops its work without committing")
+
     def check(self, margin: float | None = None) -> None:
         """Before a commit: raise LeaseLost unless we still hold the lease for at least ``margin`` seconds."""
         margin = self.ttl / 3 if margin is None else margin
@@ -211,11 +253,11 @@ class Lease:
             except LeaseLost as e:
                 log.error("%s", e)
                 return
-            except Exception as e:  # a transient store fault: try again next period (check() decides at commit)
+            except Exception as e:  # a transient store fault: try again next period (the work stops once lapsed())
                 late = time.monotonic() - self._renewed
-                log.warning("%s: renewing its lease failed (%s: %s); last renewed %.0f s ago, ttl %g s%s", self.what,
+                log.warning("%s: renewing its lease failed (%s: %s); last renewed %.1f s ago, ttl %g s%s", self.what,
                             type(e).__name__, e, late, self.ttl,
-                            ": it may have expired, so nothing will be committed" if late >= self.ttl else "")
+                            ": it could expire, so its work stops and commits nothing" if self.lapsed() else "")
 
     @contextmanager
     def held(self):
@@ -224,9 +266,13 @@ class Lease:
         self._stop.clear()
         self._thread = threading.Thread(target=self._keep_alive, name=f"lease {self.what}", daemon=True)
         self._thread.start()
+        with _holding_lock:
+            _holding.append(self)
         try:
             yield self
         finally:
+            with _holding_lock:
+                _holding.remove(self)
             self._stop.set()
             self._thread.join(timeout=5)
             try:

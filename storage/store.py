@@ -2,7 +2,9 @@
 
 Every artifact goes through :class:`Store`, so the rest of the code never builds URLs by hand.
 Object stores have no rename: atomicity comes from writing immutable, content-addressed objects
-first and a small pointer object (manifest, state) last (docs/DESIGN.md §5).
+first and a small pointer object (manifest, state) last (docs/DESIGN.md §5). Leases and commits rest on
+:meth:`Store.create` being exclusive; an object store is checked once per process that it is (two creates of one
+probe key, the second must find it there), and refused with one line when it is not (docs/DESIGN.md §9).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import hashlib
 import json
 import os
 import threading
+import uuid
 from typing import Any
 
 import fsspec
@@ -17,6 +20,8 @@ from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 
 from bcdflow.errors import BadInput
+
+from .layout import probe_key
 
 
 def sha256_bytes(data: bytes | memoryview) -> str:
@@ -34,6 +39,34 @@ def check_url(url: str) -> str:
     except ImportError as e:
         raise BadInput(f"store: protocol {protocol!r} of {url!r} needs a package that is not installed ({e})") from None
     return url
+
+
+# an object store's verdict on exclusive creates, per store (URL and options) and process: None when the probe found
+# them exclusive, else what the store lacks. One probe per store and process; a fault during it is not a verdict.
+_exclusive: dict[str, str | None] = {}
+_exclusive_lock = threading.Lock()
+
+
+def means_exists(e: BaseException) -> bool:
+    """Whether an exclusive create that raised ``e`` found an object at its key. s3fs raises FileExistsError for
+    S3's 412 PreconditionFailed only when the reply names the ``If-None-Match`` condition; an S3-compatible store
+    that leaves the condition out gets a plain OSError (EINVAL), and a 409 ConditionalRequestConflict (another
+    conditional write of the key in flight: one of them wins, so this one lost) an OSError (EIO). Both are told by
+    the HTTP status of the botocore error s3fs chains as the cause. Such a create fails closed: the caller sees
+    "exists" (a lease in use, a state made by another writer) and no two callers both win."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, FileExistsError):
+            return True
+        reply = getattr(e, "response", None)
+        if isinstance(reply, dict):
+            status = (reply.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            code = (reply.get("Error") or {}).get("Code")
+            if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return True
+        seen.add(id(e))
+        e = e.__cause__
+    return False
 
 
 def _complete_tmp(path: str, data: bytes) -> str:
@@ -98,11 +131,8 @@ class Store:
         never overwritten (docs/DESIGN.md I7)."""
         p = self.path(*parts)
         if not self.is_local:
-            try:
-                self.fs.pipe_file(p, data, mode="create")
-            except FileExistsError:
-                return False
-            return True
+            self.check_exclusive()
+            return self._put_new(p, data)
         tmp = _complete_tmp(p, data)
         try:
             os.link(tmp, p)
@@ -111,6 +141,55 @@ class Store:
         finally:
             os.remove(tmp)
         return True
+
+    def _put_new(self, path: str, data: bytes) -> bool:
+        """An object store's create-if-absent (S3: a PUT with ``If-None-Match: *``); False when the store says an
+        object is there (FileExistsError, or an HTTP 409/412 however s3fs translated it: ``means_exists``)."""
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except Exception as e:
+            if means_exists(e):
+                return False
+            raise
+        return True
+
+    def check_exclusive(self) -> None:
+        """Raise BadInput, naming the store and what it lacks, unless an exclusive create here is exclusive: of two
+        creates of one new probe key the first must succeed and the second must find the object there (a store
+        that ignores ``If-None-Match`` lets both "win": two holders of one lease epoch, an overwritten manifest).
+        Probed once per store and process (two conditional PUTs and a DELETE); a local store (hard links) is
+        exclusive by construction. Called by ``probe()`` before a run writes anything and by the first ``create``."""
+        if self.is_local:
+            return
+        ident = json.dumps([self.url, self.storage_options], sort_keys=True, default=str)
+        with _exclusive_lock:  # one probe even when threads create at once
+            if ident not in _exclusive:
+                _exclusive[ident] = self._probe_exclusive()
+            lacks = _exclusive[ident]
+        if lacks:
+            at = self.storage_options.get("endpoint_url")
+            raise BadInput(f"store: {self.url}{f' at {at}' if at else ''} does not honour an exclusive create "
+                           f"({lacks}); leases and commits need one: use a store with conditional writes")
+
+    def _probe_exclusive(self) -> str | None:
+        if getattr(self.fs.pipe_file, "__func__", None) is fsspec.AbstractFileSystem.pipe_file:
+            return f"fsspec's {_protocols(self.fs)[0]!r} filesystem checks for the object, then writes it"
+        p = self.path(probe_key(f"{uuid.uuid4().hex}.json"))
+        try:
+            try:
+                first = self._put_new(p, b'{"probe": 1}')
+            except (TypeError, NotImplementedError, ValueError) as e:  # no mode="create" in this filesystem
+                return f"its filesystem has no create-if-absent ({type(e).__name__}: {e})"
+            if not first:
+                return "a create of a new key said it exists"
+            if self._put_new(p, b'{"probe": 2}'):
+                return "a second PUT of an existing key with If-None-Match: * overwrote it"
+            return None
+        finally:
+            try:
+                self.fs.rm_file(p)
+            except FileNotFoundError:
+                pass
 
     def read_json(self, *parts: str) -> Any:
         return json.loads(self.read_bytes(*parts))
@@ -144,7 +223,8 @@ class Store:
         """Fail fast, with one line that says which, when the store cannot be used: a local root that is not a
         writable directory (``write=False``, for commands that only read: ``status``, ``export``, ``compare``: a
         read-only one is fine); an S3 bucket without credentials, unreachable, missing or denied. One request with
-        short timeouts and no retries (a run's own requests keep s3fs's retries for transient faults)."""
+        short timeouts and no retries (a run's own requests keep s3fs's retries for transient faults). ``write``: also
+        that an exclusive create is exclusive (``check_exclusive``, once per store and process)."""
         if self.is_local:
             path = self.root
             if os.path.exists(path) and not os.path.isdir(path):
@@ -158,6 +238,8 @@ class Store:
                 raise BadInput(f"store: cannot create or write {self.url} (no write permission in {path})")
             return
         if get_protocol(self.url) not in ("s3", "s3a"):
+            if write:
+                self.check_exclusive()
             return
         import botocore.exceptions as bx
 
@@ -178,6 +260,8 @@ class Store:
             raise BadInput(f"store: bucket {bucket!r} does not exist at {endpoint} (create it first)") from None
         except PermissionError:
             raise BadInput(f"store: access to bucket {bucket!r} at {endpoint} is denied for these credentials") from None
+        if write:
+            self.check_exclusive()
 
     # -- zarr ----------------------------------------------------------------------------
     def zarr_store(self, *parts: str, read_only: bool = False):

@@ -27,6 +27,7 @@ from bcdflow.models.plan import block_tensors
 from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
 from bcdflow.models.visit import autocast, visit_loss
 from bcdflow.storage import activations, checkpoints, trainckpt
+from bcdflow.storage.lease import check_leases, lost_lease
 from bcdflow.tasks import preemption
 from bcdflow.tasks.data import batch_ranges, sample_rows, visit_rows
 from bcdflow.tasks.engine import (EvalResult, TrainResult, compile_layers, counted, diverged_message, evaluate_model,
@@ -112,9 +113,15 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
                                                                   f"the optimizer moments of block {block}", device))
 
     def checkpoint(st: LoopState, why: str) -> None:
+        # a holder whose lease could have expired writes nothing more: the next holder of the visit keeps its
+        # checkpoint here too. On a lapsed lease (stop() below) this is where the loop ends, with LeaseLost.
+        check_leases()
         trainckpt.save(ctx.store, vkey, st.steps, {n: p for n, p in model.named_parameters() if n in active},
                        opt.state_dict(), {"loop": st.to_dict(), "base_version": version, "why": why})
         failpoints.hit("train-checkpoint")
+
+    def stop() -> bool:  # after each step: SIGTERM or Ctrl-C, or a lease of this process that could expire (§9)
+        return preempt.requested() or lost_lease() is not None
 
     # the data cursor: a resumed loop skips the batches it already trained on
     resumed_at = state.steps if state else 0  # run_steps advances the state it is given
@@ -122,7 +129,7 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     try:
         with preempt.training():
             res = run_steps(loss_fn, params, prefetched(ranges, counted(fetch), device), opt, spec,
-                            cfg.stop_rule(min_rate), on_window=on_window, should_stop=preempt.requested, state=state,
+                            cfg.stop_rule(min_rate), on_window=on_window, should_stop=stop, state=state,
                             checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
                             ckpt_seconds=cfg.checkpoint.every_seconds, progress=progress, global_step=global_step)
     except Diverged as e:
@@ -130,6 +137,7 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     finally:
         if progress is not None:
             progress.close()
+    check_leases()  # a lease that lapsed during the last step: no evaluation, no block file
     if res.stopped_by == "interrupted":  # SIGTERM or Ctrl-C: the checkpoint is written
         preemption.after_checkpoint(cfg.fleet.reschedule_delay_s)
     val_loss, eval_s = None, 0.0

@@ -10,9 +10,11 @@ the CPU (the tests: 2 processes).
 
 Preemption: a SIGTERM or SIGINT to the train task, or a SIGTERM to any process, makes every process stop after the
 same step (``parallel.StopSync``), rank 0 checkpoints once (unsharded: resumable on any GPU count) and the task
-then hands the signal on as one process would (``tasks.preemption.after_checkpoint``). The processes run in their own session, so
-a terminal's Ctrl-C reaches the task, which forwards it; if the task dies, torchrun gets SIGTERM (Linux
-PR_SET_PDEATHSIG) and its processes checkpoint and exit.
+then hands the signal on as one process would (``tasks.preemption.after_checkpoint``). The processes run in their
+own session, so a terminal's Ctrl-C reaches the task, which forwards it; if the task dies, torchrun gets SIGTERM
+(Linux PR_SET_PDEATHSIG) and its processes checkpoint and exit. A lease of the task's process that could expire
+(``storage/lease.lost_lease``, docs/DESIGN.md §9) kills every process at once, with no checkpoint, and the task
+raises LeaseLost.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import visit_memory
 from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
 from bcdflow.storage import activations, checkpoints, trainckpt
+from bcdflow.storage.lease import lost_lease
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.tasks import preemption
 from bcdflow.tasks.data import batch_ranges, visit_rows
@@ -81,9 +84,15 @@ def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTa
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "bcdflow.tasks.train_dist", os.path.join(work, "spec.json")]
     forwarded: set[int] = set()
+    lost = None
     with preempt.training():  # the task's own SIGTERM/SIGINT: forwarded to every process as SIGTERM
         proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
         while proc.poll() is None:
+            if (lost := lost_lease()) is not None:  # it could expire: every process stops now, no checkpoint (§9)
+                for pid in [*_pids(work), -proc.pid]:  # the ranks, then torchrun's process group
+                    _signal(pid, signal.SIGKILL)
+                proc.wait()
+                break
             if preempt.requested():
                 for pid in _pids(work):
                     if pid not in forwarded:
@@ -91,6 +100,8 @@ def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTa
                         _signal(pid)
             time.sleep(0.1)
     try:
+        if lost is not None:
+            raise lost
         return _result(work, proc.returncode, run_id, cfg.fleet.reschedule_delay_s)
     finally:
         if not os.environ.get("BCDFLOW_DIST_KEEP"):
@@ -108,9 +119,9 @@ def _pids(work: str) -> list[int]:
     return out
 
 
-def _signal(pid: int) -> None:
+def _signal(pid: int, sig: int = signal.SIGTERM) -> None:
     try:
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, sig)
     except ProcessLookupError:
         pass
 

@@ -126,3 +126,95 @@ def s3_bucket(s3_server, request):
     if not fs.exists(name):
         fs.mkdir(name)
     return f"s3://{name}"
+
+
+class S3Proxy:
+    """An HTTP proxy in front of the moto server that plays an S3-compatible store with other conditional writes:
+    ``mode`` ``"pass"`` forwards every request as it is; ``"strip"`` drops ``If-None-Match`` from requests (a store
+    that ignores it: a conditional PUT overwrites); ``"409"`` and ``"412"`` answer a conditional PUT of an existing
+    key (moto's 412) with ``409 ConditionalRequestConflict`` or with a ``412 PreconditionFailed`` without the
+    ``Condition`` element (as some S3-compatible stores reply). ``requests`` counts the requests it got, by method."""
+
+    HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "expect", "host", "te", "upgrade"}
+    ERRORS = {"409": (409, "ConditionalRequestConflict", "A conflicting conditional operation is currently in "
+                                                         "progress against this resource. Please try again."),
+              "412": (412, "PreconditionFailed", "At least one of the pre-conditions you specified did not hold")}
+
+    def __init__(self, upstream: str):
+        import http.client
+        import http.server
+        from urllib.parse import urlsplit
+
+        self.mode = "pass"
+        self.requests: dict[str, int] = {}
+        proxy, up = self, urlsplit(upstream)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _body(self) -> bytes:
+                if "chunked" in self.headers.get("Transfer-Encoding", ""):
+                    out = b""
+                    while size := int(self.rfile.readline().split(b";")[0], 16):
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                    self.rfile.readline()
+                    return out
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _upstream(self, method: str, headers: dict, body: bytes | None):
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
+                conn.request(method, self.path, body=body, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+                conn.close()
+                return r, data
+
+            def _reply(self, status: int, headers: list, data: bytes, head: bool = False) -> None:
+                self.send_response(status)
+                for k, v in headers:
+                    if k.lower() not in proxy.HOP and (head or k.lower() != "content-length"):
+                        self.send_header(k, v)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data)
+
+            def _any(self) -> None:
+                body = self._body()
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in proxy.HOP}
+                proxy.requests[self.command] = proxy.requests.get(self.command, 0) + 1
+                conditional = next((k for k in headers if k.lower() == "if-none-match"), None)
+                if conditional and self.command == "PUT" and proxy.mode == "strip":
+                    del headers[conditional]
+                r, data = self._upstream(self.command, headers, body if body or self.command in ("PUT", "POST")
+                                         else None)
+                if conditional and r.status == 412 and proxy.mode in proxy.ERRORS:  # moto's reply, reworded
+                    status, code, msg = proxy.ERRORS[proxy.mode]
+                    xml = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                           f"<Message>{msg}</Message><RequestId>proxy</RequestId></Error>").encode()
+                    return self._reply(status, [("Content-Type", "application/xml")], xml)
+                self._reply(r.status, r.getheaders(), data, head=self.command == "HEAD")
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def s3_proxy(s3_server):
+    """A fresh S3Proxy in front of the session's moto server (mode ``"pass"``)."""
+    proxy = S3Proxy(s3_server.endpoint)
+    yield proxy
+    proxy.stop()

@@ -197,3 +197,233 @@ def test_same_hostname_in_another_pid_namespace_is_not_judged_dead(store):
     with a.held():
         with pytest.raises(LeaseHeld):
             Lease(store, "runs/r", "run 'r'", ttl=1.0).acquire()
+
+
+# -- exclusive creates verified, failing closed (issue 17 part 3) ----------------------------------------------
+
+def _files(s3_server, bucket: str) -> list[str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server.endpoint, skip_instance_cache=True)
+    return fs.find(bucket.removeprefix("s3://"))
+
+
+def test_a_store_that_ignores_if_none_match_is_refused_before_anything_is_written(s3_server, s3_bucket, s3_proxy,
+                                                                                   capsys):
+    """A conditional PUT that silently overwrites (the proxy drops If-None-Match): two processes would both take
+    epoch 0 of a lease and a manifest could be overwritten, so `train` exits 2 with one line and writes nothing."""
+    from bcdflow.errors import BadInput
+    from bcdflow.flows.cli import main
+
+    s3_proxy.mode = "strip"
+    url = f"{s3_bucket}/x"
+    with pytest.raises(BadInput, match="does not honour an exclusive create"):
+        Store(url, {"endpoint_url": s3_proxy.endpoint}).probe()
+    sets = [a for s in [*TINY, "tracking_uri=none", f"s3.endpoint_url={s3_proxy.endpoint}"] for a in ("--set", s)]
+    capsys.readouterr()
+    assert main(["train", *sets, "--store", url, "--run-id", "r"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert url in err and s3_proxy.endpoint in err and "does not honour an exclusive create" in err, err
+    assert "If-None-Match" in err and "resume" not in err, err
+    assert _files(s3_server, s3_bucket) == []  # no run state, no dataset, no probe object left
+
+
+@pytest.mark.parametrize("reply", ["409", "412"])
+def test_a_409_or_412_from_the_store_means_exists(s3_server, s3_bucket, s3_proxy, reply):
+    """s3fs turns S3's 412 into FileExistsError only when the reply names the If-None-Match condition; a 412 without
+    it (S3-compatible stores) and a 409 ConditionalRequestConflict come out as plain OSErrors: still "exists"."""
+    s3_proxy.mode = reply
+    store = Store(f"{s3_bucket}/{reply}", {"endpoint_url": s3_proxy.endpoint})  # (one bucket for both replies)
+    store.probe()  # the probe's second create gets the 409/412: the store is exclusive
+    assert store.create(b"one", "k") and not store.create(b"two", "k")
+    assert store.read_bytes("k") == b"one"
+    with pytest.raises(OSError) as raised:  # what s3fs itself raises for this reply
+        store.fs.pipe_file(store.path("k"), b"three", mode="create")
+    assert not isinstance(raised.value, FileExistsError) and raised.value.errno == {"409": 5, "412": 22}[reply]
+
+
+def test_the_exclusive_create_probe_runs_once_per_store_and_process(s3_server, s3_bucket, s3_proxy):
+    store = Store(f"{s3_bucket}/x", {"endpoint_url": s3_proxy.endpoint})
+    store.probe()
+    assert s3_proxy.requests.get("PUT") == 2 and s3_proxy.requests.get("DELETE") == 1  # create twice, remove
+    Store(f"{s3_bucket}/x", {"endpoint_url": s3_proxy.endpoint}).probe()  # another Store of it: known already
+    assert store.create(b"one", "k") and not store.create(b"two", "k")
+    assert s3_proxy.requests.get("PUT") == 4 and s3_proxy.requests.get("DELETE") == 1
+    assert _files(s3_server, s3_bucket) == [f"{s3_bucket.removeprefix('s3://')}/x/k"]
+
+
+
+def test_a_filesystem_that_checks_then_writes_is_refused():
+    """fsspec's generic create (``exists()``, then a write) is not exclusive between two processes."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from bcdflow.errors import BadInput
+
+    class CheckThenWrite(MemoryFileSystem):
+        protocol = "checkthenwrite"
+        pipe_file = fsspec.AbstractFileSystem.pipe_file
+
+    fsspec.register_implementation("checkthenwrite", CheckThenWrite, clobber=True)
+    store = Store("checkthenwrite://x")
+    with pytest.raises(BadInput, match="checkthenwrite://x does not honour an exclusive create .*checks for the "
+                                       "object, then writes it"):
+        store.probe()
+    with pytest.raises(BadInput):
+        store.create(b"one", "k")
+    assert not store.exists("k")
+
+
+# -- training stops once its lease could have expired (issue 17 part 1) -----------------------------------------
+
+class _Steps:
+    """Slows every training step of this process by ``step_s`` and notes when each began; raises ``limit_s`` after
+    the first, so that a loop that never stops fails the test instead of training for ever."""
+
+    def __init__(self, monkeypatch, step_s: float, limit_s: float):
+        import bcdflow.tasks.train as train_mod
+
+        self.times: list[float] = []
+        real = train_mod.visit_loss
+
+        def slow(*args, **kwargs):
+            if self.times and time.monotonic() - self.times[0] > limit_s:
+                raise RuntimeError(f"still training after {limit_s} s")
+            time.sleep(step_s)
+            self.times.append(time.monotonic())
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(train_mod, "visit_loss", slow)
+
+
+def _renewals_fail(monkeypatch, only: str = "") -> dict:
+    """Every renewal of a lease (of keys containing ``only``) raises, as a store that went away would; returns the
+    monotonic times at which leases were acquired, by key."""
+    acquired: dict[str, float] = {}
+    real_write, real_acquire = Lease._write, Lease.acquire
+
+    def write(self):
+        if only in self.key:
+            raise OSError("the store is unreachable")
+        real_write(self)
+
+    def acquire(self):
+        acquired[self.key] = time.monotonic()
+        return real_acquire(self)
+
+    monkeypatch.setattr(Lease, "_write", write)
+    monkeypatch.setattr(Lease, "acquire", acquire)
+    return acquired
+
+
+def test_training_stops_once_its_lease_could_have_expired(tiny_cfg, monkeypatch):
+    """Renewals fail from the start: the step loop stops within the ttl (after two thirds of it, plus a step), with
+    LeaseLost and no checkpoint written after that; the train task never retries it."""
+    from bcdflow.core.context import RunContext
+    from bcdflow.storage import layout, trainckpt
+    from bcdflow.tasks.train import train_block
+    from tests.test_invariants import new_run
+
+    ttl = 2.0
+    cfg = tiny_cfg("bcd.max_steps=100000", "checkpoint.every_steps=5")
+    ds = new_run(cfg)
+    store = Store(cfg.store)
+    steps = _Steps(monkeypatch, step_s=0.02, limit_s=4 * ttl)
+    saves: list[float] = []
+    real_save = trainckpt.save
+    monkeypatch.setattr(trainckpt, "save", lambda *a, **k: (saves.append(time.monotonic()), real_save(*a, **k))[1])
+    acquired = _renewals_fail(monkeypatch)
+    lease = Lease(store, layout.visit_key("r", 0, 0), "visit c0-b0 of run 'r'", ttl=ttl)
+    with pytest.raises(LeaseLost) as lost:
+        with lease.held():
+            train_block.fn(RunContext.of(cfg, "r", ds), 0, 0, 0)
+    stopped = time.monotonic() - acquired[lease.key]
+    message = str(lost.value)
+    assert "visit c0-b0 of run 'r': its lease was not renewed for" in message and "\n" not in message
+    assert "without committing" in message
+    started = [t - acquired[lease.key] for t in steps.times]  # when each step began
+    assert started[-1] >= ttl / 2 and stopped < ttl, (started[-3:], stopped)  # not at the first failed renewal
+    assert saves and all(t - acquired[lease.key] < started[-1] for t in saves)  # checkpoints until the lapse only
+    assert runs.read_state(store, "r").version == 0
+
+
+@pytest.mark.slow
+def test_a_visit_whose_lease_is_not_renewed_stops_and_commits_nothing(prefect_server, tiny_cfg, monkeypatch, capsys):
+    """`bcdflow train` (in-process) while the visit's lease renewals fail: the visit stops training within the ttl
+    and the run fails with one line and exit 1; the run is still at version 0 with no visit and no manifest 1."""
+    from bcdflow.flows.cli import main
+
+    ttl = 2.0
+    steps = _Steps(monkeypatch, step_s=0.02, limit_s=4 * ttl)
+    acquired = _renewals_fail(monkeypatch, only="/visits/")
+    store = Store(str(tiny_cfg().store))
+    sets = [a for s in [*TINY, "tracking_uri=none", f"fleet.lease_seconds={ttl:g}", "bcd.max_steps=100000"]
+            for a in ("--set", s)]
+    capsys.readouterr()
+    assert main(["train", *sets, "--store", store.url, "--run-id", "r"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "visit c0-b0 of run 'r': its lease was not renewed for" in err and "without committing" in err, err
+    t0 = acquired["runs/r/visits/c0-b0"]
+    assert steps.times and steps.times[-1] - t0 < ttl, [t - t0 for t in steps.times[-3:]]
+    state = runs.read_state(store, "r")
+    assert state.version == 0 and state.visits == [] and state.status != "done"
+    assert store.listdir("runs/r/versions") == ["0.json"]
+
+
+@pytest.mark.slow
+def test_a_distributed_visit_whose_lease_is_not_renewed_is_stopped_at_once(tiny_cfg, tmp_path, monkeypatch):
+    """train.gpus=2 (torchrun, gloo): renewals start failing once the processes train (a checkpoint is there); the
+    task kills every process without a checkpoint of its own and raises LeaseLost within the ttl."""
+    from bcdflow.core.context import RunContext
+    from bcdflow.storage import layout
+    from bcdflow.tasks.train import train_block
+    from tests.test_invariants import new_run
+
+    monkeypatch.setenv("BCDFLOW_DIST_DIR", str(tmp_path / "dist"))
+    monkeypatch.setenv("BCDFLOW_DIST_KEEP", "1")
+    (tmp_path / "dist").mkdir()
+    ttl = 3.0
+    cfg = tiny_cfg("bcd.max_steps=100000", "checkpoint.every_steps=5", "train.gpus=2", "train.parallel=ddp")
+    ds = new_run(cfg)
+    store = Store(cfg.store)
+    ckpt = "runs/r/visits/c0-b0/train-ckpt/ckpt.json"
+    failing: list[float] = []
+    done = threading.Event()
+    real_write = Lease._write
+
+    def write(self):
+        if failing:
+            raise OSError("the store is unreachable")
+        real_write(self)
+
+    def fail_once_training():
+        deadline = time.monotonic() + 240
+        while not store.exists(ckpt) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        failing.append(time.monotonic())
+        if not done.wait(4 * ttl):  # still training (the old code): preempt the processes, so the test ends
+            for p in (tmp_path / "dist").glob("*/pid-*"):
+                os.kill(int(p.read_text()), signal.SIGTERM)
+
+    monkeypatch.setattr(Lease, "_write", write)
+    watcher = threading.Thread(target=fail_once_training, daemon=True)
+    watcher.start()
+    lease = Lease(store, layout.visit_key("r", 0, 0), "visit c0-b0 of run 'r'", ttl=ttl)
+    try:
+        with pytest.raises(LeaseLost, match="not renewed"):
+            with lease.held():
+                train_block.fn(RunContext.of(cfg, "r", ds), 0, 0, 0)
+    finally:
+        done.set()
+        watcher.join()
+    assert failing and time.monotonic() - failing[0] < ttl
+    pids = [int(p.read_text()) for p in (tmp_path / "dist").glob("*/pid-*")]
+    assert len(pids) == 2
+    time.sleep(0.5)
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+    step = store.read_json(ckpt)["step"]
+    time.sleep(1.0)
+    assert store.read_json(ckpt)["step"] == step and store.read_json(ckpt)["meta"]["why"] == "steps"
