@@ -148,7 +148,8 @@ class BcdSection(_Section):
     moments: Literal["reset", "keep"] = "reset"
     """The optimizer state a visit starts from: ``reset`` (a fresh optimizer, paper Algorithm 1 and BAdam);
     ``keep``: the block's own state (AdamW moments and step count) from its last visit, stored with the committed
-    version, so a block picks up where it left off. One process per visit (``train.gpus=1``)."""
+    version, so a block picks up where it left off (a visit on several GPUs gathers and cuts it like a mid-visit
+    checkpoint)."""
     lr_scales: list[float] | None = None
     """Per-block multipliers of ``optim.lr`` (one per block), e.g. a lower rate for the embedding block."""
     shard_rows: int = Field(256, ge=1)
@@ -406,8 +407,6 @@ class RunConfig(_Section):
                                  "(one per block)")
             if any(not (math.isfinite(v) and v > 0) for v in self.bcd.lr_scales):
                 raise ValueError(f"bcd.lr_scales: each must be a positive number, got {self.bcd.lr_scales}")
-        if self.bcd.moments == "keep" and self.train.gpus > 1:
-            raise ValueError("bcd.moments: keep runs a visit in one process (set train.gpus=1, or bcd.moments=reset)")
         if self.train.offload == "stream" and (self.train.gpus > 1 or self.train.compile):
             raise ValueError("train.offload: stream runs a visit in one process without torch.compile (set "
                              "train.gpus=1 and train.compile=false, or train.offload=off)")

@@ -143,8 +143,10 @@ def full_params(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Te
 def full_optim_state(opt: torch.optim.Optimizer) -> dict:
     """``opt.state_dict()`` with every sharded state tensor gathered whole: the one-process format (a collective)."""
     sd = opt.state_dict()
-    return {"state": {k: {n: full(v) if isinstance(v, torch.Tensor) else v for n, v in st.items()}
-                      for k, st in sd["state"].items()},
+    # sorted: each gather is a collective, so every process must gather the same tensors in the same order (the
+    # entries of a state loaded from a checkpoint need not be in the order the process's own steps made them)
+    return {"state": {k: {n: full(v) if isinstance(v, torch.Tensor) else v for n, v in sorted(st.items())}
+                      for k, st in sorted(sd["state"].items())},
             "param_groups": sd["param_groups"]}
 
 

@@ -159,20 +159,18 @@ def evaluate_model(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     return total / count if count else float("nan")
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
-    """The per-parameter state of ``opt`` (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``) as named tensors
-    ``{state}/{parameter name}``; ``names``: the names of the optimizer's parameters, in its order."""
-    state = opt.state_dict()["state"]
-    return {f"{k}/{n}": torch.as_tensor(v) for i, n in enumerate(names) for k, v in state.get(i, {}).items()}
+def optimizer_tensors(state: dict, names: list[str]) -> dict[str, torch.Tensor]:
+    """The per-parameter entries of an optimizer ``state_dict()`` (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``;
+    a distributed visit's gathered whole) as named tensors ``{entry}/{parameter name}``; ``names``: the names of
+    the optimizer's parameters, in its order."""
+    return {f"{k}/{n}": torch.as_tensor(v) for i, n in enumerate(names) for k, v in state["state"].get(i, {}).items()}
 
 
-def load_optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor]) -> None:
-    """Put what ``optimizer_tensors`` saved back into ``opt`` (its parameter groups, learning rate included, stay
-    as they are); a parameter without saved state starts fresh."""
+def optimizer_state(tensors: dict[str, torch.Tensor], names: list[str], param_groups: list[dict]) -> dict:
+    """What ``optimizer_tensors`` saved as a ``state_dict()`` for an optimizer over ``names`` whose parameter
+    groups (learning rate included) are ``param_groups``; a parameter without saved entries starts fresh."""
     by_name: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         k, n = key.split("/", 1)
         by_name.setdefault(n, {})[k] = t
-    sd = opt.state_dict()
-    sd["state"] = {i: by_name[n] for i, n in enumerate(names) if n in by_name}
-    opt.load_state_dict(sd)
+    return {"state": {i: by_name[n] for i, n in enumerate(names) if n in by_name}, "param_groups": param_groups}

@@ -31,7 +31,7 @@ from bcdflow.storage.lease import check_leases, lost_lease
 from bcdflow.tasks import preemption
 from bcdflow.tasks.data import batch_ranges, sample_rows, visit_rows
 from bcdflow.tasks.engine import (EvalResult, TrainResult, compile_layers, counted, diverged_message, evaluate_model,
-                                  load_optimizer_tensors, optimizer_tensors, prefetched, use_recompute, val_batches,
+                                  optimizer_state, optimizer_tensors, prefetched, use_recompute, val_batches,
                                   visit_val_batches, window_logger)
 from bcdflow.tasks.progress import Progress
 from bcdflow.tasks.retry import retrying
@@ -50,7 +50,7 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     ``moments``: the optimizer state the block's last visit ended with (``bcd.moments=keep``)."""
     cfg, run_id = ctx.cfg, ctx.run_id
     if cfg.train.gpus > 1:  # torchrun: one process per GPU, rank 0 commits (tasks/train_dist.py)
-        return launch(ctx, cycle, block, version, track, global_step=global_step, min_rate=min_rate)
+        return launch(ctx, cycle, block, version, track, global_step=global_step, min_rate=min_rate, moments=moments)
     ds, device, n_layer = ctx.dataset, ctx.device, ctx.model_cfg.n_layer
     lo, hi = ctx.plan[block].layers
     from_acts = ctx.from_acts(block)
@@ -109,8 +109,8 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
             g["lr"] = spec.base_lr
         state = LoopState.from_dict(pointer["meta"]["loop"])
     elif moments is not None:  # bcd.moments=keep: where the block's last visit left its optimizer
-        load_optimizer_tensors(opt, names, checkpoints.load_file(ctx.store, run_id, moments,
-                                                                  f"the optimizer moments of block {block}", device))
+        saved = checkpoints.load_file(ctx.store, run_id, moments, f"the optimizer moments of block {block}", device)
+        opt.load_state_dict(optimizer_state(saved, names, opt.state_dict()["param_groups"]))
 
     def checkpoint(st: LoopState, why: str) -> None:
         # a holder whose lease could have expired writes nothing more: the next holder of the visit keeps its
@@ -155,7 +155,7 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     return TrainResult(
         steps=res.steps, first_loss=res.losses[0], train_loss=res.final_loss, stopped_by=res.stopped_by,
         seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows), val_points=val_points,
-        rate=res.rate, moments_file=checkpoints.save_block(ctx.store, run_id, optimizer_tensors(opt, names))
+        rate=res.rate, moments_file=checkpoints.save_block(ctx.store, run_id, optimizer_tensors(opt.state_dict(), names))
         if cfg.bcd.moments == "keep" and res.stopped_by != "interrupted" else None,
         peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         block_file=checkpoints.save_block(ctx.store, run_id, block_tensors(model, ctx.plan, block)),

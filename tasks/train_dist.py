@@ -49,8 +49,8 @@ from bcdflow.storage.lease import lost_lease
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.tasks import preemption
 from bcdflow.tasks.data import batch_ranges, visit_rows
-from bcdflow.tasks.engine import (TrainResult, compile_layers, diverged_message, evaluate_model, prefetched,
-                                  use_recompute, visit_val_batches, window_logger)
+from bcdflow.tasks.engine import (TrainResult, compile_layers, diverged_message, evaluate_model, optimizer_state,
+                                  optimizer_tensors, prefetched, use_recompute, visit_val_batches, window_logger)
 from bcdflow.tasks.progress import visit_progress
 from bcdflow.tracking.tracker import TrackTarget
 
@@ -67,7 +67,7 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGTERM to torchru
 
 
 def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None,
-           global_step: int = 0, min_rate: float | None = None) -> TrainResult:
+           global_step: int = 0, min_rate: float | None = None, moments: dict | None = None) -> TrainResult:
     """Train the visit with ``train.gpus`` processes and return rank 0's result (as ``train_block`` does)."""
     cfg, run_id, dataset_id = ctx.cfg, ctx.run_id, ctx.dataset_id
     n = cfg.train.gpus
@@ -77,6 +77,7 @@ def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTa
         prefix="bcdflow-visit-")
     spec = {"cfg": cfg.model_dump(mode="json"), "run_id": run_id, "cycle": cycle, "block": block, "version": version,
             "dataset_id": dataset_id, "work": work, "global_step": global_step, "min_rate": min_rate,
+            "moments": moments,
             "track": None if track is None else {f.name: getattr(track, f.name) for f in dataclasses.fields(track)
                                                  if not f.name.startswith("_")}}
     with open(os.path.join(work, "spec.json"), "w") as f:
@@ -284,6 +285,9 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
         for g in opt.param_groups:
             g["lr"] = opt_spec.base_lr
         state = LoopState.from_dict(pointer["meta"]["loop"])
+    elif spec.get("moments"):  # bcd.moments=keep: the block's last visit's optimizer state, cut to this process
+        saved = checkpoints.load_file(ctx.store, run_id, spec["moments"], f"the optimizer moments of block {block}")
+        par.load_optim_state(opt, optimizer_state(saved, [n for n, _ in named], opt.state_dict()["param_groups"]))
 
     def checkpoint(st: LoopState, why: str) -> None:
         tensors, opt_full = par.full_params(named), par.full_optim_state(opt)  # collectives under FSDP
@@ -307,16 +311,20 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0],
                         dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=sync.group)
-    block_file = {}
+    block_file, moments_file = {}, None
     if res.stopped_by != "interrupted":
         tensors = par.full_params(named)
+        opt_full = par.full_optim_state(opt) if cfg.bcd.moments == "keep" else None  # collectives under FSDP
         if rank == 0:
             block_file = checkpoints.save_block(ctx.store, run_id, {n: tensors[n] for n in ctx.plan[block].params})
+            if opt_full is not None:
+                moments_file = checkpoints.save_block(ctx.store, run_id,
+                                                      optimizer_tensors(opt_full, [n for n, _ in named]))
     return TrainResult(
         steps=res.steps, first_loss=res.losses[0] if res.losses else float("nan"), train_loss=res.final_loss,
         stopped_by=res.stopped_by, seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows),
         val_points=val_points, peak_mem_bytes=int(peak.item()) if device.type == "cuda" else None,
-        block_file=block_file, recompute=recompute, gpus=world, rate=res.rate)
+        block_file=block_file, recompute=recompute, gpus=world, rate=res.rate, moments_file=moments_file)
 
 
 if __name__ == "__main__":

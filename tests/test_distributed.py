@@ -135,3 +135,23 @@ def test_a_one_process_checkpoint_resumes_on_two(tiny_cfg, monkeypatch):
     store.rm("runs/r/visits/c0-b1/train-ckpt")
     ref = train_block.fn(RunContext.of(one, "r", ds), 0, 1, 0)
     assert max_diff(block_of(one, 1, ref.block_file), block_of(one, 1, resumed.block_file)) <= 1e-6
+
+
+def test_kept_moments_go_in_and_out_of_a_two_process_visit(tiny_cfg):
+    """bcd.moments=keep on FSDP2: the moments a one-process visit left are cut to each process's shard, and the
+    moments the two-process visit leaves are gathered whole: both as one process would, to float rounding."""
+    keep = ("bcd.moments=keep", "optim.lr=0.003")
+    one = tiny_cfg(*keep)
+    ds = setup_visit(one, 0)
+    first = train_block.fn(RunContext.of(one, "r", ds), 0, 0, 0)
+    ref = train_block.fn(RunContext.of(one, "r", ds), 1, 0, 0, moments=first.moments_file)
+    two = tiny_cfg(*keep, "train.gpus=2", "train.parallel=fsdp")
+    out = train_block.fn(RunContext.of(two, "r", ds), 1, 0, 0, moments=first.moments_file)
+    assert max_diff(block_of(one, 0, ref.block_file), block_of(one, 0, out.block_file)) <= 1e-5
+    store = Store(one.store)
+    a, b = (checkpoints.load_file(store, "r", r.moments_file, "moments") for r in (ref, out))
+    assert {k for k in a if k.startswith("step/")} and max_diff(a, b) <= 1e-5
+    assert {float(v) for k, v in b.items() if k.startswith("step/")} == {12.0}  # 6 + 6 kept steps
+    # and the kept moments mattered: a fresh optimizer ends elsewhere
+    fresh = train_block.fn(RunContext.of(one, "r", ds), 1, 0, 0)
+    assert max_diff(block_of(one, 0, ref.block_file), block_of(one, 0, fresh.block_file)) > 1e-4
