@@ -233,7 +233,7 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             window_loss = sum(window) / len(window)
             if on_window:
                 on_window(res.steps, window)
-            if len(window) == stop.window and (verdict := stop.verdict(res.losses)):
+            if len(window) == stop.window and res.steps < stop.max_steps and (verdict := stop.verdict(res.losses)):
                 res.stopped_by = verdict
                 break
         if progress:
