@@ -141,11 +141,11 @@ class BcdSection(_Section):
     min_delta: float = Field(1e-2, ge=0)
     window: int = Field(20, ge=1)
     """Steps per window: the loss is synced to the host and the stop rules are read once per window."""
-    budget: Literal["fixed", "adaptive"] = "fixed"
+    budget: Literal["fixed", "adaptive"] = "adaptive"
     """``adaptive``: a visit also ends (``stopped_by: budget``) once it lowers the training loss more slowly per
     step than the other blocks did on average over their last visits, so steps go where the loss falls; ``fixed``:
     visits run to ``max_steps`` or the plateau rule."""
-    moments: Literal["reset", "keep"] = "reset"
+    moments: Literal["reset", "keep"] = "keep"
     """The optimizer state a visit starts from: ``reset`` (a fresh optimizer, paper Algorithm 1 and BAdam);
     ``keep``: the block's own state (AdamW moments and step count) from its last visit, stored with the committed
     version, so a block picks up where it left off (a visit on several GPUs gathers and cuts it like a mid-visit

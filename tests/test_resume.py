@@ -93,7 +93,7 @@ def test_kept_moments_resume_bitwise_after_kill9(prefect_api_url, keep_reference
     assert [v.moments for v in runs.read_state(Store(store), "keep").visits] == [v.moments for v in visits]
     # and keeping them changed the training: a run that resets them ends elsewhere
     reset = str(tmp_path / "reset")
-    assert main(["train", *_sets("bcd.cycles=2"), "--store", reset, "--run-id", "keep"]) == 0
+    assert main(["train", *_sets("bcd.cycles=2", "bcd.moments=reset"), "--store", reset, "--run-id", "keep"]) == 0
     assert finished_weights(Store(reset), "keep")["wte.weight"].ne(finished_weights(ref, "keep")["wte.weight"]).any()
 
 
