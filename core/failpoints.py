@@ -6,7 +6,8 @@ worker started in its place, the other workers) go on.
 
 Points: ``preinfer-computed`` (a shard computed, not yet written), ``preinfer-shard`` (a shard written),
 ``train-checkpoint`` (a mid-visit checkpoint written), ``before-commit`` (block file written, manifest and
-state not yet), ``commit-checked`` (a commit's state read and its lease epochs checked, before its first write).
+state not yet), ``commit-checked`` (a commit's state read and its lease epochs checked, before its first write), ``after-commit``
+(the visit's state created, its working objects not yet removed).
 """
 from __future__ import annotations
 

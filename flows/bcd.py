@@ -103,6 +103,9 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
     state: RunState = runs.fence(store, run_id, run_fence)
     if dropped := checkpoints.drop_uncommitted(store, run_id, state.version):
         log.warning("dropped manifests of versions %s: written by a commit that crashed before its state", dropped)
+    if gone := runs.drop_committed_visits(store, state):  # a visit not yet committed keeps its folder (§2.6)
+        log.info("removed the working objects of committed visits %s: left by a process that ended between a "
+                 "commit and its cleanup", ", ".join(gone))
     n_blocks = len(RunContext.of(cfg, run_id, dataset_id).plan)
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
     parent = tracker.start(run_id, params={**cfg.model_dump(exclude={"store", "tracking_uri"}), "mode": mode},

@@ -51,7 +51,10 @@ def dispatch_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version:
         fr = _wait_for(cfg, store, run_id, cycle, block, fr.id)
         state = runs.read_state(store, run_id)
         if state is not None and (rec := committed(state, cycle, block)):
-            return rec  # done (also when it committed just before its machine went away)
+            # done, also when it committed just before its machine went away: then its working objects are left,
+            # and its flow run, which is final, will not remove them (docs/DESIGN.md §2.6)
+            store.rm(layout.visit_key(run_id, cycle, block))
+            return rec
         outcome = _outcome(store, run_id, cycle, block, str(fr.id))
         if outcome and outcome["kind"] == "bad_input":
             raise BadInput(outcome["message"])

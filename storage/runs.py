@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bcdflow.errors import DamagedArtifact
 
-from .layout import RUNS, config_key, is_run_id, state_key, state_seq, states_key
+from .layout import RUNS, config_key, is_run_id, parse_visit, state_key, state_seq, states_key, visits_key
 from .lease import LeaseLost
 from .store import Store
 
@@ -244,6 +244,19 @@ def append_visit(store: Store, run_id: str, visit: VisitRecord, fence: dict[str,
                             f"{run_id!r} is at version {state.version}: another process committed in between")
     new = state.model_copy(update={"version": visit.version, "visits": [*state.visits, visit]})
     return advance(store, base, new, fence, drop)
+
+
+def drop_committed_visits(store: Store, state: RunState) -> list[str]:
+    """Remove the working objects (``visits/c{c}-b{b}/``: activations, mid-visit checkpoint, lease, outcome) of
+    every visit ``state`` holds committed; returns the folders' names. A visit drops its own after its commit
+    (flows/visit.py), so only a process that died in between leaves them, and nothing reads them again (a resume
+    skips a committed visit). A folder of a visit the state does not hold is never touched: it may be training
+    on a worker of the fleet, or hold the mid-visit checkpoint its next attempt resumes from (docs/DESIGN.md §2.6)."""
+    done = state.done_visits
+    names = [n for n in store.listdir(visits_key(state.run_id)) if parse_visit(n) in done]
+    for name in names:
+        store.rm(visits_key(state.run_id), name)
+    return names
 
 
 def _has_states(store: Store, run_id: str) -> bool:

@@ -215,9 +215,17 @@ class Store:
         return when.timestamp() if hasattr(when, "timestamp") else None if when is None else float(when)
 
     def rm(self, *parts: str) -> None:
+        """Remove an object or a whole prefix. What is gone already, or goes meanwhile (another process removing the
+        same prefix: a visit's own cleanup after its commit and a resume's, docs/DESIGN.md §2.6), is no error."""
         p = self.path(*parts)
-        if self.fs.exists(p):
-            self.fs.rm(p, recursive=True)
+        for _ in range(3):
+            if not self.fs.exists(p):
+                return
+            try:
+                self.fs.rm(p, recursive=True)
+                return
+            except FileNotFoundError:  # part of it went while we removed it: remove what is left
+                continue
 
     def probe(self, write: bool = True) -> None:
         """Fail fast, with one line that says which, when the store cannot be used: a local root that is not a

@@ -131,8 +131,10 @@ def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: d
                                  f"but run {run_id!r} is at version {state.version}: another process committed")
     failpoints.hit("commit-checked")  # the window a paused process sits in: the state create below fences it
     checkpoints.commit_version(store, run_id, record.version - 1, record.version, {record.block: block_file})
-    return runs.append_visit(store, run_id, record, fence, base=state,
-                             drop=tuple(k for k in fence if k.startswith("visit ")))
+    state = runs.append_visit(store, run_id, record, fence, base=state,
+                              drop=tuple(k for k in fence if k.startswith("visit ")))
+    failpoints.hit("after-commit")  # committed; the visit's working objects not yet dropped (flows/visit.visit)
+    return state
 
 
 @task(name="note-state", **retrying())

@@ -199,6 +199,32 @@ def _checkpoint(store: Store, run_id: str, cycle: int, block: int, at_least: int
     return _wait(found, f"a checkpoint of c{cycle}-b{block} at step >= {at_least}", every=0.05)
 
 
+def test_a_dispatched_visit_that_died_after_its_commit_leaves_no_working_objects(tmp_path, monkeypatch):
+    """Issue 17: a visit run whose process died between its commit and the removal of its folder left the folder
+    for ever (the parent, alive, went on and finished). The dispatcher that finds the visit committed removes it."""
+    import logging
+    from types import SimpleNamespace
+
+    from prefect.states import Crashed
+
+    from bcdflow.core.config import load_config
+    from bcdflow.flows import fleet as fleet_mod
+    from bcdflow.storage.runs import VisitRecord
+
+    cfg = load_config(sets=[*TINY, f"store={tmp_path / 'store'}", "tracking_uri=none", *FLEET])
+    store = open_store(cfg)
+    rec = VisitRecord(cycle=0, block=1, version=1, steps=4, step_end=4, stopped_by="max_steps", rows=32, tokens=1024,
+                      first_loss=5.0, train_loss=4.0, val_loss=4.1, val_ppl=60.0, tokens_per_s=1e3, seconds=1.0)
+    runs.append_visit(store, "r", rec)
+    store.write_json({"step": 2}, "runs/r/visits/c0-b1/train-ckpt/ckpt.json")
+    store.write_json({"step": 2}, "runs/r/visits/c0-b2/train-ckpt/ckpt.json")  # not committed: kept
+    monkeypatch.setattr(fleet_mod, "get_run_logger", lambda: logging.getLogger("test"))
+    monkeypatch.setattr(fleet_mod, "run_deployment", lambda *a, **k: SimpleNamespace(id="fr1"))
+    monkeypatch.setattr(fleet_mod, "_wait_for", lambda *a: SimpleNamespace(state=Crashed()))
+    assert fleet_mod.dispatch_visit(cfg, "r", 0, 1, 0, "dataset") == rec
+    assert store.listdir("runs/r/visits") == ["c0-b2"]
+
+
 # -- visits as deployment runs ----------------------------------------------------------------------------------
 
 def test_visits_on_two_workers_equal_one_process(fleet, s3_bucket, reference):

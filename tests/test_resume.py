@@ -62,6 +62,28 @@ def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, tmp_path
         assert visits[0].resumed_at == 4
 
 
+@pytest.mark.slow
+def test_kill9_after_commit_then_resume_drops_the_visit_folder(prefect_api_url, reference, tmp_path):
+    """Issue 17: a process killed between a visit's commit and the removal of its working objects left them for
+    ever (pre-inferred activations, mid-visit checkpoints, lease), since a resume skips a committed visit. The
+    resume removes them, says so, keeps the folder of a visit not committed, and ends bitwise where an
+    uninterrupted run ends."""
+    store = str(tmp_path / "store")
+    killed = _cli(prefect_api_url, "train", *_sets(), "--store", store, "--run-id", "k",
+                  env={"BCDFLOW_FAILPOINTS": "after-commit:2"})  # c0-b1 committed, its folder not yet removed
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    s = Store(store)
+    assert [(v.cycle, v.block) for v in runs.read_state(s, "k").visits] == [(0, 0), (0, 1)]
+    assert s.listdir("runs/k/visits") == ["c0-b1"]
+    assert {"activations.zarr", "train-ckpt", "lease"} <= set(s.listdir("runs/k/visits/c0-b1"))
+    s.write_json({"step": 2}, "runs/k/visits/c5-b0/train-ckpt/ckpt.json")  # a visit this run has not committed
+    done = _cli(prefect_api_url, "resume", "k", "--store", store, env={"PREFECT_LOGGING_LEVEL": "INFO"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "removed the working objects of committed visits c0-b1:" in done.stdout + done.stderr
+    assert s.listdir("runs/k/visits") == ["c5-b0"]
+    assert_same(finished_weights(s, "k"), reference)
+
+
 KEEP = ["bcd.moments=keep", "bcd.cycles=2"]
 
 

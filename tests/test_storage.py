@@ -13,8 +13,8 @@ from bcdflow.storage.activations import (ActivationError, ActivationReader, comp
                                  shard_complete, write_shard)
 from bcdflow.storage.checkpoints import (CheckpointError, commit_version, load_blocks, read_manifest, save_block,
                                  write_manifest)
-from bcdflow.storage.runs import (RunStateError, VisitRecord, append_visit, list_runs, read_config, read_state,
-                          run_exists, write_config, write_state)
+from bcdflow.storage.runs import (RunStateError, VisitRecord, append_visit, drop_committed_visits, list_runs,
+                          read_config, read_state, run_exists, write_config, write_state)
 from bcdflow.storage.store import Store
 
 
@@ -199,6 +199,23 @@ def test_run_state(store):
     assert list_runs(store) == ["r", "s"]
     with pytest.raises(RunStateError, match="runs/t/config.json"):
         read_config(store, "t")
+
+
+def test_a_resume_drops_only_committed_visits_working_objects(store):
+    """A process that dies between a visit's commit and the removal of its folder leaves the folder; the next
+    holder of the run removes it (flows/bcd._run), and never the folder of a visit not committed (docs/DESIGN.md
+    §2.6): that one may be training on a worker, or hold the checkpoint its next attempt resumes from."""
+    visit = VisitRecord(cycle=0, block=0, version=1, steps=10, step_end=10, stopped_by="max_steps", rows=80,
+                        tokens=640, first_loss=4.0, train_loss=3.2, val_loss=3.4, val_ppl=30.0, tokens_per_s=100.0,
+                        seconds=1.5, spend_usd=0.01)
+    append_visit(store, "r", visit)
+    for name in ("c0-b0", "c0-b1", "c1-b0"):
+        store.write_json({"step": 2}, f"runs/r/visits/{name}/train-ckpt/ckpt.json")
+    store.write_json({"epoch": 0}, "runs/r/visits/c0-b0/lease/000000000000.json")
+    store.write_json({}, "runs/r/visits/notes.json")  # not a visit's folder: left alone
+    assert drop_committed_visits(store, read_state(store, "r")) == ["c0-b0"]
+    assert store.listdir("runs/r/visits") == ["c0-b1", "c1-b0", "notes.json"]
+    assert drop_committed_visits(store, read_state(store, "r")) == []
 
 
 # -- one writer (docs/DESIGN.md I7): exclusive create, manifests never overwritten, the lease ------------------------------
