@@ -39,7 +39,7 @@ from bcdflow.models import hf as hfmap
 from bcdflow.models.build import param_shapes
 from bcdflow.models.config import ModelConfig
 from bcdflow.storage import checkpoints, layout, runs
-from bcdflow.storage.store import Store
+from bcdflow.storage.store import Store, raise_naming
 
 FORMATS = ("bcdflow", "hf")
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -53,15 +53,16 @@ def export_version(store: Store, run_id: str, version: int, out_dir: str) -> int
     tensors = checkpoints.load_blocks(store, run_id, version)
     cfg = runs.read_config(store, run_id)
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"),
-              metadata={"run_id": run_id, "version": str(version)})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    with _writing(os.path.join(out_dir, "model.safetensors")) as path:
+        save_file(tensors, path, metadata={"run_id": run_id, "version": str(version)})
+    with _writing(os.path.join(out_dir, "config.json")) as path, open(path, "w") as f:
         json.dump({"run_id": run_id, "version": version, "model": cfg["model_resolved"],
                    "plan": cfg["plan"], "dataset": cfg["dataset"]}, f, indent=2)
     tok = f"datasets/{cfg['dataset']}/tokenizer.json"
     if store.exists(tok):
-        with open(os.path.join(out_dir, "tokenizer.json"), "wb") as f:
-            f.write(store.read_bytes(tok))
+        data = store.read_bytes(tok)
+        with _writing(os.path.join(out_dir, "tokenizer.json")) as path, open(path, "wb") as f:
+            f.write(data)
     return len(tensors)
 
 
@@ -81,6 +82,15 @@ def check_target(out_dir: str) -> str:
 
 
 @contextmanager
+def _writing(path: str):
+    """Name ``path`` in an error while it is written (a full disk: safetensors and ``write()`` name no file)."""
+    try:
+        yield path
+    except Exception as e:
+        raise_naming(e, path)
+
+
+@contextmanager
 def written_whole(out_dir: str):
     """Yield a temporary directory beside ``out_dir`` and move it into place when the block succeeds, so a
     failure leaves nothing half-written."""
@@ -96,6 +106,10 @@ def written_whole(out_dir: str):
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above)
         os.replace(tmp, out)
+    except OSError as e:  # a full disk: name the file as the user asked for it, not its temporary directory
+        if e.errno is None or not str(e.filename or "").startswith(tmp + os.sep):
+            raise
+        raise OSError(e.errno, e.strerror, os.path.join(out, os.path.relpath(e.filename, tmp))) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -113,10 +127,10 @@ def export_hf(store: Store, run_id: str, version: int, out_dir: str, dtype: str 
     config, files = _hf_config_and_files(store, run_id, conf, mcfg, dtype)
     os.makedirs(out_dir, exist_ok=True)
     n = _write_weights(store, run_id, version, mcfg, conf["plan"], out_dir, hfmap.DTYPES[dtype], max_shard_bytes)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    with _writing(os.path.join(out_dir, "config.json")) as path, open(path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     for name, data in files.items():
-        with open(os.path.join(out_dir, name), "wb") as f:
+        with _writing(os.path.join(out_dir, name)) as path, open(path, "wb") as f:
             f.write(data)
     return n
 
@@ -138,17 +152,19 @@ def _write_weights(store: Store, run_id: str, version: int, mcfg: ModelConfig, p
     meta = {"format": "pt"}
     if total <= max_shard_bytes or len(blocks) == 1:
         tensors = {k: v for b in blocks for k, v in hf_block(b).items()}
-        save_file(tensors, os.path.join(out, "model.safetensors"), metadata=meta)
+        with _writing(os.path.join(out, "model.safetensors")) as path:
+            save_file(tensors, path, metadata=meta)
         return len(tensors)
     weight_map, n = {}, 0
     for k, b in enumerate(blocks):
         shard = f"model-{k + 1:05d}-of-{len(blocks):05d}.safetensors"
         tensors = hf_block(b)
-        save_file(tensors, os.path.join(out, shard), metadata=meta)
+        with _writing(os.path.join(out, shard)) as path:
+            save_file(tensors, path, metadata=meta)
         weight_map.update({name: shard for name in tensors})
         n += len(tensors)
         del tensors
-    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+    with _writing(os.path.join(out, "model.safetensors.index.json")) as path, open(path, "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     return n
 

@@ -516,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     except (_Interrupted, KeyboardInterrupt) as e:
         _say(e if isinstance(e, _Interrupted) else "interrupted", args)
         return EXIT_INTERRUPTED
+    except OSError as e:  # outside a run (export, a plot): a full disk, a permission; one line naming the file
+        _say(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else f"{type(e).__name__}: {e}", args)
+        return EXIT_FAILED
 
 
 def _say(err, args) -> None:

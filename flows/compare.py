@@ -22,7 +22,7 @@ from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput
 from bcdflow.flows import artifacts
 from bcdflow.storage import runs
-from bcdflow.storage.store import Store
+from bcdflow.storage.store import Store, raise_naming
 from bcdflow.tracking.report import md_table
 
 RUN_COLUMNS = [
@@ -100,7 +100,10 @@ def plot(store: Store, result: dict, path: str) -> list[list[str]]:
 
     ids = [r["run_id"] for r in result["runs"]]
     curves = {r: spend.curve(runs.read_state(store, r).visits) for r in ids}
-    return compare_figure(curves, result["target_val_loss"], path)
+    try:
+        return compare_figure(curves, result["target_val_loss"], path)
+    except Exception as e:  # a full disk: matplotlib's error names no file
+        raise_naming(e, path)
 
 
 def check_plot_path(path: str) -> None:

@@ -33,7 +33,7 @@ from safetensors.torch import save_file as st_save_file
 from bcdflow.errors import DamagedArtifact
 
 from .layout import block_file, blocks_key, manifest_key, run_key, versions_key
-from .store import Store, sha256_bytes
+from .store import Store, raise_naming, sha256_bytes
 
 
 class CheckpointError(DamagedArtifact):
@@ -74,15 +74,18 @@ def save_block(store: Store, run_id: str, tensors: dict[str, torch.Tensor]) -> d
     if tmp_dir:
         os.makedirs(tmp_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=tmp_dir)
-    try:
+    try:  # the temporary file goes whatever happens (a full disk: docs/DESIGN.md §8)
         os.close(fd)
-        st_save_file(tensors, tmp)
-        h, size = hashlib.sha256(), 0
-        with open(tmp, "rb+") as f:
-            for chunk in iter(lambda: f.read(8 << 20), b""):
-                h.update(chunk)
-                size += len(chunk)
-            os.fsync(f.fileno())
+        try:
+            st_save_file(tensors, tmp)
+            h, size = hashlib.sha256(), 0
+            with open(tmp, "rb+") as f:
+                for chunk in iter(lambda: f.read(8 << 20), b""):
+                    h.update(chunk)
+                    size += len(chunk)
+                os.fsync(f.fileno())
+        except Exception as e:  # the error names where the block was written, not a temporary name
+            raise_naming(e, os.path.dirname(tmp))
         sha = h.hexdigest()
         rel = block_file(sha)
         path = store.path(run_key(run_id, rel))

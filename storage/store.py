@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -71,14 +72,41 @@ def means_exists(e: BaseException) -> bool:
 
 def _complete_tmp(path: str, data: bytes) -> str:
     """``data`` written and synced to a temporary file beside ``path`` (unique per process and thread), ready to
-    be renamed or linked into place so that no reader sees half an object."""
+    be renamed or linked into place so that no reader sees half an object. A write that fails (a full disk) removes
+    its temporary file before the error goes on, naming ``path``."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        _discard(tmp)
+        raise_naming(e, path)
     return tmp
+
+
+def _discard(tmp: str) -> None:
+    """Remove a temporary file whose write or rename failed (it may never have been created)."""
+    try:
+        os.remove(tmp)
+    except FileNotFoundError:
+        pass
+
+
+def raise_naming(e: BaseException, path: str) -> NoReturn:
+    """Raise ``e``, an error while writing ``path`` (a file, or the directory a writer fills); an I/O error that
+    does not name ``path`` as an OSError of its kind that does, so the CLI's one line says what could not be written
+    (docs/DESIGN.md §8): ``write()`` and ``fsync()`` on a full disk name no file, ``open()`` names a temporary one, and
+    safetensors' writer raises its own error type holding the OS error ("... (os error 28)")."""
+    if isinstance(e, OSError):
+        errno = e.errno if e.filename != path else None
+    else:
+        errno = int(m[1]) if (m := re.search(r"\(os error (\d+)\)", str(e))) else None
+    if errno is not None:
+        raise OSError(errno, os.strerror(errno), path) from e  # OSError(errno, ...) is ENOSPC's, EACCES's class
+    raise e
 
 
 class Store:
@@ -120,7 +148,12 @@ class Store:
         so a reader never sees half an object; object stores publish a PUT atomically."""
         p = self.path(*parts)
         if self.is_local:
-            os.replace(_complete_tmp(p, data), p)
+            tmp = _complete_tmp(p, data)
+            try:
+                os.replace(tmp, p)
+            except BaseException as e:
+                _discard(tmp)
+                raise_naming(e, p)
         else:
             self.fs.pipe_file(p, data)
 

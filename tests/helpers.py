@@ -1,5 +1,9 @@
-"""What tests share besides fixtures (conftest.py): the tiny run config, a finished run's weights."""
+"""What tests share besides fixtures (conftest.py): the tiny run config, a finished run's weights, a full disk."""
 from __future__ import annotations
+
+import builtins
+import errno
+import os
 
 import torch
 
@@ -49,3 +53,43 @@ def count_params(cfg: ModelConfig) -> int:
     if not cfg.tied:
         head += cfg.vocab_size * d
     return L * layer + emb + head
+
+
+class DiskFull:
+    """A file opened for writing on a disk that fills up: ``write`` puts half its bytes down, then raises ENOSPC
+    (as ``write()`` and ``fsync()`` on a full disk do, naming no file)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data) -> int:
+        self.f.write(data[: len(data) // 2])
+        self.f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+
+def fill_disk(monkeypatch, module, when=lambda path: True) -> None:
+    """Make ``module``'s ``open`` (``bcdflow.storage.store``'s: every local store write) hit a full disk for the
+    files ``when(path)`` picks."""
+    real = builtins.open
+
+    def full_open(file, mode="r", *a, **k):
+        f = real(file, mode, *a, **k)
+        return DiskFull(f) if set(mode) & set("wax+") and when(os.fspath(file)) else f
+
+    monkeypatch.setattr(module, "open", full_open, raising=False)
+
+
+def temporaries(root) -> list[str]:
+    """Temporary files of a writer left below ``root`` (``*.tmp-*``, mkstemp's ``.tmp-*``, zarr's ``*.partial``)."""
+    return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, files in os.walk(root)
+                  for n in files + dirs if ".tmp" in n or n.endswith(".partial"))

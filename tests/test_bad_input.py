@@ -16,7 +16,7 @@ import torch
 from bcdflow.flows.cli import main
 from bcdflow.storage import checkpoints, runs
 from bcdflow.storage.store import Store
-from tests.helpers import TINY
+from tests.helpers import TINY, fill_disk, temporaries
 
 
 def _sets(*extra: str) -> list[str]:
@@ -252,6 +252,44 @@ def test_missing_block_file(damaged, capsys):
     assert main(["resume", "r", "--store", str(damaged)]) == 1
     line = _one_line(capsys)
     assert entry["file"] in line and "missing" in line
+
+
+# -- a full disk: one line naming the file, exit 1, no temporary file left ------------------------------------
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(damaged, tmp_path, capsys, monkeypatch):
+    """Issue 17: a run on a full disk left ``*.tmp-*`` files in the store and its error named no file; ``export``
+    onto a full disk printed a traceback. Now: the run's line names the object it could not write (and how to
+    continue), export's names the file, each exits 1, and neither leaves a temporary file or directory."""
+    from safetensors import SafetensorError
+
+    from bcdflow.core import export
+    from bcdflow.storage import store as store_mod
+
+    before = _tree(damaged)
+    fill_disk(monkeypatch, store_mod, lambda path: "/states/" in path)  # the continued run's first state (its fence)
+    assert main(["train", *_sets("bcd.cycles=2"), "--store", str(damaged), "--run-id", "r"]) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 2, err
+    assert lines[0].startswith("bcdflow: error: run r failed: OSError: [Errno 28] No space left on device: "
+                               f"'{damaged}/runs/r/states/0000000000"), lines
+    assert f"continue with: bcdflow resume r --store {damaged}" in lines[1]
+    assert temporaries(damaged) == [] and runs.read_state(Store(str(damaged)), "r").version == 3
+
+    def half(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    real_save = export.save_file
+    fill_disk(monkeypatch, export, lambda path: path.endswith("config.json"))  # hf: after the weights
+    for fmt, name, save in (("bcdflow", "model.safetensors", half), ("hf", "config.json", real_save)):
+        monkeypatch.setattr(export, "save_file", save)
+        out = tmp_path / f"out-{fmt}"
+        assert main(["export", "r", str(out), "--format", fmt, "--store", str(damaged)]) == 1
+        assert _one_line(capsys) == f"bcdflow: error: {out}/{name}: No space left on device"
+        assert not out.exists() and temporaries(tmp_path) == []
+    assert [f for f in _tree(damaged) if "/lease/" not in f] == [f for f in before if "/lease/" not in f]
 
 
 # -- training that diverges ----------------------------------------------------------------------------------

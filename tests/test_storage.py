@@ -4,6 +4,7 @@ Run: python -m pytest -q tests/test_storage.py   (CPU, a few seconds)
 """
 from __future__ import annotations
 
+import errno
 import uuid
 
 import pytest
@@ -16,6 +17,7 @@ from bcdflow.storage.checkpoints import (CheckpointError, commit_version, load_b
 from bcdflow.storage.runs import (RunStateError, VisitRecord, append_visit, drop_committed_visits, list_runs,
                           read_config, read_state, run_exists, write_config, write_state)
 from bcdflow.storage.store import Store
+from tests.helpers import fill_disk, temporaries
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -216,6 +218,66 @@ def test_a_resume_drops_only_committed_visits_working_objects(store):
     assert drop_committed_visits(store, read_state(store, "r")) == ["c0-b0"]
     assert store.listdir("runs/r/visits") == ["c0-b1", "c1-b0", "notes.json"]
     assert drop_committed_visits(store, read_state(store, "r")) == []
+
+
+# -- a full disk (docs/DESIGN.md §8): the error names the object, and no temporary file stays ---------------------
+
+def _fail_os(monkeypatch, name: str) -> None:
+    import os
+
+    def fail(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, name, fail)
+
+
+@pytest.mark.parametrize("write,fault", [("write_bytes", "write"), ("write_json", "write"), ("create", "write"),
+                                         ("write_bytes", "fsync"), ("create", "fsync"), ("write_bytes", "rename")])
+def test_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch, write, fault):
+    """Issue 17: a local write that failed part way (ENOSPC) left its ``*.tmp-*`` file in the store for ever, and
+    its error named no file. The object is as it was (absent, or its old bytes) and the error names its key."""
+    from bcdflow.storage import store as store_mod
+
+    s = Store(str(tmp_path / "root"))
+    s.write_json({"old": 1}, "runs/r/state.json")
+    key = "runs/r/states/000000000001.json" if write == "create" else "runs/r/state.json"
+    if fault == "write":
+        fill_disk(monkeypatch, store_mod)  # half the bytes written, then ENOSPC
+    else:
+        _fail_os(monkeypatch, {"fsync": "fsync", "rename": "replace"}[fault])
+    with pytest.raises(OSError) as raised:
+        if write == "write_json":
+            s.write_json({"new": "x" * 10_000}, key)
+        else:
+            getattr(s, write)(b"x" * 10_000, key)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == s.path(key)
+    monkeypatch.undo()
+    assert temporaries(tmp_path) == []
+    assert s.read_json("runs/r/state.json") == {"old": 1} and s.listdir("runs/r/states") == []
+
+
+@pytest.mark.parametrize("error", ["OSError", "SafetensorError"])
+def test_a_full_disk_while_saving_a_block(tmp_path, monkeypatch, error):
+    """``save_block`` streams the block to a temporary file: on a full disk the file goes, and the error (safetensors
+    raises its own type, holding "os error 28") is an OSError naming where the block was being written."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save
+
+    from bcdflow.storage import checkpoints
+
+    def half(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(save(tensors)[:100])
+        if error == "OSError":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    s = Store(str(tmp_path / "root"))
+    monkeypatch.setattr(checkpoints, "st_save_file", half)
+    with pytest.raises(OSError) as raised:
+        save_block(s, "r", _block(0))
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == s.path("runs/r/blocks")
+    assert temporaries(tmp_path) == [] and s.listdir("runs/r/blocks") == []
 
 
 # -- one writer (docs/DESIGN.md I7): exclusive create, manifests never overwritten, the lease ------------------------------
