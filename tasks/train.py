@@ -126,6 +126,7 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
     # the data cursor: a resumed loop skips the batches it already trained on
     resumed_at = state.steps if state else 0  # run_steps advances the state it is given
     ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, cycle, block), resumed_at, None)
+    check_leases()  # a lease that lapsed while the visit set up (a slow load): not one step is trained
     try:
         with preempt.training():
             res = run_steps(loss_fn, params, prefetched(ranges, counted(fetch), device), opt, spec,

@@ -366,7 +366,8 @@ def test_a_visit_whose_lease_is_not_renewed_stops_and_commits_nothing(prefect_se
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "visit c0-b0 of run 'r': its lease was not renewed for" in err and "without committing" in err, err
     t0 = acquired["runs/r/visits/c0-b0"]
-    assert steps.times and steps.times[-1] - t0 < ttl, [t - t0 for t in steps.times[-3:]]
+    # no step begins after the ttl (on a loaded machine the set-up alone can outlast it: then no step at all)
+    assert all(t - t0 < ttl for t in steps.times), [t - t0 for t in steps.times[-3:]]
     state = runs.read_state(store, "r")
     assert state.version == 0 and state.visits == [] and state.status != "done"
     assert store.listdir("runs/r/versions") == ["0.json"]
