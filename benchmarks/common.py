@@ -2,13 +2,12 @@
 a visit configuration (part of the model + optimizer + batch), analytic FLOPs, round-robin timing and the
 machine description.
 
-A step is ``models.trainer.run_steps`` for one step (zero_grad, forward+loss as in
-``tasks/train.py::train_block``, backward, clip, optimizer step), so a benchmark times the product's
-loop, not a copy of it.
+A step is ``models.trainer.run_steps`` for one step (zero_grad, the visit's loss as ``tasks.engine.run_visit``
+takes it, backward, clip, optimizer step), with the model prepared by the engine's ``prepare_model``, so a
+benchmark times the product's visit, not a copy of it.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import os
@@ -32,7 +31,8 @@ from bcdflow.models.gpt import GPT
 from bcdflow.models.llama import LLaMA
 from bcdflow.models.stream import LayerStream
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
-from bcdflow.models.visit import autocast, visit_loss
+from bcdflow.models.visit import autocast
+from bcdflow.tasks.engine import VisitSpec, prepare_model, visit_step_loss
 
 MB = 2**20
 
@@ -162,27 +162,20 @@ class Visit:
             model = build_model(cfg, layers=layers, embed=embed, head=True, device=device, init=False,
                                 frozen_dtype=low, trainable=trainable)
             model.load_state_dict({k: master[k] for k in model.state_dict()}, strict=True)
-        model.loss_chunk_rows = getattr(args, "chunk_rows", None)
-        if getattr(args, "compile", False):  # train.compile=true: each layer compiled, as the train task does
-            for layer in model.h.values():
-                layer.compile()
-        for n, p in model.named_parameters():
-            p.requires_grad_(n in trainable)
+        # the product's preparation and loss (tasks/engine.py): gradients, chunking, compile, autocast, streaming
+        named = prepare_model(model, trainable, getattr(args, "chunk_rows", None), getattr(args, "compile", False))
         frozen = [i for i in range(*layers) if not any(n.startswith(f"h.{i}.") for n in trainable)]
         self.stream = LayerStream(model, frozen, device, getattr(args, "stream_window", 2)) if stream else None
-        saving = self.stream.saving if self.stream else contextlib.nullcontext
-        self.model = model.train()
+        model.stream = self.stream
+        self.model = model
         self.trainable = set(trainable)
-        self.params = [p for n, p in model.named_parameters() if n in trainable]
+        self.params = [p for _, p in named]
         self.spec = OptimSpec(args.optim)
         self.opt = make_optimizer(self.params, self.spec)
-        start, precision, from_acts = self.start, args.precision, not embed
-
-        def loss_fn(b):  # the loss path of tasks/train.py::train_block
-            with autocast(device, precision), saving():
-                return visit_loss(model, *b, start, from_acts, hi=hi, recompute=recompute)
-
-        self.loss_fn = loss_fn
+        self.vs = VisitSpec(run_id="benchmark", cycle=0, block=0, version=0, lo=self.start, hi=hi, n_layer=layers[1],
+                            from_acts=not embed, active=frozenset(trainable), recompute=recompute,
+                            recompute_active=False, streamed=tuple(frozen) if stream else (), exact=False)
+        self.loss_fn = visit_step_loss(model, self.vs, device, args.precision)
         self.times: list[float] = []
 
     def step(self, timed: bool) -> None:
@@ -393,7 +386,7 @@ class Workload:
             blocks = len(self.plan_of(blk))
             return Remote(self, name, "visit", blocks=blocks, block=blk.index, preinfer=preinfer,
                           recompute=recompute, stream=stream)
-        if preinfer and lo > 0:
+        if blk.reads_activations(preinfer):
             return Visit(name, self.cfg, self.master, self.device, self.args, (lo, n), False, set(blk.params),
                          (self.hidden(lo), self.y), hi=hi, recompute=recompute, stream=stream)
         return Visit(name, self.cfg, self.master, self.device, self.args, (0, n), True, set(blk.params),

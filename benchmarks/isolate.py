@@ -39,7 +39,7 @@ class Remote:
         else:
             blk = w.plan(spec["blocks"])[spec["block"]]
             lo = blk.layers[0]
-            from_acts = spec["preinfer"] and lo > 0
+            from_acts = blk.reads_activations(spec["preinfer"])
             layers, embed, trainable, start = (lo if from_acts else 0, cfg.n_layer), not from_acts, set(blk.params), lo
         self.layers, self.embed, self.trainable, self.start = layers, embed, trainable, start
         self.hi = None if kind == "full" else w.plan(spec["blocks"])[spec["block"]].layers[1]

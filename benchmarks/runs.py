@@ -28,6 +28,7 @@ from bcdflow.core import spend
 from bcdflow.core.config import load_config
 from bcdflow.core.context import open_store
 from bcdflow.models.config import ModelConfig
+from bcdflow.models.plan import Block
 from bcdflow.storage import runs
 from bcdflow.storage.layout import DATASET_META, dataset_key
 
@@ -117,7 +118,7 @@ def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str
     for v in visits:
         blk = blocks[v["block"]]
         lo = blk["layers"][0]
-        pre = cfg.bcd.preinfer and lo > 0 and mode == "bcd"
+        pre = mode == "bcd" and Block(blk["index"], tuple(blk["layers"]), ()).reads_activations(cfg.bcd.preinfer)
         train = step_flops(meta, set(blk["params"]), mcfg, T, grad_from=lo, lo=lo if pre else 0) * v["tokens"]
         prefix = forward_flops(meta, mcfg, T, 0, lo) * v["rows"] * T if pre else 0
         evals = (1 + len(v.get("val_points") or [])) * forward_flops(meta, mcfg, T, 0, mcfg.n_layer, head=True) \

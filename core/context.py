@@ -239,9 +239,8 @@ class RunContext:
         return set(owned) - frozen_names(owned, self.cfg.bcd.freeze, self.model_cfg.tied)
 
     def from_acts(self, block: int) -> bool:
-        """Whether block ``block``'s visit trains from the prefix's stored activations (paper §3.2.2): every block
-        but the first, with ``bcd.preinfer`` on. The one place this rule is spelled."""
-        return self.cfg.bcd.preinfer and block > 0
+        """Whether block ``block``'s visit trains from the prefix's stored activations (``Block.reads_activations``)."""
+        return self.plan[block].reads_activations(self.cfg.bcd.preinfer)
 
     def frozen_layers(self, block: int) -> list[int]:
         """The frozen layers block ``block``'s visit holds: the suffix, and the prefix when it reads no stored

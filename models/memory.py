@@ -176,7 +176,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     else:
         lo, hi = plan[block].layers
         trainable = set(plan[block].params) - frozen_names(plan[block].params, freeze, cfg.tied)
-    from_acts = not full and preinfer and lo > 0
+    from_acts = not full and plan[block].reads_activations(preinfer)
     held_lo = lo if from_acts else 0
 
     def held(name: str) -> bool:
@@ -347,7 +347,7 @@ def step_flops(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: in
     n, N = cfg.n_layer, batch * seq
     lo, hi = (0, n) if block is None else plan[block].layers
     trainable = set(shapes) if block is None else set(plan[block].params) - frozen_names(shapes, freeze, cfg.tied)
-    start = lo if block is not None and preinfer and lo > 0 else 0
+    start = lo if block is not None and plan[block].reads_activations(preinfer) else 0
     mats = {k: _numel(v) for k, v in shapes.items() if len(v) >= 2 and not k.startswith(("wte.", "wpe."))}
     head = cfg.vocab_size * cfg.d_model  # the (tied or not) head's matmul
     run = sum(v for k, v in mats.items() if (_layer_of(k) or 0) >= start or _layer_of(k) is None) + head * cfg.tied

@@ -26,6 +26,11 @@ class Block:
     def to_dict(self) -> dict:
         return {"index": self.index, "layers": list(self.layers), "params": list(self.params)}
 
+    def reads_activations(self, preinfer: bool) -> bool:
+        """Whether this block's visit trains from the frozen prefix's stored activations (paper §3.2.2): with
+        pre-inference on, every block with a prefix (not the first). The one place this rule is spelled."""
+        return preinfer and self.layers[0] > 0
+
 
 @dataclass(frozen=True)
 class Plan:

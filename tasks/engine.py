@@ -1,10 +1,19 @@
-"""The visit engine: what training a visit shares between this process (``tasks/train.py``) and each process of a
-visit on several GPUs (``tasks/train_dist.py``): the result record, the data prefetch, the validation batches of a
-visit and their loss, the per-window callback, the recompute choice and the divergence message.
+"""The visit engine: one description of a visit (:class:`VisitSpec`, computed once from the plan and config) and
+one recipe that trains it (:func:`run_visit`), whatever holds the model: one process with its model resident or
+its frozen layers streamed from host memory (:class:`Resident`, ``tasks/train.py``), or one process of several
+(DDP or FSDP2: ``tasks/train_dist.Distributed``). A holding says how the model is loaded, how a batch's loss is
+taken, how tensors are gathered and who writes; the recipe (optimizer, mid-visit resume, kept moments, the data
+cursor, checkpoints, the step loop, the block file, the result) is written here once. The benchmarks time the same
+model preparation and loss (``prepare_model``, ``visit_step_loss``).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import itertools
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
@@ -12,12 +21,18 @@ import torch
 from pydantic import BaseModel
 
 from bcdflow.constants import IGNORE_INDEX
+from bcdflow.core import failpoints, preempt
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, memory_budget
 from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import needs_recompute
-from bcdflow.models.visit import autocast, prefix_hidden
+from bcdflow.models.plan import block_tensors
+from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
+from bcdflow.models.visit import autocast, prefix_hidden, visit_loss
+from bcdflow.storage import activations, checkpoints, trainckpt
+from bcdflow.storage.lease import check_leases, lost_lease
 from bcdflow.storage.tokens import TokenDataset
+from bcdflow.tasks.data import batch_ranges, visit_rows
 from bcdflow.tracking.tracker import TrackTarget
 
 
@@ -174,3 +189,235 @@ def optimizer_state(tensors: dict[str, torch.Tensor], names: list[str], param_gr
         k, n = key.split("/", 1)
         by_name.setdefault(n, {})[k] = t
     return {"state": {i: by_name[n] for i, n in enumerate(names) if n in by_name}, "param_groups": param_groups}
+
+
+# -- one description of a visit, one recipe -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class VisitSpec:
+    """Visit (``cycle``, ``block``) of run ``run_id`` on ``version``, described once from the plan and config: the
+    layers its model holds, whether it reads the prefix's stored activations, what it trains and how (recompute,
+    streamed frozen layers), and whether its own evaluation is the new version's whole-model validation loss."""
+    run_id: str
+    cycle: int
+    block: int
+    version: int
+    lo: int
+    """The active block's layers are [lo, hi) (``hi`` None: to the last; a benchmark's whole-model step)."""
+    hi: int | None
+    n_layer: int
+    from_acts: bool
+    """Trains from the prefix's stored activations (``RunContext.from_acts``): the model starts at layer ``lo``."""
+    active: frozenset[str]
+    """The parameter names it trains (the block's, less ``bcd.freeze``)."""
+    recompute: bool
+    recompute_active: bool
+    streamed: tuple[int, ...]
+    """Frozen layers kept in host memory and streamed through the device (``train.offload``); () = all resident."""
+    exact: bool
+    """Its evaluation on the validation rows is the new version's (one process, and the activations it starts from
+    are the prefix's exact ones: no stored activations, or stored in float32)."""
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """The layers its model holds: from ``lo`` when it reads stored activations, else all."""
+        return (self.lo if self.from_acts else 0, self.n_layer)
+
+    @property
+    def embed(self) -> bool:
+        return not self.from_acts
+
+
+def describe(ctx: RunContext, cycle: int, block: int, version: int, gpus: int = 1) -> VisitSpec:
+    """The visit's description for ``gpus`` processes (several: DDP or FSDP2, nothing streamed)."""
+    cfg = ctx.cfg
+    lo, hi = ctx.plan[block].layers
+    from_acts = ctx.from_acts(block)
+    recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp")
+    return VisitSpec(
+        run_id=ctx.run_id, cycle=cycle, block=block, version=version, lo=lo, hi=hi, n_layer=ctx.model_cfg.n_layer,
+        from_acts=from_acts, active=frozenset(ctx.trainable(block)), recompute=recompute,
+        recompute_active=cfg.bcd.recompute == "all",
+        streamed=tuple(ctx.frozen_layers(block)) if gpus == 1 and ctx.streams(block) else (),
+        exact=gpus == 1 and (not from_acts or cfg.bcd.act_dtype == "float32"))
+
+
+def prepare_model(model: torch.nn.Module, active, chunk_rows: int | None, compile: bool) -> list[tuple[str, torch.nn.Parameter]]:
+    """A visit's model made ready to train: gradients on ``active`` only (invariant I6), the head's loss chunking,
+    each layer compiled (``train.compile``, before any DDP/FSDP wrap: torchtitan's order), train mode; returns the
+    trained parameters, named, in the model's order (the optimizer's)."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in active)
+    model.loss_chunk_rows = chunk_rows
+    if compile:
+        compile_layers(model)
+    model.train()
+    return [(n, p) for n, p in model.named_parameters() if n in active]
+
+
+def visit_step_loss(model, vs: VisitSpec, device: torch.device, precision: str) -> Callable:
+    """``loss(batch)``: the visit's mean token loss of a batch (inputs or the prefix's states, targets, ...) under
+    the precision's autocast, with streamed weights saved by reference (``models.visit.visit_loss``)."""
+    stream = getattr(model, "stream", None)
+    saving = stream.saving if stream else contextlib.nullcontext
+
+    def loss(batch):
+        with autocast(device, precision), saving():
+            return visit_loss(model, *batch[:2], vs.lo, vs.from_acts, hi=vs.hi, recompute=vs.recompute,
+                              recompute_active=vs.recompute_active)
+    return loss
+
+
+class Resident:
+    """The visit's model in this one process: on its device, its frozen layers streamed from host memory where the
+    visit says (``VisitSpec.streamed``; models/stream.py)."""
+
+    writer = True
+    world = 1
+
+    def __init__(self, ctx: RunContext, vs: VisitSpec):
+        self.ctx, self.vs, self.device = ctx, vs, ctx.device
+        cfg = ctx.cfg
+        self.model = ctx.load_part(ctx.manifest(vs.version), vs.layers, embed=vs.embed, head=True,
+                                   trainable=vs.active, stream=vs.streamed)  # bf16: frozen matrices in bf16 (I6)
+        self.named = prepare_model(self.model, vs.active, cfg.train.loss_chunk_rows, cfg.train.compile)
+        self.module = self.model  # what evaluation switches to eval mode and back
+        self.loss = visit_step_loss(self.model, vs, self.device, cfg.train.precision)
+        self.eval_loss = functools.partial(visit_loss, self.model, lo=vs.lo, from_acts=vs.from_acts)
+        self.ckpt_device = self.device
+        self.clock = None  # the loop's own
+
+    def fetch(self, read: Callable, rows) -> Callable:
+        return counted(read)  # (inputs, targets, trained tokens)
+
+    def should_stop(self) -> bool:  # after each step: SIGTERM or Ctrl-C, or a lease that could expire (§9)
+        return preempt.requested() or lost_lease() is not None
+
+    def set_params(self, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, p in self.named:
+                p.copy_(tensors[n])
+
+    def load_optim(self, opt, state: dict) -> None:
+        opt.load_state_dict(state)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.named)
+
+    def optim_state(self, opt) -> dict:
+        return opt.state_dict()
+
+    def block_tensors(self) -> dict[str, torch.Tensor]:
+        return block_tensors(self.model, self.ctx.plan, self.vs.block)
+
+    def barrier(self) -> None:
+        pass
+
+    def peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def close(self) -> None:
+        if self.model.stream:
+            self.model.stream.release()
+
+
+def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None = None, progress=None,
+              global_step: int = 0, min_rate: float | None = None, moments: dict | None = None) -> TrainResult:
+    """Train visit ``vs`` with its model held by ``hold`` (:class:`Resident` or ``train_dist.Distributed``) to local
+    convergence; returns its result, the block file (and, ``bcd.moments=keep``, its optimizer state) written by the
+    writer, content-addressed, not committed; none of them after an interruption (its checkpoint is written).
+    ``progress``: the live line, closed when the loop ends; ``global_step``: the run's steps before this visit (the
+    learning-rate schedule's clock); ``min_rate``: the adaptive budget's rate to beat; ``moments``: the optimizer
+    state the block's last visit ended with. Raises Diverged (the caller words it) and LeaseLost."""
+    cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
+    # the validation rows as this visit's model sees them (the prefix's states where it starts at its block): the
+    # new version's validation loss is this model's on them, so the visit needs no reload of the whole model
+    val = visit_val_batches(cfg, ctx, vs.version, block) if cfg.bcd.eval_every or vs.exact else []
+    ctx.release_prefix()  # before the visit's model loads: the two are never held at once
+    held = hold(ctx, vs)
+    names, params = [n for n, _ in held.named], [p for _, p in held.named]
+
+    rows = visit_rows(cfg, ds.n_train, vs.cycle, block)
+    if vs.from_acts:
+        read = activations.ActivationReader(ctx.store, ctx.acts_key(vs.cycle, block),
+                                            pin=device.type == "cuda").read  # (B, T, C), (B, T)
+    else:
+        def read(a: int, b: int):
+            return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE_INDEX)
+
+    val_points: list[tuple[int, float]] = []
+    on_window = window_logger(track, cfg.bcd.eval_every, held.module,  # every process evaluates: collectives
+                              lambda: evaluate_model(held.eval_loss, val, cfg, device), val_points)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    spec = cfg.optim_spec(block)
+    opt = make_optimizer(params, spec)
+    vkey = ctx.visit_key(vs.cycle, block)
+    state = None
+    ck = trainckpt.load(ctx.store, vkey, held.ckpt_device)  # unsharded: resumable on any process count
+    if ck is not None and ck[0]["meta"].get("base_version") == vs.version:  # resume mid-visit
+        pointer, saved, opt_state = ck
+        held.set_params({n: saved[n] for n in names})
+        held.load_optim(opt, opt_state)
+        for g in opt.param_groups:  # a continued run may have lowered optim.lr (after a divergence)
+            g["lr"] = spec.base_lr
+        state = LoopState.from_dict(pointer["meta"]["loop"])
+    elif moments is not None:  # bcd.moments=keep: where the block's last visit left its optimizer
+        saved = checkpoints.load_file(ctx.store, vs.run_id, moments, f"the optimizer moments of block {block}",
+                                      held.ckpt_device)
+        held.load_optim(opt, optimizer_state(saved, names, opt.state_dict()["param_groups"]))
+
+    def checkpoint(st: LoopState, why: str) -> None:
+        # a holder whose lease could have expired writes nothing more: the next holder of the visit keeps its
+        # checkpoint here too. On a lapsed lease (should_stop) this is where the loop ends, with LeaseLost.
+        check_leases()
+        tensors, opt_state = held.params(), held.optim_state(opt)  # collectives under FSDP
+        if held.writer:
+            trainckpt.save(ctx.store, vkey, st.steps, tensors, opt_state,
+                           {"loop": st.to_dict(), "base_version": vs.version, "why": why,
+                            **({"gpus": held.world} if held.world > 1 else {})})
+            failpoints.hit("train-checkpoint")
+        held.barrier()
+
+    # the data cursor: a resumed loop skips the batches it already trained on
+    resumed_at = state.steps if state else 0  # run_steps advances the state it is given
+    ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, vs.cycle, block), resumed_at,
+                              None)
+    check_leases()  # a lease that lapsed while the visit set up (a slow load): not one step is trained
+    try:
+        with preempt.training():
+            res = run_steps(held.loss, params, prefetched(ranges, held.fetch(read, rows), device), opt, spec,
+                            cfg.stop_rule(min_rate), on_window=on_window, should_stop=held.should_stop,
+                            state=state, checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
+                            ckpt_seconds=cfg.checkpoint.every_seconds, clock=held.clock, progress=progress,
+                            global_step=global_step)
+    finally:
+        if progress is not None:
+            progress.close()
+    check_leases()  # a lease that lapsed during the last step: no evaluation, no block file
+    peak = held.peak()
+    done = res.stopped_by != "interrupted"
+    val_loss, eval_s = None, 0.0
+    if vs.exact and done:
+        if val_points and val_points[-1][0] == res.steps:  # validated at the last step already
+            val_loss = val_points[-1][1]
+        else:
+            t0 = time.perf_counter()
+            held.module.eval()
+            val_loss = evaluate_model(held.eval_loss, val, cfg, device)
+            eval_s = time.perf_counter() - t0
+    block_file, moments_file = {}, None
+    if done:
+        tensors = held.block_tensors()
+        opt_full = held.optim_state(opt) if cfg.bcd.moments == "keep" else None  # collectives under FSDP
+        if held.writer:
+            block_file = checkpoints.save_block(ctx.store, vs.run_id, tensors)
+            if opt_full is not None:
+                moments_file = checkpoints.save_block(ctx.store, vs.run_id, optimizer_tensors(opt_full, names))
+    held.close()
+    return TrainResult(
+        steps=res.steps, first_loss=res.losses[0] if res.losses else float("nan"), train_loss=res.final_loss,
+        stopped_by=res.stopped_by, seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows),
+        val_points=val_points, peak_mem_bytes=peak, block_file=block_file, recompute=vs.recompute, gpus=held.world,
+        streamed=len(vs.streamed), rate=res.rate, moments_file=moments_file, val_loss=val_loss, eval_seconds=eval_s)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import itertools
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from bcdflow.core import failpoints, preempt
+from bcdflow.core import preempt
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, check_gpus, memory_budget
 from bcdflow.errors import BadInput, DamagedArtifact
@@ -43,14 +42,11 @@ from bcdflow.models import build_model
 from bcdflow.models import parallel as par
 from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import visit_memory
-from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
-from bcdflow.storage import activations, checkpoints, trainckpt
+from bcdflow.storage import checkpoints
 from bcdflow.storage.lease import lost_lease
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.tasks import preemption
-from bcdflow.tasks.data import batch_ranges, visit_rows
-from bcdflow.tasks.engine import (TrainResult, compile_layers, diverged_message, evaluate_model, optimizer_state,
-                                  optimizer_tensors, prefetched, use_recompute, visit_val_batches, window_logger)
+from bcdflow.tasks.engine import TrainResult, VisitSpec, describe, diverged_message, prepare_model, run_visit
 from bcdflow.tasks.progress import visit_progress
 from bcdflow.tracking.tracker import TrackTarget
 
@@ -195,136 +191,100 @@ def choose_parallel(cfg: RunConfig, ctx: RunContext, block: int, world: int, rec
     return "ddp" if est.peak <= budget else "fsdp"
 
 
-def _load(ctx: RunContext, version: int, layers, embed: bool, active: set[str], low: bool, mode: str, lo: int,
-          hi: int, from_acts: bool, recompute: bool, precision: str, device):
-    """The visit's model wrapped for ``mode``: DDP loads it whole on this process's device; FSDP builds it on the
-    meta device, shards it, and copies each block's tensors into this process's shards one block at a time."""
-    if mode == "ddp":
-        model = ctx.load_part(ctx.manifest(version), layers, embed=embed, head=True, trainable=active)
-    else:
-        model = build_model(ctx.model_cfg, layers=layers, embed=embed, head=True, device="meta", init=False,
-                            frozen_dtype=torch.bfloat16 if low else None, trainable=active)
-    for name, p in model.named_parameters():
-        p.requires_grad_(name in active)
-    model.loss_chunk_rows = ctx.cfg.train.loss_chunk_rows
-    if ctx.cfg.train.compile:  # before DDP/FSDP wrap the layers (torchtitan's order)
-        compile_layers(model)
-    step = par.VisitStep(model, lo, hi, from_acts, recompute, precision)
-    step.recompute_active = ctx.cfg.bcd.recompute == "all"
-    if mode == "ddp":
-        return model, step, par.wrap_ddp(step, device)
-    par.shard_fsdp(step, device)
-    step.to_empty(device=device)
-    model._init_buffers()
-    manifest = ctx.manifest(version)
-    names = [n for n, _ in model.named_parameters()]
-    for b in sorted({ctx.plan.owner(n) for n in names}):  # host memory: one block's tensors at a time
-        par.load_sharded(model, checkpoints.load_from_manifest(ctx.store, ctx.run_id, manifest, [b], names=names,
-                                                               device="cpu"))
-    return model, step, step
+class Distributed:
+    """The visit's model held by one of several processes (``tasks.engine.run_visit``'s holding): DDP loads it
+    whole on this process's device; FSDP2 builds it on the meta device, shards it, and copies each block's tensors
+    into this process's shards one block at a time. Each process reads its slice of every batch, the loss is the
+    global mean, the stop flag and clock are synchronized, and rank 0 writes."""
+
+    def __init__(self, ctx: RunContext, vs: VisitSpec):
+        cfg, device = ctx.cfg, ctx.device
+        self.ctx, self.vs, self.device = ctx, vs, device
+        self.rank, self.world = par.world()
+        self.writer = self.rank == 0
+        self.mode = choose_parallel(cfg, ctx, vs.block, self.world, vs.recompute)
+        low = cfg.train.precision == "bf16"
+        if self.mode == "ddp":
+            model = ctx.load_part(ctx.manifest(vs.version), vs.layers, embed=vs.embed, head=True, trainable=vs.active)
+        else:
+            model = build_model(ctx.model_cfg, layers=vs.layers, embed=vs.embed, head=True, device="meta",
+                                init=False, frozen_dtype=torch.bfloat16 if low else None, trainable=vs.active)
+        self.named = prepare_model(model, vs.active, cfg.train.loss_chunk_rows, cfg.train.compile)
+        step = par.VisitStep(model, vs.lo, vs.hi, vs.from_acts, vs.recompute, cfg.train.precision)
+        step.recompute_active = vs.recompute_active
+        if self.mode == "ddp":
+            mod = par.wrap_ddp(step, device)
+        else:
+            par.shard_fsdp(step, device)
+            step.to_empty(device=device)
+            model._init_buffers()
+            names = [n for n, _ in model.named_parameters()]
+            for b in sorted({ctx.plan.owner(n) for n in names}):  # host memory: one block's tensors at a time
+                par.load_sharded(model, checkpoints.load_from_manifest(ctx.store, ctx.run_id,
+                                                                       ctx.manifest(vs.version), [b], names=names,
+                                                                       device="cpu"))
+            self.named = [(n, p) for n, p in model.named_parameters() if n in vs.active]  # the shards
+            mod = step
+        step.train()
+        self.model, self.module, self.mod = model, step, mod
+        self.eval_loss = functools.partial(mod, reduction="mean")  # every process runs the whole batch
+        self.ckpt_device = "cpu"
+        self.sync = par.StopSync(preempt.requested)
+        self.should_stop, self.clock = self.sync, self.sync.clock
+
+    def fetch(self, read, rows):
+        ds = self.ctx.dataset
+
+        def fetch_slice(a: int, b: int):
+            la, lb = par.slice_rows(a, b, self.rank, self.world)
+            x, y = read(la, lb) if lb > la else par.empty_slice_batch(*read(a, a + 1))
+            return x, y, ds.trained_tokens(rows[a:b])  # this process's slice; the whole batch's trained tokens
+        return fetch_slice
+
+    def loss(self, batch):
+        x, y, _ = batch
+        return par.global_mean(self.mod(x, y), (y != IGNORE_INDEX).sum())
+
+    def set_params(self, tensors):
+        par.load_sharded(self.model, tensors)
+
+    def load_optim(self, opt, state):
+        par.load_optim_state(opt, state)
+
+    def params(self):
+        return par.full_params(self.named)  # collectives under FSDP
+
+    def optim_state(self, opt):
+        return par.full_optim_state(opt)
+
+    def block_tensors(self):
+        owned = set(self.ctx.plan[self.vs.block].params)  # with what bcd.freeze keeps frozen
+        return par.full_params([(n, p) for n, p in self.model.named_parameters() if n in owned])
+
+    def barrier(self):
+        dist.barrier()
+
+    def peak(self):
+        cuda = self.device.type == "cuda"
+        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device) if cuda else 0], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.sync.group)
+        return int(peak.item()) if cuda else None
+
+    def close(self):
+        pass
 
 
 def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
-    """One process of a distributed visit: ``tasks.train.train_block``'s loop with a wrapped model, a slice of each
-    batch, the global loss, a synchronized stop flag and clock, and unsharded checkpoints written by rank 0."""
-    run_id, cycle, block, version = spec["run_id"], spec["cycle"], spec["block"], spec["version"]
+    """One process of a distributed visit: ``tasks.engine.run_visit`` with the model held by :class:`Distributed`."""
+    run_id, cycle, block = spec["run_id"], spec["cycle"], spec["block"]
     rank, world = par.world()
     ctx = RunContext.of(cfg, run_id, spec["dataset_id"])
     ctx.device = device  # this process's GPU (the context is this process's own)
-    ds, n_layer = ctx.dataset, ctx.model_cfg.n_layer
-    lo, hi = ctx.plan[block].layers
-    from_acts = ctx.from_acts(block)
-    active = ctx.trainable(block)
-    recompute = use_recompute(cfg, ctx, block, gpus=world, parallel="ddp")
-    mode = choose_parallel(cfg, ctx, block, world, recompute)
-    val = visit_val_batches(cfg, ctx, version, block) if cfg.bcd.eval_every else []
-    ctx.release_prefix()
-    low = cfg.train.precision == "bf16"
-    model, step, mod = _load(ctx, version, (lo if from_acts else 0, n_layer), not from_acts, active, low, mode, lo,
-                             hi, from_acts, recompute, cfg.train.precision, device)
-    named = [(n, p) for n, p in model.named_parameters() if n in active]
-    params = [p for _, p in named]
-    step.train()
-
-    rows = visit_rows(cfg, ds.n_train, cycle, block)
-    if from_acts:
-        reader = activations.ActivationReader(ctx.store, ctx.acts_key(cycle, block), pin=device.type == "cuda")
-
-        def read(a: int, b: int):
-            return reader.read(a, b)
-    else:
-        def read(a: int, b: int):
-            return ds.train_pairs(rows[a:b])
-
-    def fetch(a: int, b: int):
-        la, lb = par.slice_rows(a, b, rank, world)
-        x, y = read(la, lb) if lb > la else par.empty_slice_batch(*read(a, a + 1))
-        return x, y, ds.trained_tokens(rows[a:b])  # this process's slice; the whole batch's trained tokens
-
-    def loss_fn(batch):
-        x, y, _ = batch
-        return par.global_mean(mod(x, y), (y != IGNORE_INDEX).sum())
-
     track = TrackTarget(**spec["track"]) if spec.get("track") and rank == 0 else None
-    val_points: list[tuple[int, float]] = []
-    on_window = window_logger(track, cfg.bcd.eval_every, step,  # every process evaluates every batch: collectives
-                              lambda: evaluate_model(functools.partial(mod, reduction="mean"), val, cfg, device),
-                              val_points)
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    opt_spec = cfg.optim_spec(block)
-    opt = make_optimizer(params, opt_spec)
-    vkey = ctx.visit_key(cycle, block)
-    state = None
-    ck = trainckpt.load(ctx.store, vkey, "cpu")  # unsharded: written by one process or by rank 0 of any count
-    if ck is not None and ck[0]["meta"].get("base_version") == version:
-        pointer, saved, opt_state = ck
-        par.load_sharded(model, {n: saved[n] for n in active})
-        par.load_optim_state(opt, opt_state)
-        for g in opt.param_groups:
-            g["lr"] = opt_spec.base_lr
-        state = LoopState.from_dict(pointer["meta"]["loop"])
-    elif spec.get("moments"):  # bcd.moments=keep: the block's last visit's optimizer state, cut to this process
-        saved = checkpoints.load_file(ctx.store, run_id, spec["moments"], f"the optimizer moments of block {block}")
-        par.load_optim_state(opt, optimizer_state(saved, [n for n, _ in named], opt.state_dict()["param_groups"]))
-
-    def checkpoint(st: LoopState, why: str) -> None:
-        tensors, opt_full = par.full_params(named), par.full_optim_state(opt)  # collectives under FSDP
-        if rank == 0:
-            trainckpt.save(ctx.store, vkey, st.steps, tensors, opt_full,
-                           {"loop": st.to_dict(), "base_version": version, "why": why, "gpus": world})
-            failpoints.hit("train-checkpoint")
-        dist.barrier()
-
-    resumed_at = state.steps if state else 0
-    ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, cycle, block), resumed_at, None)
-    sync = par.StopSync(preempt.requested)
     progress = visit_progress(cfg, run_id, cycle, block, ctx.store) if rank == 0 else None  # the live line
-    res = run_steps(loss_fn, params, prefetched(ranges, fetch, device), opt, opt_spec,
-                    cfg.stop_rule(spec.get("min_rate")), on_window=on_window, should_stop=sync, state=state,
-                    checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
-                    ckpt_seconds=cfg.checkpoint.every_seconds, clock=sync.clock, progress=progress,
-                    global_step=spec.get("global_step", 0))
-    if progress is not None:
-        progress.close()
-    peak = torch.tensor([torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0],
-                        dtype=torch.float64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=sync.group)
-    block_file, moments_file = {}, None
-    if res.stopped_by != "interrupted":
-        tensors = par.full_params(named)
-        opt_full = par.full_optim_state(opt) if cfg.bcd.moments == "keep" else None  # collectives under FSDP
-        if rank == 0:
-            block_file = checkpoints.save_block(ctx.store, run_id, {n: tensors[n] for n in ctx.plan[block].params})
-            if opt_full is not None:
-                moments_file = checkpoints.save_block(ctx.store, run_id,
-                                                      optimizer_tensors(opt_full, [n for n, _ in named]))
-    return TrainResult(
-        steps=res.steps, first_loss=res.losses[0] if res.losses else float("nan"), train_loss=res.final_loss,
-        stopped_by=res.stopped_by, seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows),
-        val_points=val_points, peak_mem_bytes=int(peak.item()) if device.type == "cuda" else None,
-        block_file=block_file, recompute=recompute, gpus=world, rate=res.rate, moments_file=moments_file)
+    return run_visit(ctx, describe(ctx, cycle, block, spec["version"], gpus=world), Distributed, track=track,
+                     progress=progress, global_step=spec.get("global_step", 0), min_rate=spec.get("min_rate"),
+                     moments=spec.get("moments"))
 
 
 if __name__ == "__main__":

@@ -223,3 +223,21 @@ def test_suite_tiny_end_to_end(tmp_path, monkeypatch, prefect_server, capsys):
     assert "| pysrc | l2 | fixed | 1 |" in md and "| pysrc | l2 | default | 1 |" in md
     assert (tmp_path / "suite-pysrc.png").stat().st_size > 1000
     assert "B-F × mean [min–max]" in capsys.readouterr().out
+
+
+def test_streaming_benchmark_runs_the_engine_on_both_holdings(tmp_path):
+    """benchmarks/streaming.py (the GPU command of issue 16) on the CPU: every visit of a tiny LLaMA plan, resident
+    and streamed, through the engine's preparation and loss; a streamed visit copies its frozen layers and holds at
+    most the window of them; the planner's prediction is beside each."""
+    from benchmarks.streaming import main as streaming
+
+    res = streaming(["--set", "model.name=tiny-llama", "--set", "bcd.blocks=3", "--set", "data.seq_len=16",
+                     "--set", "train.batch_size=2", "--set", "bcd.recompute=on", "--steps", "1",
+                     "--blocks-to-run", "all", "--out", str(tmp_path / "s.json")])
+    assert json.loads((tmp_path / "s.json").read_text())["visits"] == res["visits"]
+    assert [v["block"] for v in res["visits"]] == [0, 1, 2]
+    for v in res["visits"]:
+        r, s = v["resident"], v["stream"]
+        assert r["tokens_per_s"] > 0 and s["tokens_per_s"] > 0 and r["planned_peak_bytes"] > 0
+        assert s["peak_live_layers"] <= 2 and r["copied_bytes_per_step"] == 0
+    assert res["visits"][0]["stream"]["copied_bytes_per_step"] > 0  # block 0 holds the whole frozen suffix

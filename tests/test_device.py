@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 
+import bcdflow.tasks.engine as engine_mod
 import bcdflow.tasks.train as train_mod
 from bcdflow.core.config import load_config
 from bcdflow.core.context import RunContext, block_plan, model_config
@@ -64,14 +65,14 @@ def test_the_pre_inference_prefix_is_freed_before_the_visit_trains(tiny_cfg, mon
     for s in plan_shards.fn(RunContext.of(cfg, "r", ds_id), 0, 2):
         preinfer_shard.fn(RunContext.of(cfg, "r", ds_id), 0, 2, 0, s)
     prefix = weakref.ref(RunContext.of(cfg, "r", ds_id).frozen_prefix(0, 2))
-    alive, real = [], train_mod.make_optimizer
+    alive, real = [], engine_mod.make_optimizer
 
     def make_optimizer(params, spec):
         gc.collect()
         alive.append(prefix() is not None)
         return real(params, spec)
 
-    monkeypatch.setattr(train_mod, "make_optimizer", make_optimizer)
+    monkeypatch.setattr(engine_mod, "make_optimizer", make_optimizer)
     train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), 0, 2, 0)
     assert alive == [False]
 

@@ -282,10 +282,10 @@ class _Steps:
     the first, so that a loop that never stops fails the test instead of training for ever."""
 
     def __init__(self, monkeypatch, step_s: float, limit_s: float):
-        import bcdflow.tasks.train as train_mod
+        import bcdflow.tasks.engine as engine_mod
 
         self.times: list[float] = []
-        real = train_mod.visit_loss
+        real = engine_mod.visit_loss
 
         def slow(*args, **kwargs):
             if self.times and time.monotonic() - self.times[0] > limit_s:
@@ -294,7 +294,7 @@ class _Steps:
             self.times.append(time.monotonic())
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(train_mod, "visit_loss", slow)
+        monkeypatch.setattr(engine_mod, "visit_loss", slow)
 
 
 def _renewals_fail(monkeypatch, only: str = "") -> dict:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import bcdflow.tasks.train as train_mod
+import bcdflow.tasks.engine as engine_mod
 from bcdflow.core.context import RunContext, block_plan, model_config
 from bcdflow.storage import runs
 from bcdflow.storage.checkpoints import commit_version, load_blocks, read_manifest
@@ -53,7 +53,7 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.models, self.opt_params, self.opts = [], [], []
-        real_load, real_opt = RunContext.load_part, train_mod.make_optimizer
+        real_load, real_opt = RunContext.load_part, engine_mod.make_optimizer
 
         def load_part(*args, **kwargs):
             model = real_load(*args, **kwargs)
@@ -68,7 +68,7 @@ class Spy:
             return opt
 
         monkeypatch.setattr(RunContext, "load_part", load_part)
-        monkeypatch.setattr(train_mod, "make_optimizer", make_optimizer)
+        monkeypatch.setattr(engine_mod, "make_optimizer", make_optimizer)
 
 
 def layers_of(names) -> set[int]:

@@ -63,6 +63,23 @@ def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, tmp_path
 
 
 @pytest.mark.slow
+def test_a_streamed_visit_killed_mid_visit_resumes_bitwise(prefect_api_url, reference, tmp_path):
+    """Issue 16: ``train.offload=stream`` (each visit's frozen layers in host memory, streamed through the device)
+    killed -9 after the step-4 checkpoint of c0-b1, which trains from stored activations; the resume streams too
+    and ends bitwise where the uninterrupted resident run ends."""
+    store = str(tmp_path / "store")
+    killed = _cli(prefect_api_url, "train", *_sets("train.offload=stream"), "--store", store, "--run-id", "k",
+                  env={"BCDFLOW_FAILPOINTS": "train-checkpoint:4"})  # c0-b0: steps 2, 4; c0-b1: steps 2, 4
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [(v.cycle, v.block) for v in runs.read_state(Store(store), "k").visits] == [(0, 0)]
+    done = _cli(prefect_api_url, "resume", "k", "--store", store)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert runs.read_config(Store(store), "k")["train"]["offload"] == "stream"
+    assert_same(finished_weights(Store(store), "k"), reference)
+    assert [v.resumed_at for v in runs.read_state(Store(store), "k").visits] == [0, 4, 0]
+
+
+@pytest.mark.slow
 def test_kill9_after_commit_then_resume_drops_the_visit_folder(prefect_api_url, reference, tmp_path):
     """Issue 17: a process killed between a visit's commit and the removal of its working objects left them for
     ever (pre-inferred activations, mid-visit checkpoints, lease), since a resume skips a committed visit. The
