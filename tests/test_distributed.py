@@ -45,10 +45,14 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("mode,block,family", [("ddp", 1, "tiny"), ("fsdp", 0, "tiny"), ("fsdp", 2, "tiny-llama")],
-                         ids=["ddp-from-activations", "fsdp-block0-tied-recompute", "fsdp-llama-last"])
+@pytest.mark.parametrize("mode,block,family", [("ddp", 1, "tiny"), ("fsdp", 0, "tiny"), ("fsdp", 2, "tiny-llama"),
+                                                ("fsdp", 0, "frozen-embeddings")],
+                         ids=["ddp-from-activations", "fsdp-block0-tied-recompute", "fsdp-llama-last",
+                              "fsdp-block0-frozen-embeddings"])
 def test_two_processes_give_the_one_process_weights(tiny_cfg, mode, block, family):
-    extra = ("model.name=tiny-llama", "model.d_model=64", "model.n_head=4") if family == "tiny-llama" else ()
+    # frozen-embeddings: the block file holds the block's frozen (bcd.freeze) parameters too, as one process's does
+    extra = (("model.name=tiny-llama", "model.d_model=64", "model.n_head=4") if family == "tiny-llama" else
+             ("bcd.freeze=[embeddings,head]",) if family == "frozen-embeddings" else ())
     if block == 0:
         extra += ("bcd.recompute=on",)  # the frozen suffix checkpointed inside FSDP2's units
     extra += ("bcd.eval_every=3",)  # in-visit validation: every process, the whole model
