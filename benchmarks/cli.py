@@ -17,6 +17,8 @@ step counts and losses, and the tiny model's small ops stall at 2 threads on a s
 
 ``python -m benchmarks suite [--quick|--tiny] ...``: BCD against full-parameter training on local corpora over
 models, seeds and settings (benchmarks/suite.py).
+``python -m benchmarks finetune [--profile tiny] ...``: the same figures for fine-tuning a pretrained base
+(benchmarks/finetune.py).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import cost, iteration, memory, report, suite, training, utilization
+from benchmarks import cost, finetune, iteration, memory, report, suite, training, utilization
 from benchmarks.common import machine
 from benchmarks.profiles import profile
 from benchmarks.runs import book, flow_server
@@ -85,6 +87,7 @@ def parser() -> argparse.ArgumentParser:
     step.add_argument("--loss-chunk-rows", type=int, help="train.loss_chunk_rows (default: 128 MB of fp32 logits)")
     step.add_argument("--blocks", type=int, nargs="+", help="bcd.blocks values to measure (default: the size's)")
     suite.add_parser(sub)
+    finetune.add_parser(sub)
     return ap
 
 
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "suite":
         return suite.main(args, argv)
+    if args.cmd == "finetune":
+        return finetune.main(args, argv)
     size = "tiny" if args.tiny or os.environ.get("BCDFLOW_BENCH_SIZE") == "tiny" else (
         "quick" if args.quick else "full")
     prof = profile(size)

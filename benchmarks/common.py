@@ -32,7 +32,6 @@ from bcdflow.models.llama import LLaMA
 from bcdflow.models.stream import LayerStream
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
 from bcdflow.models.visit import autocast
-from bcdflow.tasks.engine import VisitSpec, prepare_model, visit_step_loss
 
 MB = 2**20
 
@@ -162,7 +161,11 @@ class Visit:
             model = build_model(cfg, layers=layers, embed=embed, head=True, device=device, init=False,
                                 frozen_dtype=low, trainable=trainable)
             model.load_state_dict({k: master[k] for k in model.state_dict()}, strict=True)
-        # the product's preparation and loss (tasks/engine.py): gradients, chunking, compile, autocast, streaming
+        # the product's preparation and loss (tasks/engine.py): gradients, chunking, compile, autocast, streaming.
+        # Imported here: the engine imports Prefect (tasks/data.py), which the command line configures after
+        # importing this module (cli.setup_env)
+        from bcdflow.tasks.engine import VisitSpec, prepare_model, visit_step_loss
+
         named = prepare_model(model, trainable, getattr(args, "chunk_rows", None), getattr(args, "compile", False))
         frozen = [i for i in range(*layers) if not any(n.startswith(f"h.{i}.") for n in trainable)]
         self.stream = LayerStream(model, frozen, device, getattr(args, "stream_window", 2)) if stream else None

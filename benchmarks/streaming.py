@@ -105,11 +105,7 @@ def measure(run, mcfg, plan, block: int, device: torch.device, holding: str, ste
            "host_bytes": stream.host_bytes if stream else 0, "peak_live_layers": stream.peak_live if stream else None}
     if stream:
         stream.release()
-    del model, opt, named, params, loss, stream
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return out
+    return out  # the caller frees the visit's memory before the next one
 
 
 def h2d_gbs(device: torch.device, mb: int = 256) -> float | None:
@@ -169,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
                 got = measure(run, mcfg, plan, b, device, holding, args.steps)
             except torch.OutOfMemoryError:
                 got = {"holding": holding, "error": "out of memory"}
-                gc.collect()
+            gc.collect()
+            if device.type == "cuda":
                 torch.cuda.empty_cache()
             got["planned_peak_bytes"] = planned(b, holding == "stream").peak
             row[holding] = got

@@ -241,3 +241,32 @@ def test_streaming_benchmark_runs_the_engine_on_both_holdings(tmp_path):
         assert r["tokens_per_s"] > 0 and s["tokens_per_s"] > 0 and r["planned_peak_bytes"] > 0
         assert s["peak_live_layers"] <= 2 and r["copied_bytes_per_step"] == 0
     assert res["visits"][0]["stream"]["copied_bytes_per_step"] > 0  # block 0 holds the whole frozen suffix
+
+
+def test_finetune_tiny_end_to_end(tmp_path, monkeypatch, prefect_server):
+    """``python -m benchmarks finetune --profile tiny``: a base pretrained and exported as a Hugging Face checkpoint,
+    fine-tuned from it (``model.from_hf``) full and BCD on text and on prompt/completion records (prompt tokens
+    masked); the suite's figures per task."""
+    rc = main(["finetune", "--profile", "tiny", "--seeds", "0", "--ft-steps", "10", "--bytes", "150000",
+               "--set", "data.seq_len=64", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "finetune.json").read_text())
+    assert rc == 0 and [r["corpus"] for r in data["rows"]] == ["text", "sft"]
+    assert (tmp_path / "base-hf" / "config.json").is_file()
+    for task in ("text", "sft"):
+        cell = data["seeds"][task]["0"]["fixed"]
+        assert f"model.from_hf={tmp_path / 'base-hf'}" in cell["run"]["sets"]
+        assert ("data.format=prompt_completion" in cell["run"]["sets"]) == (task == "sft")
+        assert cell["steps"]["full"] > 0 and cell["final_full"] > 0
+    records = [json.loads(line) for line in next((tmp_path / "corpora").glob("sft-*.jsonl")).read_text().splitlines()]
+    assert records and all(r["prompt"].lstrip().startswith(("def ", "async def ")) and r["completion"].strip()
+                           for r in records)
+    table = (tmp_path / "finetune.md").read_text()
+    assert "B-F × mean [min–max]" in table and "\nsft " in table and "\ntext " in table
+
+
+def test_the_benchmark_command_line_leaves_prefect_to_its_settings():
+    """``python -m benchmarks`` sets Prefect's home and telemetry (``cli.setup_env``) after importing its modules,
+    so none of them may import Prefect (which reads its settings on import)."""
+    out = subprocess.run([sys.executable, "-c", "import benchmarks.cli, sys; print('prefect' in sys.modules)"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
