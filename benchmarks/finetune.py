@@ -98,6 +98,8 @@ def add_parser(sub) -> None:
     ap.add_argument("--ft-steps", type=int, default=300, help="full fine-tuning steps")
     ap.add_argument("--bytes", type=int, default=3_000_000, help="size of each fine-tuning corpus")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides, every run")
+    ap.add_argument("--bcd-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="overrides of the BCD fine-tunes only (a lever: bcd.blocks, bcd.lr_scales, ...)")
 
 
 def main(args, argv: list[str]) -> int:
@@ -141,7 +143,7 @@ def main(args, argv: list[str]) -> int:
                 for k in args.settings:
                     target = full["final_val"] + s["tol"]
                     bcd = bk.get(f"{task}/s{seed}/{k}", "bcd", optim,
-                                 [*common, f"seed={seed}", *s["bcd"], *s["settings"][k],
+                                 [*common, f"seed={seed}", *s["bcd"], *s["settings"][k], *args.bcd_set,
                                   f"stop.target_val_loss={target:.6f}"])
                     cell = {**compare(full, bcd, s["tol"]), "cap_steps": None, "run": run_row(bcd)}
                     cells[k].append(cell)
