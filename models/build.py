@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Collection, Sequence
 
@@ -58,10 +59,16 @@ def frozen_in(model: Decoder, dtype: torch.dtype, trainable: Collection[str] = (
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape, from a meta-device model (no memory, no init)."""
+    """Parameter name -> shape, from a meta-device model (no memory, no init); built once per config (the
+    planner asks for every block count of a model)."""
+    return dict(_shapes(cfg))
+
+
+@functools.lru_cache(maxsize=16)
+def _shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     with torch.device("meta"):
         model = FAMILIES[cfg.family](cfg)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
 
 
 def param_sizes(cfg: ModelConfig) -> dict[str, int]:

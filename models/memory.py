@@ -108,6 +108,7 @@ class Step:
         return 2 if self.precision == "bf16" else 4
 
 
+@functools.lru_cache(maxsize=None)  # the planner asks millions of times about a few thousand names
 def _layer_of(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("h.") else None
 
@@ -201,14 +202,16 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     weights = sum(wbytes(k) for k in held_names)
     layer_train_names = {_layer_of(k) for k in trainable if _layer_of(k) is not None}
     streamed = [i for i in range(held_lo, n) if i not in layer_train_names] if stream and not full else []
-    per_layer = {i: sum(wbytes(k) for k in held_names if _layer_of(k) == i) for i in streamed}
+    held_by_layer: dict[int | None, list[str]] = {}
+    for k in held_names:
+        held_by_layer.setdefault(_layer_of(k), []).append(k)
+    per_layer = {i: sum(wbytes(k) for k in held_by_layer.get(i, ())) for i in streamed}
     host_bytes = sum(per_layer.values())
     copy_bytes = sum(b * (2 if i >= lo else 1) for i, b in per_layer.items())  # the prefix [0, lo): forward only
     if streamed:
         weights += min(window, len(streamed)) * max(per_layer.values()) - host_bytes
     if parallel == "fsdp":  # sharded, plus the largest layer gathered twice (current and prefetched)
-        layer_bytes = max((sum(wbytes(k) for k in held_names if _layer_of(k) == i) for i in range(held_lo, n)),
-                          default=0)
+        layer_bytes = max((sum(wbytes(k) for k in held_by_layer.get(i, ())) for i in range(held_lo, n)), default=0)
         weights = weights // shard + 2 * layer_bytes
     grads = 4 * train_numel // shard
     moments = {"adamw": 2, "sgd": 1}[optim]
@@ -221,7 +224,10 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
 
     # -- the forward's end: saved activations per layer on the gradient path, bottom to top
     acts: list[tuple[int, int, int]] = []  # (layer, saved bytes, weight-grad bytes added when it runs backward)
-    layer_train = {i: sum(_numel(shapes[k]) for k in trainable if _layer_of(k) == i) for i in range(n)}
+    layer_train = dict.fromkeys(range(n), 0)
+    for k in trainable:
+        if (i := _layer_of(k)) is not None:
+            layer_train[i] += _numel(shapes[k])
     cast = 0  # bf16 autocast copies of trainable matrices, kept for backward
     for i in range(lo, n):
         kind = "trainable" if layer_train[i] else ("recompute" if recompute and i >= hi else "frozen")
