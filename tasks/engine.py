@@ -242,7 +242,8 @@ def describe(ctx: RunContext, cycle: int, block: int, version: int, gpus: int = 
         exact=gpus == 1 and (not from_acts or cfg.bcd.act_dtype == "float32"))
 
 
-def prepare_model(model: torch.nn.Module, active, chunk_rows: int | None, compile: bool) -> list[tuple[str, torch.nn.Parameter]]:
+def prepare_model(model: torch.nn.Module, active, chunk_rows: int | None,
+                  compile: bool) -> list[tuple[str, torch.nn.Parameter]]:
     """A visit's model made ready to train: gradients on ``active`` only (invariant I6), the head's loss chunking,
     each layer compiled (``train.compile``, before any DDP/FSDP wrap: torchtitan's order), train mode; returns the
     trained parameters, named, in the model's order (the optimizer's)."""
