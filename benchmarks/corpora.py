@@ -116,7 +116,7 @@ def package_root(pkg: str) -> str | None:
     return os.path.realpath(locs[0]) if locs else None
 
 
-def _files(root: str, seed: str) -> list[str]:
+def package_files(root: str, seed: str) -> list[str]:
     """The package's ``.py`` files (tests and oversized generated files left out), sorted, then shuffled
     by ``seed``."""
     rel = []
@@ -131,7 +131,7 @@ def _files(root: str, seed: str) -> list[str]:
     return [os.path.join(root, r) for r in rel]
 
 
-def _read(path: str) -> str | None:
+def read_source(path: str) -> str | None:
     try:
         with open(path, "rb") as f:
             return f.read().decode("utf-8")
@@ -149,8 +149,8 @@ def _new(text: str, seen: set[bytes]) -> bool:
 
 
 def _sources(root: str, seed: str, seen: set[bytes]) -> Iterator[str]:
-    for path in _files(root, seed):
-        text = _read(path)
+    for path in package_files(root, seed):
+        text = read_source(path)
         if text and text.strip() and _new(text, seen):
             yield text.strip("\n") + "\n\n"
 
@@ -158,8 +158,8 @@ def _sources(root: str, seed: str, seen: set[bytes]) -> Iterator[str]:
 def _docstrings(root: str, seed: str, seen: set[bytes]) -> Iterator[str]:
     """Per source file, its docstrings not taken yet (module first, then classes and functions in source
     order)."""
-    for path in _files(root, seed):
-        text = _read(path)
+    for path in package_files(root, seed):
+        text = read_source(path)
         try:
             tree = ast.parse(text or "")
         except (SyntaxError, ValueError):

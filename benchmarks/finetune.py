@@ -45,8 +45,8 @@ def sft_records(dest: Path, max_bytes: int) -> list[str]:
         root = corpora.package_root(pkg)
         if root is None:
             continue
-        for f in corpora._files(root, f"sft/{pkg}"):
-            src = corpora._read(f)
+        for f in corpora.package_files(root, f"sft/{pkg}"):
+            src = corpora.read_source(f)
             if src is None:
                 continue
             try:

@@ -34,13 +34,13 @@ def run(prof: dict, device, out: Path, **_) -> dict:
     prefixes = {}
     for M in c["iteration_blocks"]:
         for blk in w.plan(M).blocks:
-            lo = blk.layers[0]
-            for pre in ((True, False) if M == primary and blk.reads_activations(True) else (True,)):
+            lo, has_prefix = blk.layers[0], blk.reads_activations(True)  # pre-inference would apply to it
+            for pre in ((True, False) if M == primary and has_prefix else (True,)):
                 v = w.visit(f"M={M} b{blk.index} pre-inference {'on' if pre else 'off'}", blk, preinfer=pre)
                 items.append(v)
-                meta[v] = {"name": v.name, "blocks": M, "block": blk.index, "preinfer": pre if blk.reads_activations(True) else None,
+                meta[v] = {"name": v.name, "blocks": M, "block": blk.index, "preinfer": pre if has_prefix else None,
                            "lo": lo}
-            if M == primary and blk.reads_activations(True):
+            if M == primary and has_prefix:
                 prefixes[lo] = w.prefix(lo)
     items += list(prefixes.values())
     timing = round_robin(items, c["warmup"], c["steps"], c["max_steps"], c["budget_s"])

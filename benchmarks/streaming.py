@@ -36,7 +36,6 @@ from bcdflow.core.config import load_config
 from bcdflow.core.context import block_plan, model_config
 from bcdflow.models import build_model
 from bcdflow.models.memory import GB, visit_memory
-from bcdflow.models.plan import frozen_names
 from bcdflow.models.stream import LayerStream
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
 from bcdflow.tasks.engine import VisitSpec, prepare_model, visit_step_loss
@@ -45,30 +44,27 @@ from bcdflow.tasks.engine import VisitSpec, prepare_model, visit_step_loss
 def build_visit(run, mcfg, plan, block: int, device: torch.device, stream: bool):
     """Block ``block``'s visit part with random weights (frozen matrices in bf16 under bf16 precision), its frozen
     layers streamed when asked; returns (model, spec, named trained parameters, stream or None)."""
-    lo, hi = plan[block].layers
-    owned = plan[block].params
-    active = frozenset(set(owned) - frozen_names(owned, run.bcd.freeze, mcfg.tied))
-    from_acts = plan[block].reads_activations(run.bcd.preinfer)
-    start, n = (lo if from_acts else 0), mcfg.n_layer
-    frozen = [i for i in range(start, n) if not lo <= i < hi]
+    blk, pre = plan[block], run.bcd.preinfer
+    frozen = blk.frozen_layers(mcfg.n_layer, pre)
+    vs = VisitSpec(run_id="benchmark", cycle=0, block=block, version=0, lo=blk.layers[0], hi=blk.layers[1],
+                   n_layer=mcfg.n_layer, from_acts=blk.reads_activations(pre),
+                   active=frozenset(blk.trainable(run.bcd.freeze, mcfg.tied)),
+                   recompute=run.bcd.recompute in ("on", "all"), recompute_active=run.bcd.recompute == "all",
+                   streamed=tuple(frozen) if stream else (), exact=False)
     low = torch.bfloat16 if run.train.precision == "bf16" else None
-    model = build_model(mcfg, layers=(start, n), embed=not from_acts, head=True, device="meta", init=False,
-                        frozen_dtype=low, trainable=active)
+    model = build_model(mcfg, layers=vs.layers, embed=vs.embed, head=True, device="meta", init=False,
+                        frozen_dtype=low, trainable=vs.active)
     model.to_empty(device="cpu" if stream else device)  # streamed layers live on the host
     g = torch.Generator(device="cpu" if stream else device).manual_seed(block)
     with torch.no_grad():
         for p in model.parameters():  # N(0, 0.02): finite losses and gradients; the values do not change the time
             p.normal_(0.0, 0.02, generator=g)
     model._init_buffers()
-    named = prepare_model(model, active, run.train.loss_chunk_rows, False)  # gradients on the block only
+    named = prepare_model(model, vs.active, run.train.loss_chunk_rows, False)  # gradients on the block only
     model.stream = None
     if stream:
         model.stream = LayerStream(model, frozen, device, run.train.stream_window)
         model.to(device)
-    recompute = run.bcd.recompute in ("on", "all")
-    vs = VisitSpec(run_id="benchmark", cycle=0, block=block, version=0, lo=lo, hi=hi, n_layer=n, from_acts=from_acts,
-                   active=active, recompute=recompute, recompute_active=run.bcd.recompute == "all",
-                   streamed=tuple(frozen) if stream else (), exact=False)
     return model, vs, named, model.stream
 
 

@@ -27,7 +27,6 @@ from bcdflow.models.base import Decoder
 from bcdflow.models.build import param_sizes
 from bcdflow.models.config import ModelConfig, get_config
 from bcdflow.models.memory import visit_memory
-from bcdflow.models.plan import frozen_names
 from bcdflow.models.stream import LayerStream
 from bcdflow.storage import checkpoints, layout
 from bcdflow.storage.store import Store
@@ -234,20 +233,16 @@ class RunContext:
         return est.peak > budget
 
     def trainable(self, block: int) -> set[str]:
-        """The parameters block ``block``'s visit trains: the block's, less what ``bcd.freeze`` keeps frozen."""
-        owned = self.plan[block].params
-        return set(owned) - frozen_names(owned, self.cfg.bcd.freeze, self.model_cfg.tied)
+        """The parameters block ``block``'s visit trains (``Block.trainable``: less what ``bcd.freeze`` keeps)."""
+        return self.plan[block].trainable(self.cfg.bcd.freeze, self.model_cfg.tied)
 
     def from_acts(self, block: int) -> bool:
         """Whether block ``block``'s visit trains from the prefix's stored activations (``Block.reads_activations``)."""
         return self.plan[block].reads_activations(self.cfg.bcd.preinfer)
 
     def frozen_layers(self, block: int) -> list[int]:
-        """The frozen layers block ``block``'s visit holds: the suffix, and the prefix when it reads no stored
-        activations (the layers a streamed visit keeps in host memory)."""
-        lo, hi = self.plan[block].layers
-        start = lo if self.from_acts(block) else 0
-        return [i for i in range(start, self.model_cfg.n_layer) if not lo <= i < hi]
+        """The frozen layers block ``block``'s visit holds (``Block.frozen_layers``)."""
+        return self.plan[block].frozen_layers(self.model_cfg.n_layer, self.cfg.bcd.preinfer)
 
     def frozen_prefix(self, version: int, block: int) -> Decoder:
         """Embeddings and layers before ``block`` of ``version``, in eval mode without grads; kept for the

@@ -42,7 +42,7 @@ from typing import Sequence
 from bcdflow.models.base import loss_chunk_rows
 from bcdflow.models.build import model_plan, param_shapes
 from bcdflow.models.config import ModelConfig
-from bcdflow.models.plan import Plan, frozen_names
+from bcdflow.models.plan import Plan
 
 GB = 1e9
 PARTS = ("weights", "grads", "optim", "activations", "logits", "input", "temporaries")
@@ -176,7 +176,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
         lo, hi, trainable = 0, n, set(shapes)
     else:
         lo, hi = plan[block].layers
-        trainable = set(plan[block].params) - frozen_names(plan[block].params, freeze, cfg.tied)
+        trainable = plan[block].trainable(freeze, cfg.tied)
     from_acts = not full and plan[block].reads_activations(preinfer)
     held_lo = lo if from_acts else 0
 
@@ -352,7 +352,7 @@ def step_flops(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: in
     shapes = _shapes(cfg)
     n, N = cfg.n_layer, batch * seq
     lo, hi = (0, n) if block is None else plan[block].layers
-    trainable = set(shapes) if block is None else set(plan[block].params) - frozen_names(shapes, freeze, cfg.tied)
+    trainable = set(shapes) if block is None else plan[block].trainable(freeze, cfg.tied)
     start = lo if block is not None and plan[block].reads_activations(preinfer) else 0
     mats = {k: _numel(v) for k, v in shapes.items() if len(v) >= 2 and not k.startswith(("wte.", "wpe."))}
     head = cfg.vocab_size * cfg.d_model  # the (tied or not) head's matmul

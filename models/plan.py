@@ -26,10 +26,25 @@ class Block:
     def to_dict(self) -> dict:
         return {"index": self.index, "layers": list(self.layers), "params": list(self.params)}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Block":
+        return cls(d["index"], tuple(d["layers"]), tuple(d["params"]))
+
     def reads_activations(self, preinfer: bool) -> bool:
         """Whether this block's visit trains from the frozen prefix's stored activations (paper §3.2.2): with
         pre-inference on, every block with a prefix (not the first). The one place this rule is spelled."""
         return preinfer and self.layers[0] > 0
+
+    def trainable(self, freeze: Sequence[str], tied: bool) -> set[str]:
+        """The parameters this block's visit trains: its own, less what ``bcd.freeze`` keeps frozen."""
+        return set(self.params) - frozen_names(self.params, freeze, tied)
+
+    def frozen_layers(self, n_layer: int, preinfer: bool) -> list[int]:
+        """The frozen layers this block's visit holds: the suffix, and the prefix when it reads no stored
+        activations (the layers a streamed visit keeps in host memory)."""
+        lo, hi = self.layers
+        start = lo if self.reads_activations(preinfer) else 0
+        return [i for i in range(start, n_layer) if not lo <= i < hi]
 
 
 @dataclass(frozen=True)
