@@ -2,8 +2,10 @@
 never the built-in corpus (the standard library, ``storage.corpus.builtin_corpus_files``).
 
 ``pysrc``: Python source of installed packages; ``docs``: their docstrings (module, class and function,
-read with ``ast``, dedented by ``inspect.cleandoc``), from other packages than ``pysrc``'s. Missing
-packages are skipped. A corpus is a few UTF-8 text files (``data.files``; each file is one document):
+read with ``ast``, dedented by ``inspect.cleandoc``), from other packages than ``pysrc``'s; ``docsrc``: the
+source of ``docs``' packages (Python that shares no file with ``pysrc``: a base for fine-tuning on ``pysrc``'s
+functions that knows the language but not those packages). Missing packages are skipped. A corpus is a few
+UTF-8 text files (``data.files``; each file is one document):
 
     files = build("docs", Path("benchmarks/out/corpora/docs-10000000"), 10_000_000)
 
@@ -33,11 +35,13 @@ from pathlib import Path
 
 from bcdflow.errors import BadInput
 
-# pysrc: source; docs: docstrings (numpydoc-style reference prose), other packages than pysrc's
+# pysrc: source; docs: docstrings (numpydoc-style reference prose), other packages than pysrc's; docsrc: their source
 PACKAGES: dict[str, tuple[str, ...]] = {
     "pysrc": ("numpy", "pandas", "sqlalchemy", "torch"),
     "docs": ("scipy", "sympy", "sklearn", "networkx", "matplotlib"),
+    "docsrc": ("scipy", "sympy", "sklearn", "networkx", "matplotlib"),
 }
+SOURCE_CORPORA = {"pysrc", "docsrc"}  # whole source files; the others: docstrings
 SKIP_DIRS = {"tests", "test", "testing", "__pycache__", "_vendor", "vendored"}
 MAX_FILE_BYTES = 200_000  # larger sources are generated tables, not text a person wrote
 MIN_DOC_CHARS = 40  # "Return self." and its kind say nothing
@@ -47,7 +51,7 @@ RECIPE = 1  # bump when what a build produces changes: older caches are rebuilt
 
 
 def build(name: str, dest: Path, max_bytes: int) -> list[str]:
-    """The corpus ``name`` (``pysrc`` or ``docs``) as text files under ``dest`` (at most ``max_bytes`` in
+    """The corpus ``name`` (``pysrc``, ``docs`` or ``docsrc``) as text files under ``dest`` (at most ``max_bytes`` in
     all), reusing a finished build there; returns their absolute paths, for ``data.files``."""
     if name not in PACKAGES:
         raise BadInput(f"corpus {name!r}: unknown (choose from {', '.join(PACKAGES)})")
@@ -63,7 +67,7 @@ def build(name: str, dest: Path, max_bytes: int) -> list[str]:
             return files
     roots = {p: r for p in PACKAGES[name] if (r := package_root(p))}
     seen: set[bytes] = set()  # digests of the texts taken, shared by the packages' streams
-    texts = _interleave({p: (_sources if name == "pysrc" else _docstrings)(r, f"{name}:{p}", seen)
+    texts = _interleave({p: (_sources if name in SOURCE_CORPORA else _docstrings)(r, f"{name}:{p}", seen)
                          for p, r in roots.items()})
     parts, taken, total = [], {p: 0 for p in roots}, 0
     buf: list[str] = []

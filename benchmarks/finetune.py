@@ -6,6 +6,8 @@ report the suite's figures (benchmarks/suite.py: B-F multiplier to L* = the full
 
     python -m benchmarks finetune --out benchmarks/out/finetune            # ~40 min on 2 CPU cores
     python -m benchmarks finetune --seeds 0 --settings keep-adaptive       # one seed, the default BCD setting
+    python -m benchmarks finetune --base-corpus docsrc --base-steps 6000   # a base that knows Python (~13 min)
+    python -m benchmarks finetune --target best --bytes 1000000 --ft-steps 1500   # several epochs: L* from the best
 
 The runs use the validity suite's quick profile (``_SUITE_QUICK``: model, batch, sequence, window, the BCD and
 full settings) with ``optim.lr`` = ``--lr`` (2e-3, the pretraining rate) for the fine-tunes and ``--ft-steps``
@@ -99,7 +101,15 @@ def add_parser(sub) -> None:
                     help="fine-tuning learning rate, full and BCD alike (the full fine-tunes end lower at 2e-3 "
                          "than at 1e-3)")
     ap.add_argument("--ft-steps", type=int, default=300, help="full fine-tuning steps")
+    ap.add_argument("--base-corpus", default=BASE_CORPUS, choices=["docs", "docsrc"],
+                    help="what the base is pretrained on: docs (English reference prose: fine-tuning on code is a "
+                         "new domain) or docsrc (Python sources of other packages than the fine-tuning data's)")
+    ap.add_argument("--base-steps", type=int, default=None, help="the base's pretraining steps (default: the "
+                                                                  "suite's baseline steps)")
     ap.add_argument("--bytes", type=int, default=3_000_000, help="size of each fine-tuning corpus")
+    ap.add_argument("--target", default="final", choices=["final", "best"],
+                    help="L* = the full fine-tune's final validation loss + tol (a short fine-tune, still falling), "
+                         "or its best (a fine-tune of several epochs, past its minimum: early stopping)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides, every run")
     ap.add_argument("--bcd-set", action="append", default=[], metavar="KEY=VALUE",
                     help="overrides of the BCD fine-tunes only (a lever: bcd.blocks, bcd.lr_scales, ...)")
@@ -116,7 +126,7 @@ def main(args, argv: list[str]) -> int:
     cdir = Path(args.corpus_dir) if args.corpus_dir else out / "corpora"
     t0 = time.perf_counter()
     base_bytes = s["corpora"].get(BASE_CORPUS, args.bytes)
-    base_files = corpora.build(BASE_CORPUS, cdir / f"{BASE_CORPUS}-{base_bytes}", base_bytes)
+    base_files = corpora.build(args.base_corpus, cdir / f"{args.base_corpus}-{base_bytes}", base_bytes)
     tasks = {"text": (corpora.build(TEXT_CORPUS, cdir / f"{TEXT_CORPUS}-{args.bytes}", args.bytes), []),
              "sft": (sft_records(cdir, args.bytes), ["data.format=prompt_completion"])}
     bk = book(args.profile, prof, 1, section="suite")
@@ -124,8 +134,9 @@ def main(args, argv: list[str]) -> int:
     res = {"command": "python -m benchmarks " + " ".join(argv),
            "rows": [], "seeds": {}}
     with flow_server():
+        base_steps = [f"train.steps={args.base_steps}"] if args.base_steps else []
         base = bk.get("base", "full", optim, [*model, f"data.files={json.dumps(base_files)}", "seed=0", *s["full"],
-                                              *args.set])
+                                              *base_steps, *args.set])
         ckpt = out / "base-hf"
         shutil.rmtree(ckpt, ignore_errors=True)  # this command's own output of an earlier run
         from bcdflow.flows.cli import main as cli
@@ -134,7 +145,8 @@ def main(args, argv: list[str]) -> int:
                 "--dtype", "fp32"]) != 0:
             raise SystemExit("exporting the base failed")
         res["base"] = run_row(base)
-        print(f"base: {BASE_CORPUS}, {args.model}, final val {base['final_val']:.4f}; exported to {ckpt}", flush=True)
+        print(f"base: {args.base_corpus}, {args.model}, final val {base['final_val']:.4f}; exported to {ckpt}",
+              flush=True)
         for task in args.tasks:
             files, extra = tasks[task]
             common = [f"model.from_hf={ckpt}", f"data.files={json.dumps(files)}", *extra, f"optim.lr={args.lr}",
@@ -144,11 +156,11 @@ def main(args, argv: list[str]) -> int:
                 full = bk.get(f"{task}/s{seed}/full", "full", optim,
                               [*common, f"seed={seed}", *s["full"], f"train.steps={args.ft_steps}"])
                 for k in args.settings:
-                    target = full["final_val"] + s["tol"]
+                    target = full[f"{args.target}_val"] + s["tol"]
                     bcd = bk.get(f"{task}/s{seed}/{k}", "bcd", optim,
                                  [*common, f"seed={seed}", *s["bcd"], *s["settings"][k], *args.bcd_set,
                                   f"stop.target_val_loss={target:.6f}"])
-                    cell = {**compare(full, bcd, s["tol"]), "cap_steps": None, "run": run_row(bcd)}
+                    cell = {**compare(full, bcd, s["tol"], args.target), "cap_steps": None, "run": run_row(bcd)}
                     cells[k].append(cell)
                     res["seeds"].setdefault(task, {}).setdefault(str(seed), {})[k] = cell
             for k in args.settings:
@@ -159,7 +171,11 @@ def main(args, argv: list[str]) -> int:
 
     table = text_table(table_rows({"groups": [{"rows": {r["setting"] + r["corpus"]: r for r in res["rows"]}}]}),
                        COLUMNS)
-    (out / "finetune.md").write_text(f"# Fine-tuning validity\n\n`{res['command']}`\n\n```\n{table}\n```\n")
+    b = res["base"]
+    (out / "finetune.md").write_text(
+        f"# Fine-tuning validity\n\n`{res['command']}`\n\nBase: full training on `{args.base_corpus}`, {b['steps']} "
+        f"steps, final val {b['final_val']:.4f}. Full fine-tunes: {args.ft_steps} steps at lr {args.lr:g}; L* = their "
+        f"{args.target} validation loss + {s['tol']}.\n\n```\n{table}\n```\n")
     print("\n" + table)
     print(f"\nwrote {out / 'finetune.json'} and {out / 'finetune.md'} in {time.perf_counter() - t0:.0f} s")
     return 0

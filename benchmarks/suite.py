@@ -174,14 +174,17 @@ def multiplier(full_curve: list[dict], bcd_curve: list[dict], target: float, key
     return {"value": b / f if f and b is not None else None, "reached": reached, "full": f, "bcd": b}
 
 
-def compare(full: dict, bcd: dict, tol: float) -> dict:
-    """One seed's figures for one BCD run against its baseline (run dicts of ``RunBook.get``)."""
-    target = full["final_val"] + tol
+def compare(full: dict, bcd: dict, tol: float, ref: str = "final") -> dict:
+    """One seed's figures for one BCD run against its baseline (run dicts of ``RunBook.get``). L* = the
+    baseline's ``ref`` validation loss + ``tol``: ``final`` (a baseline still falling: where it got) or ``best``
+    (a baseline trained past its minimum, as fine-tuning with early stopping is)."""
+    target = full[f"{ref}_val"] + tol
     at = bcd["steps"]
     ref, where = interp(full["curve"], at)
     return {"target": target, **{k: multiplier(full["curve"], bcd["curve"], target, key) for k, key in KEYS.items()},
             "gap": bcd["final_val"] - ref if ref is not None else None, "gap_at": at, "gap_where": where,
-            "final_bcd": bcd["final_val"], "final_full": full["final_val"], "steps_bcd": bcd["steps"],
+            "final_bcd": bcd["final_val"], "final_full": full["final_val"], "best_full": full.get("best_val"),
+            "steps_bcd": bcd["steps"],
             "steps_full": full["steps"], "stopped_by": dict(Counter(bcd["stopped_by"])),
             "stop_reason": bcd["stop_reason"]}
 

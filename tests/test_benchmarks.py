@@ -155,6 +155,10 @@ def test_suite_metrics_on_synthetic_curves():
     c = compare(run(full), run(bcd), tol=0.02)  # BCD ran to 600, the baseline to 400: compared at its end
     assert c["gap_where"] == "after" and abs(c["gap"] - (2.5 - 2.49)) < 1e-12
     assert c["stopped_by"] == {"max_steps": 4}
+    # a baseline past its minimum (fine-tuning for several epochs): L* from its best, first reached at 300
+    over = _curve([(100, 4.0), (200, 3.0), (300, 2.5), (400, 2.7)])
+    c = compare(run(over) | {"best_val": 2.5}, run(bcd), tol=0.02, ref="best")
+    assert c["target"] == 2.5 + 0.02 and c["steps"] == {"value": 2.0, "reached": True, "full": 300, "bcd": 600}
 
     sp = spread([2.0, 1.5, 3.0], [False, True, False])
     assert sp["mean"] == 6.5 / 3 and (sp["min"], sp["max"]) == (1.5, 3.0)
@@ -178,6 +182,12 @@ def test_corpora_are_deterministic_cached_and_refuse_nothing(tmp_path, monkeypat
     assert (tmp_path / "a" / corpora.MARKER).stat().st_mtime_ns == stamp
     src = corpora.build("pysrc", tmp_path / "p", 20_000)
     assert Path(src[0]).read_bytes() != text[0][:20_000]
+    # docsrc: the docs packages' source files (code, not their docstrings), sharing no package with pysrc
+    code = corpora.build("docsrc", tmp_path / "c", 20_000)
+    ci = corpora.info(tmp_path / "c")
+    assert set(ci["packages"]) <= set(corpora.PACKAGES["docs"]) and set(ci["packages"]).isdisjoint(
+        corpora.PACKAGES["pysrc"])
+    assert "def " in Path(code[0]).read_text() and Path(code[0]).read_bytes() != text[0][:20_000]
     with pytest.raises(ValueError, match="corpus 'nope'"):
         corpora.build("nope", tmp_path / "n", 1000)
     monkeypatch.setitem(corpora.PACKAGES, "pysrc", ("no_such_package_here",))
@@ -248,7 +258,8 @@ def test_finetune_tiny_end_to_end(tmp_path, monkeypatch, prefect_server):
     fine-tuned from it (``model.from_hf``) full and BCD on text and on prompt/completion records (prompt tokens
     masked); the suite's figures per task."""
     rc = main(["finetune", "--profile", "tiny", "--seeds", "0", "--ft-steps", "10", "--bytes", "150000",
-               "--set", "data.seq_len=64", "--out", str(tmp_path)])
+               "--base-corpus", "docsrc", "--base-steps", "6", "--target", "best", "--set", "data.seq_len=64",
+               "--out", str(tmp_path)])
     data = json.loads((tmp_path / "finetune.json").read_text())
     assert rc == 0 and [r["corpus"] for r in data["rows"]] == ["text", "sft"]
     assert (tmp_path / "base-hf" / "config.json").is_file()
@@ -257,11 +268,13 @@ def test_finetune_tiny_end_to_end(tmp_path, monkeypatch, prefect_server):
         assert f"model.from_hf={tmp_path / 'base-hf'}" in cell["run"]["sets"]
         assert ("data.format=prompt_completion" in cell["run"]["sets"]) == (task == "sft")
         assert cell["steps"]["full"] > 0 and cell["final_full"] > 0
+        assert cell["target"] == cell["best_full"] + 0.02 and cell["best_full"] <= cell["final_full"]
     records = [json.loads(line) for line in next((tmp_path / "corpora").glob("sft-*.jsonl")).read_text().splitlines()]
     assert records and all(r["prompt"].lstrip().startswith(("def ", "async def ")) and r["completion"].strip()
                            for r in records)
     table = (tmp_path / "finetune.md").read_text()
     assert "B-F × mean [min–max]" in table and "\nsft " in table and "\ntext " in table
+    assert data["base"]["steps"] == 6 and "on `docsrc`, 6 steps" in table and "L* = their best" in table
 
 
 def test_the_benchmark_command_line_leaves_prefect_to_its_settings():
