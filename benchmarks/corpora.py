@@ -36,10 +36,11 @@ from pathlib import Path
 from bcdflow.errors import BadInput
 
 # pysrc: source; docs: docstrings (numpydoc-style reference prose), other packages than pysrc's; docsrc: their source
+_DOC_PACKAGES = ("scipy", "sympy", "sklearn", "networkx", "matplotlib")
 PACKAGES: dict[str, tuple[str, ...]] = {
     "pysrc": ("numpy", "pandas", "sqlalchemy", "torch"),
-    "docs": ("scipy", "sympy", "sklearn", "networkx", "matplotlib"),
-    "docsrc": ("scipy", "sympy", "sklearn", "networkx", "matplotlib"),
+    "docs": _DOC_PACKAGES,
+    "docsrc": _DOC_PACKAGES,
 }
 SOURCE_CORPORA = {"pysrc", "docsrc"}  # whole source files; the others: docstrings
 SKIP_DIRS = {"tests", "test", "testing", "__pycache__", "_vendor", "vendored"}

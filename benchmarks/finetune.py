@@ -18,6 +18,7 @@ is installed here; nothing is downloaded.
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import os
@@ -86,6 +87,17 @@ def sft_records(dest: Path, max_bytes: int) -> list[str]:
     return [str(path)]
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a step count of at least 1 (argparse names the option and exits 2 otherwise)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of steps, at least 1 (got {text!r})")
+    return n
+
+
 def add_parser(sub) -> None:
     ap = sub.add_parser("finetune", help="BCD vs full fine-tuning of a pretrained base: finetune.md, finetune.json",
                         description=__doc__.split("\n\n")[0])
@@ -104,7 +116,7 @@ def add_parser(sub) -> None:
     ap.add_argument("--base-corpus", default=BASE_CORPUS, choices=["docs", "docsrc"],
                     help="what the base is pretrained on: docs (English reference prose: fine-tuning on code is a "
                          "new domain) or docsrc (Python sources of other packages than the fine-tuning data's)")
-    ap.add_argument("--base-steps", type=int, default=None, help="the base's pretraining steps (default: the "
+    ap.add_argument("--base-steps", type=_positive, default=None, help="the base's pretraining steps (default: the "
                                                                   "suite's baseline steps)")
     ap.add_argument("--bytes", type=int, default=3_000_000, help="size of each fine-tuning corpus")
     ap.add_argument("--target", default="final", choices=["final", "best"],

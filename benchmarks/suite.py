@@ -174,11 +174,11 @@ def multiplier(full_curve: list[dict], bcd_curve: list[dict], target: float, key
     return {"value": b / f if f and b is not None else None, "reached": reached, "full": f, "bcd": b}
 
 
-def compare(full: dict, bcd: dict, tol: float, ref: str = "final") -> dict:
+def compare(full: dict, bcd: dict, tol: float, target_from: str = "final") -> dict:
     """One seed's figures for one BCD run against its baseline (run dicts of ``RunBook.get``). L* = the
-    baseline's ``ref`` validation loss + ``tol``: ``final`` (a baseline still falling: where it got) or ``best``
-    (a baseline trained past its minimum, as fine-tuning with early stopping is)."""
-    target = full[f"{ref}_val"] + tol
+    baseline's ``target_from`` validation loss + ``tol``: ``final`` (a baseline still falling: where it got) or
+    ``best`` (a baseline trained past its minimum, as fine-tuning with early stopping is)."""
+    target = full[f"{target_from}_val"] + tol
     at = bcd["steps"]
     ref, where = interp(full["curve"], at)
     return {"target": target, **{k: multiplier(full["curve"], bcd["curve"], target, key) for k, key in KEYS.items()},

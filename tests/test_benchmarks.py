@@ -157,7 +157,7 @@ def test_suite_metrics_on_synthetic_curves():
     assert c["stopped_by"] == {"max_steps": 4}
     # a baseline past its minimum (fine-tuning for several epochs): L* from its best, first reached at 300
     over = _curve([(100, 4.0), (200, 3.0), (300, 2.5), (400, 2.7)])
-    c = compare(run(over) | {"best_val": 2.5}, run(bcd), tol=0.02, ref="best")
+    c = compare(run(over) | {"best_val": 2.5}, run(bcd), tol=0.02, target_from="best")
     assert c["target"] == 2.5 + 0.02 and c["steps"] == {"value": 2.0, "reached": True, "full": 300, "bcd": 600}
 
     sp = spread([2.0, 1.5, 3.0], [False, True, False])
@@ -275,6 +275,13 @@ def test_finetune_tiny_end_to_end(tmp_path, monkeypatch, prefect_server):
     table = (tmp_path / "finetune.md").read_text()
     assert "B-F × mean [min–max]" in table and "\nsft " in table and "\ntext " in table
     assert data["base"]["steps"] == 6 and "on `docsrc`, 6 steps" in table and "L* = their best" in table
+
+
+def test_finetune_refuses_a_base_of_no_steps_before_writing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["finetune", "--profile", "tiny", "--base-steps", "0", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "--base-steps: must be a whole number of steps" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_benchmark_command_line_leaves_prefect_to_its_settings():
