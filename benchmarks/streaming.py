@@ -173,9 +173,18 @@ def main(argv: list[str] | None = None) -> dict:
         blocks = list(range(len(plan)))
     else:
         blocks = [int(b) for b in args.blocks_to_run.split(",")]
-    if args.cap_gb and device.type == "cuda":
+    if args.cap_gb and device.type == "cuda":  # put back at the end: the caller (a test) may run uncapped next
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * GB / total), device)
+    try:
+        return _run(args, run, mcfg, plan, blocks, device, budget, held)
+    finally:
+        if args.cap_gb and device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def _run(args, run, mcfg, plan, blocks, device, budget, held) -> dict:
+    B, T, p = run.train.batch_size, run.data.seq_len, run.train.precision
     res = {"model": mcfg.to_dict(), "batch": B, "seq_len": T, "precision": p, "blocks": len(plan),
            "device": str(device), "cap_gb": args.cap_gb, "h2d_gbs": h2d_gbs(device),
            "budget": None if budget is None else {"usable": budget.usable, "reserve": budget.reserve,

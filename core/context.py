@@ -29,7 +29,7 @@ from bcdflow.models.base import Decoder
 from bcdflow.models.build import param_sizes
 from bcdflow.models.config import ModelConfig, get_config
 from bcdflow.models.holding import Holding, choose_holding, no_grad_holding
-from bcdflow.models.memory import GB, Budget, device_budget
+from bcdflow.models.memory import GB, Budget, device_budget, no_grad_memory
 from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.storage import checkpoints, layout
 from bcdflow.storage.store import Store
@@ -69,7 +69,9 @@ def memory_budget(cfg: RunConfig, device: torch.device) -> Budget | None:
         return device_budget(cfg.train.memory_gb * GB, gpus=gpus)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)  # creates the context first: what is free after it
-        return device_budget(total, free, gpus=gpus)
+        # what this process's caching allocator holds (cached blocks, live tensors) is the visit's to use, not
+        # someone else's: mem_get_info counts it as used
+        return device_budget(total, free + torch.cuda.memory_reserved(device), gpus=gpus)
     return None
 
 
@@ -163,11 +165,25 @@ def check_plan_fits(cfg: RunConfig) -> None:
                            "blocks (bcdflow plan-memory recommends a count), train.offload=auto, "
                            "bcd.recompute=auto, a smaller train.batch_size or train.gpus=N")
     need = max(h.estimate.host_bytes for h in holds)
+    t, cuda = cfg.train, budget is not None and cfg.train.memory_gb is None
+    if cfg.bcd.preinfer:  # pre-inference: its prefix's streamed layers and the shards' page-locked output buffers
+        workers = cfg.bcd.preinfer_workers or (2 if cuda else 1)
+        staging = workers * cfg.bcd.shard_rows * seq * mcfg.d_model * 4
+        for b in range(1, len(plan)):
+            lo = plan[b].layers[0]
+            streamed, rows = no_grad_holding(mcfg, (0, lo), True, False, seq, t.precision,
+                                             None if budget is None else budget.usable, t.batch_size,
+                                             cfg.bcd.shard_rows, offload=t.offload, window=t.stream_window,
+                                             rows=cfg.bcd.preinfer_batch_size)
+            prefix = no_grad_memory(mcfg, (0, lo), True, False, rows, seq, t.precision, streamed,
+                                    t.stream_window).host_bytes if streamed else 0
+            need = max(need, prefix + staging)
     have = psutil.virtual_memory().available
     if need > have:
-        raise BadInput(f"train.offload: the streamed frozen layers of a visit take {need / 1e9:.1f} GB of host memory "
-                       f"(pinned, as allocated) and this machine has {have / 1e9:.1f} GB available (use more blocks, "
-                       "train.precision=bf16, or a machine with more memory)")
+        raise BadInput(f"train.offload: the streamed frozen layers of a visit (or its pre-inference prefix and "
+                       f"output buffers) take {need / 1e9:.1f} GB of host memory (pinned, as allocated) and this "
+                       f"machine has {have / 1e9:.1f} GB available (use more blocks, train.precision=bf16, "
+                       "a smaller bcd.shard_rows, or a machine with more memory)")
 
 
 class RunContext:
@@ -179,6 +195,10 @@ class RunContext:
         self._prefix: tuple[tuple, Decoder] | None = None
         self._holdings: dict[int, Holding] = {}
         self._staging: list[torch.Tensor] = []
+        self._budget: tuple[float | None] | None = None
+        self.prefix_lock = threading.Lock()
+        """Held by a pre-inference shard while it runs the kept prefix: shard tasks in threads share one prefix,
+        whose stream (and device memory sized for one batch) is not for two at once."""
 
     @classmethod
     def of(cls, cfg: RunConfig, run_id: str, dataset_id: str) -> "RunContext":
@@ -257,8 +277,12 @@ class RunContext:
         return model
 
     def budget(self) -> float | None:
-        """Bytes a visit may hold on this process's device (``usable``); None on the CPU without a set budget."""
-        return usable(self.cfg, self.device)
+        """Bytes a visit may hold on this process's device (``usable``); None on the CPU without a set budget.
+        Measured once per process and run (the memory free to it then), so every visit, pass and resume in this
+        process plans against the same figure whatever its allocator has cached since."""
+        if self._budget is None:
+            self._budget = (usable(self.cfg, self.device),)
+        return self._budget[0]
 
     def holding(self, block: int) -> Holding:
         """How block ``block``'s visit holds its model on this device (recompute, streamed layers), chosen once."""
@@ -268,13 +292,14 @@ class RunContext:
         return self._holdings[block]
 
     def no_grad_pass(self, layers: tuple[int, int], embed: bool, head: bool, limit: int,
-                     rows: int | None = None) -> tuple[tuple[int, ...], int]:
+                     rows: int | None = None, extra: int = 0) -> tuple[tuple[int, ...], int]:
         """(streamed layers, rows per forward) of a no-grad pass over a model part on this device: pre-inference's
-        prefix, an evaluation model (models/holding.no_grad_holding; ``rows``: a set batch)."""
+        prefix, an evaluation model (models/holding.no_grad_holding; ``rows``: a set batch; ``extra``: bytes held
+        beside it)."""
         t = self.cfg.train
         return no_grad_holding(self.model_cfg, layers, embed, head, self.dataset.seq_len, t.precision, self.budget(),
                                t.batch_size, limit, offload=t.offload, window=t.stream_window,
-                               chunk_rows=t.loss_chunk_rows, rows=rows)
+                               chunk_rows=t.loss_chunk_rows, rows=rows, extra=extra)
 
     def trainable(self, block: int) -> set[str]:
         """The parameters block ``block``'s visit trains (``Block.trainable``: less what ``bcd.freeze`` keeps)."""
@@ -324,10 +349,12 @@ class RunContext:
             if buf is not None:
                 self._staging.remove(buf)
         if buf is None:
-            buf = host_buffer(nbytes, pin=self.device.type == "cuda")
+            buf = host_buffer(nbytes, pin=self.device.type == "cuda", device=self.device)
         try:
             yield buf[:nbytes].view(dtype).view(shape)
         finally:
+            if self.device.type == "cuda":  # copies into it may still land (an exception mid-shard)
+                torch.cuda.current_stream(self.device).synchronize()
             with self._lock:
                 self._staging.append(buf)
 

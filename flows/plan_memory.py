@@ -27,7 +27,7 @@ NAMES = {"grads_total": "grads"}
 
 def add_parser(sub, common) -> None:
     sp = sub.add_parser("plan-memory", parents=[common],
-                        help="how each visit holds its model on a card, its peak and step time; the bcd.blocks that fits")
+                        help="how each visit holds its model on a card, its peak and step time; the blocks that fit")
     sp.add_argument("-c", "--config", help="YAML config file (as for train)")
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     sp.add_argument("--gpu-gb", type=float, default=24.0,

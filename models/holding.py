@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from bcdflow.models.config import ModelConfig
-from bcdflow.models.memory import (Budget, Estimate, GB, _layer_of, _numel, _shapes, no_grad_memory, no_grad_rows,
-                                   stream_uses, visit_memory)
+from bcdflow.models.memory import (Budget, Estimate, GB, Step, _layer_act, _layer_of, _numel, _shapes,
+                                   no_grad_memory, no_grad_rows, stream_uses, visit_memory)
 from bcdflow.models.build import model_plan
 from bcdflow.models.plan import Plan
 
@@ -131,6 +131,15 @@ def step_time(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int
     return StepTime(resident, timed, fwd, bwd, N, None if math.isinf(hides) else max(seq, round(N * hides)))
 
 
+def layer_params(cfg: ModelConfig) -> dict[int, int]:
+    """Layer -> its parameter count."""
+    out: dict[int, int] = {}
+    for k, shp in _shapes(cfg).items():
+        if (i := _layer_of(k)) is not None:
+            out[i] = out.get(i, 0) + _numel(shp)
+    return out
+
+
 def spread(layers: Sequence[int], k: int) -> list[int]:
     """``k`` of ``layers``, evenly spaced: a streamed layer's copy then hides behind the resident layers before it."""
     m = len(layers)
@@ -224,12 +233,24 @@ def choose_holding(cfg: ModelConfig, plan: Plan, block: int, batch: int, seq: in
     return pick
 
 
+def probe_bytes(cfg: ModelConfig, rows: int, seq: int, precision: str) -> int:
+    """What ``bcd.order=greedy``'s probe (models/visit.block_grad_norms) holds beyond a no-grad pass: one layer's
+    activations with autograd and its weight gradients, and the head's gradient (the largest of them at a time)."""
+    st = Step(cfg, rows, seq, precision)
+    s = st.s
+    layer = max(layer_params(cfg).values(), default=0)
+    return max(rows * seq * _layer_act(st, "trainable") + layer * s, cfg.vocab_size * cfg.d_model * s)
+
+
 def no_grad_holding(cfg: ModelConfig, layers: tuple[int, int], embed: bool, head: bool, seq: int, precision: str,
                     budget: float | None, min_rows: int, limit: int, *, offload: str = "auto", window: int = 2,
-                    chunk_rows: int | None = None, rows: int | None = None) -> tuple[tuple[int, ...], int]:
+                    chunk_rows: int | None = None, rows: int | None = None,
+                    extra: int = 0) -> tuple[tuple[int, ...], int]:
     """(streamed layers, rows per forward) of a no-grad pass over a model part (the pre-inference prefix, an
-    evaluation model): every layer resident where a batch of ``min_rows`` rows fits ``budget``, else the fewest
-    streamed layers (spread) that make it fit; then the most rows up to ``limit`` (``rows``: as given)."""
+    evaluation model): every layer resident where a batch of ``min_rows`` rows fits ``budget`` (less ``extra`` bytes
+    the caller holds beside it), else the fewest streamed layers (spread) that make it fit; then the most rows up to
+    ``limit`` (``rows``: as given)."""
+    budget = None if budget is None else budget - extra
     lo, hi = layers
     all_layers = list(range(lo, hi))
     want = rows or min_rows

@@ -129,6 +129,8 @@ def _layer_act(st: Step, kind: str) -> int:
     attention log-sum-exp (4 B per head)."""
     c = st.cfg
     C, F, K, s, r = c.d_model, c.ffn_dim, c.kv_heads * c.head_dim, st.s, 4
+    if s == 4:  # fp32 attention repeats grouped K/V to the query heads (models/llama.py): it keeps them C wide
+        K = C
     if kind == "recompute":
         return r * C
     stats = (16 if c.family == "gpt" else 8) + 4 * c.n_head
@@ -239,7 +241,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     if streamed is None:
         streamed = frozen_held if stream else []
     elif not set(streamed) <= set(frozen_held):
-        raise ValueError(f"streamed layers {sorted(set(streamed) - set(frozen_held))} are not frozen layers of the visit")
+        raise ValueError(f"streamed layers {sorted(set(streamed) - set(frozen_held))} are not frozen layers held")
     streamed = sorted(streamed)
     held_by_layer: dict[int | None, list[str]] = {}
     for k in held_names:
@@ -345,9 +347,11 @@ def plan_visits(cfg: ModelConfig, blocks: int, batch: int, seq: int, precision: 
 CONTEXT_BYTES = int(0.5 * GB)
 """What the CUDA context takes before the first tensor (0.3-0.6 GB with recent drivers and lazy module loading):
 counted when the budget starts from a card's size; a measured budget starts from what is free once it exists."""
-WORKSPACE_BYTES = int(0.25 * GB)
-"""cuBLAS/cuBLASLt workspaces on the compute and copy streams (up to 32 MiB each on Hopper, 4-8 MiB on Ada), the
-attention kernels' scratch and the caching allocator's small-block pools: tensors the planner does not see."""
+WORKSPACE_BYTES = int(0.5 * GB)
+"""What the planner does not see that is not fragmentation: kernel modules loaded lazily after the context exists
+(cuBLAS, cuBLASLt, attention: a few hundred MB), cuBLAS/cuBLASLt workspaces per stream and thread (the compute stream,
+autograd's backward thread, each pre-inference worker: up to 32 MiB each on Hopper, 4-8 MiB on Ada), attention
+scratch and the caching allocator's small-block pools."""
 FRAGMENTATION = 0.08
 """Share of the free memory kept back for the caching allocator's block rounding and fragmentation (5-15% is typical
 of training; the streamed weights' slots are allocated once and do not fragment)."""

@@ -45,6 +45,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from bcdflow.models.errors import ConfigError
+
 _W = "bcdflow-stream"
 ALIGN = 256
 """Bytes: every tensor in a flat layer buffer starts at a multiple (vector loads of CUDA kernels; cudaMalloc itself
@@ -60,16 +62,19 @@ def layer_bytes(sizes: Iterable[int]) -> int:
     return sum(aligned(n) for n in sizes)
 
 
-def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """A flat uint8 host buffer of exactly ``nbytes``, page-locked (CUDA) with ``cudaHostRegister`` as torch's own
-    checkpoint stager does, and unregistered when the buffer is freed."""
+def host_buffer(nbytes: int, pin: bool, device: torch.device | str | None = None) -> torch.Tensor:
+    """A flat uint8 host buffer of exactly ``nbytes``, page-locked (CUDA, for ``device``'s context and the others:
+    ``cudaHostRegisterPortable``) with ``cudaHostRegister`` as torch's own checkpoint stager does, and unregistered
+    when the buffer is freed. A host that cannot page-lock it is bad input (no retry): its limits are the machine's."""
     buf = torch.empty(nbytes, dtype=torch.uint8)
     if pin and nbytes:
         cudart = torch.cuda.cudart()
-        err = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0))
+        with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+            err = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 1))
         if err:
-            raise RuntimeError(f"cudaHostRegister of {nbytes / 1e9:.2f} GB of host memory failed (cudaError {err}): "
-                               "the host cannot page-lock what train.offload streams")
+            raise ConfigError(f"train.offload: page-locking {nbytes / 1e9:.2f} GB of host memory failed (cudaError "
+                              f"{err}): raise the host's locked-memory limit (ulimit -l) or free memory, or hold "
+                              "more layers on the device (train.offload=off)")
         fin = weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, buf.data_ptr())
         fin.atexit = False  # not after the CUDA context is gone
     return buf
@@ -183,7 +188,7 @@ class LayerStream:
                 nbytes = p.numel() * p.element_size()
                 entries.append((name, p, off, nbytes, p.shape))
                 off += aligned(nbytes)
-            flat = host_buffer(off, pin=self.cuda)
+            flat = host_buffer(off, pin=self.cuda, device=self.device)
             with torch.no_grad():
                 for name, p, o, _, shape in entries:  # one copy, straight into the flat buffer (no staging)
                     _view(flat, o, p.dtype, shape).copy_(p.detach())
@@ -270,9 +275,12 @@ class LayerStream:
         return self._views(i, self._use(i, backward=torch._C._current_graph_task_id() != -1))
 
     @contextmanager
-    def pointed(self, i: int) -> Iterator[None]:
-        """Layer ``i``'s parameters at its slot for a call that bypasses the layer's hooks (``layer.forward``)."""
-        self._point(i, self.materialize(i))
+    def pointed(self, i: int, backward: bool = False) -> Iterator[None]:
+        """Layer ``i``'s parameters at its slot for a call that bypasses the layer's hooks (``layer.forward``);
+        ``backward``: part of a walk down the gradient path (the slots plan and prefetch for it)."""
+        if backward:
+            self._train = True
+        self._point(i, self._views(i, self._use(i, backward)))
         try:
             yield
         finally:
@@ -332,7 +340,7 @@ class LayerStream:
     def close(self) -> None:
         """Free the slots and the host buffers (the model's streamed layers are unusable after this)."""
         self.release()
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        if self.cuda:  # a prefetch may still be reading a host buffer: unregistering it under the copy is undefined
+            self.copy_stream.synchronize()
         self.slots, self.host, self._slot_of_ptr = [], {}, {}
         self.plan.holds = [None] * self.window

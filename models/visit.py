@@ -69,10 +69,11 @@ def block_grad_norms(model: Decoder, x: torch.Tensor, targets: torch.Tensor, own
                      blocks: Collection[int]) -> dict[int, float]:
     """Gradient norm of each of ``blocks``'s parameters (``owner``: parameter name -> block) for the whole model's
     loss on (x, targets), computed one layer at a time, so no more than one layer's gradients ever exist: a no-grad
-    forward keeps each layer's (B, T, C) input, then the backward goes down the layers, each layer's forward run
-    again from its input with its weights requiring grad (a streamed layer's in its slot, ``model.stream.pointed``). The values are those of one backward through the whole model (a tied
-    embedding's two gradients are added before the norm); only the embeddings and the head, which never stream,
-    require grad, and only for their own step."""
+    forward keeps each layer's (B, T, C) input on the host, then the backward goes down the layers, each layer's
+    forward run again from its input with its weights requiring grad (a streamed layer's in its slot,
+    ``model.stream.pointed``). The values are those of one backward through the whole model (a tied embedding's two
+    gradients are added before the norm); only the embeddings and the head, which never stream, require grad, and
+    only for their own step."""
     named = dict(model.named_parameters())
     sq = {b: 0.0 for b in blocks}
     stream = getattr(model, "stream", None)
@@ -85,9 +86,9 @@ def block_grad_norms(model: Decoder, x: torch.Tensor, targets: torch.Tensor, own
     with torch.no_grad():
         h = model.embed(x)
         extra = model._layer_extra(x.size(1), h.device)
-        ins = []
+        ins = []  # each layer's (B, T, C) input, on the host: the device holds one layer's worth at a time
         for i in range(model.cfg.n_layer):
-            ins.append(h)
+            ins.append(h.to("cpu"))
             h = model.h[str(i)](h, extra)
     head = [k for k in named if k.startswith(("ln_f.", "lm_head."))] + (["wte.weight"] if model.cfg.tied else [])
     head = [k for k in head if owner(k) in sq]
@@ -105,9 +106,10 @@ def block_grad_norms(model: Decoder, x: torch.Tensor, targets: torch.Tensor, own
             prefix = f"h.{i}."
             want = any(owner(prefix + k) in sq for k, _ in layer.named_parameters())
             names = [k for k, _ in layer.named_parameters()]
-            held = stream.pointed(i) if stream is not None and i in stream.layout else contextlib.nullcontext()
+            held = (stream.pointed(i, backward=True) if stream is not None and i in stream.layout else
+                    contextlib.nullcontext())
             with held, _requiring_grad(list(layer.parameters()) if want else []) as ps:
-                inp = ins[i].detach().requires_grad_()
+                inp = ins[i].to(h.device).requires_grad_()
                 out = layer.forward(inp, extra)  # not through the stream's hooks: the layer stays pointed
                 g, *grads = torch.autograd.grad(out, [inp, *ps], g)
             add([prefix + k for k in names] if want else [], grads)

@@ -46,12 +46,14 @@ def preinfer_shard(ctx: RunContext, cycle: int, block: int, version: int, shard:
         inputs = inputs.pin_memory()  # (n, T) int64: a few MB; the copies below are then asynchronous
     step = ctx.preinfer_rows(block)  # the no-grad batch: the most rows that fit the device, not the training batch
     with ctx.staging((len(rows), ctx.dataset.seq_len, ctx.model_cfg.d_model)) as hidden:  # (n, T, C) on the host
-        with torch.inference_mode(), autocast(ctx.device, cfg.train.precision):
+        # one shard computes at a time: shard tasks share the prefix (its stream, a batch's worth of memory); the
+        # other writes its shard to the store meanwhile
+        with ctx.prefix_lock, torch.inference_mode(), autocast(ctx.device, cfg.train.precision):
             for a in range(0, len(rows), step):  # each batch's states copied out without a host sync
                 x = inputs[a:a + step].to(ctx.device, non_blocking=True)
                 hidden[a:a + step].copy_(prefix_hidden(prefix, x, layer).float(), non_blocking=True)
-        if cuda:
-            torch.cuda.current_stream(ctx.device).synchronize()  # once per shard: the states are on the host
+            if cuda:
+                torch.cuda.current_stream(ctx.device).synchronize()  # once per shard: the states are on the host
         failpoints.hit("preinfer-computed")
         # the targets go with the activations, mask included: the visit trains from this group alone
         marker = activations.write_shard(ctx.store, ctx.acts_key(cycle, block), shard, hidden, targets.int())

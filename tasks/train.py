@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from bcdflow.core.context import RunContext
 from bcdflow.errors import BadInput
 from bcdflow.models.errors import Diverged
+from bcdflow.models.holding import probe_bytes
 from bcdflow.models.visit import autocast, block_grad_norms
 from bcdflow.tasks import preemption
 from bcdflow.tasks.data import sample_rows
@@ -80,9 +81,11 @@ def choose_block(ctx: RunContext, version: int, cycle: int, candidates: list[int
     whole model held frozen as an evaluation holds it (streamed where it does not fit), the gradients taken one layer
     at a time (models/visit.block_grad_norms), never every gradient of the model at once."""
     cfg = ctx.cfg
-    n = ctx.model_cfg.n_layer
-    streamed, _ = ctx.no_grad_pass((0, n), True, True, cfg.train.batch_size, cfg.train.batch_size)
-    model = ctx.load_part(ctx.manifest(version), (0, n), True, True, trainable=(), stream=streamed).eval()
+    n, B = ctx.model_cfg.n_layer, cfg.train.batch_size
+    extra = probe_bytes(ctx.model_cfg, B, ctx.dataset.seq_len, cfg.train.precision)  # one layer's backward at a time
+    streamed, _ = ctx.no_grad_pass((0, n), True, True, B, B, extra=extra)
+    model = ctx.load_part(ctx.manifest(version), (0, n), True, True, trainable=(), stream=streamed,
+                          grad_from=0).eval()
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
     probe = sample_rows(ctx.dataset.n_train, 1.0, cfg.seed, cycle, 10_000 + version)[: cfg.train.batch_size]
     x, y = ctx.dataset.train_pairs(np.sort(probe))
