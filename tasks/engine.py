@@ -380,91 +380,101 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
     val = visit_val_batches(cfg, ctx, vs) if cfg.bcd.eval_every or vs.exact else []
     ctx.release_prefix()  # before the visit's model loads: the two are never held at once
     held = hold(ctx, vs)
-    with contextlib.closing(held):  # its device slots and page-locked buffers go whatever ends the visit
-        names, params = [n for n, _ in held.named], [p for _, p in held.named]
+    try:
+        return _train_held(ctx, vs, held, val, track=track, progress=progress, global_step=global_step,
+                           min_rate=min_rate, moments=moments)
+    finally:
+        held.close()  # its device slots and page-locked buffers go whatever ends the visit
 
-        rows = visit_rows(cfg, ds.n_train, vs.cycle, block)
-        if vs.from_acts:
-            read = activations.ActivationReader(ctx.store, ctx.acts_key(vs.cycle, block),
-                                                pin=device.type == "cuda").read  # (B, T, C), (B, T)
+
+def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: TrackTarget | None, progress,
+                global_step: int, min_rate: float | None, moments: dict | None) -> TrainResult:
+    """The body of :func:`run_visit` once its model is held."""
+    cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
+    names, params = [n for n, _ in held.named], [p for _, p in held.named]
+
+    rows = visit_rows(cfg, ds.n_train, vs.cycle, block)
+    if vs.from_acts:
+        read = activations.ActivationReader(ctx.store, ctx.acts_key(vs.cycle, block),
+                                            pin=device.type == "cuda").read  # (B, T, C), (B, T)
+    else:
+        def read(a: int, b: int):
+            return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE_INDEX)
+
+    val_points: list[tuple[int, float]] = []
+    on_window = window_logger(track, cfg.bcd.eval_every, held.module,  # every process evaluates: collectives
+                              lambda: evaluate_model(held.eval_loss, val, cfg, device), val_points)
+
+    if device.type == "cuda":  # the loop's own peaks and retries (the loaded model counts in both)
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
+    spec = cfg.optim_spec(block)
+    opt = make_optimizer(params, spec)
+    vkey = ctx.visit_key(vs.cycle, block)
+    state = None
+    ck = trainckpt.load(ctx.store, vkey, held.ckpt_device)  # unsharded: resumable on any process count
+    if ck is not None and ck[0]["meta"].get("base_version") == vs.version:  # resume mid-visit
+        pointer, saved, opt_state = ck
+        held.set_params({n: saved[n] for n in names})
+        held.load_optim(opt, opt_state)
+        for g in opt.param_groups:  # a continued run may have lowered optim.lr (after a divergence)
+            g["lr"] = spec.base_lr
+        state = LoopState.from_dict(pointer["meta"]["loop"])
+    elif moments is not None:  # bcd.moments=keep: where the block's last visit left its optimizer
+        saved = checkpoints.load_file(ctx.store, vs.run_id, moments, f"the optimizer moments of block {block}",
+                                      held.ckpt_device)
+        held.load_optim(opt, optimizer_state(saved, names, opt.state_dict()["param_groups"]))
+
+    def checkpoint(st: LoopState, why: str) -> None:
+        # a holder whose lease could have expired writes nothing more: the next holder of the visit keeps its
+        # checkpoint here too. On a lapsed lease (should_stop) this is where the loop ends, with LeaseLost.
+        check_leases()
+        tensors, opt_state = held.params(), held.optim_state(opt)  # collectives under FSDP
+        if held.writer:
+            trainckpt.save(ctx.store, vkey, st.steps, tensors, opt_state,
+                           {"loop": st.to_dict(), "base_version": vs.version, "why": why,
+                            **({"gpus": held.world} if held.world > 1 else {})})
+            failpoints.hit("train-checkpoint")
+        held.barrier()
+
+    # the data cursor: a resumed loop skips the batches it already trained on
+    resumed_at = state.steps if state else 0  # run_steps advances the state it is given
+    ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, vs.cycle, block), resumed_at,
+                              None)
+    check_leases()  # a lease that lapsed while the visit set up (a slow load): not one step is trained
+    try:
+        with preempt.training():
+            res = run_steps(held.loss, params, prefetched(ranges, held.fetch(read, rows), device), opt, spec,
+                            cfg.stop_rule(min_rate), on_window=on_window, should_stop=held.should_stop,
+                            state=state, checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
+                            ckpt_seconds=cfg.checkpoint.every_seconds, clock=held.clock, progress=progress,
+                            global_step=global_step)
+    finally:
+        if progress is not None:
+            progress.close()
+    check_leases()  # a lease that lapsed during the last step: no evaluation, no block file
+    peak = held.peak()
+    done = res.stopped_by != "interrupted"
+    val_loss, eval_s = None, 0.0
+    if vs.exact and done:
+        if val_points and val_points[-1][0] == res.steps:  # validated at the last step already
+            val_loss = val_points[-1][1]
         else:
-            def read(a: int, b: int):
-                return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE_INDEX)
-
-        val_points: list[tuple[int, float]] = []
-        on_window = window_logger(track, cfg.bcd.eval_every, held.module,  # every process evaluates: collectives
-                                  lambda: evaluate_model(held.eval_loss, val, cfg, device), val_points)
-
-        if device.type == "cuda":  # the loop's own peaks and retries (the loaded model counts in both)
-            torch.cuda.reset_peak_memory_stats(device)
-            torch.cuda.reset_accumulated_memory_stats(device)
-        spec = cfg.optim_spec(block)
-        opt = make_optimizer(params, spec)
-        vkey = ctx.visit_key(vs.cycle, block)
-        state = None
-        ck = trainckpt.load(ctx.store, vkey, held.ckpt_device)  # unsharded: resumable on any process count
-        if ck is not None and ck[0]["meta"].get("base_version") == vs.version:  # resume mid-visit
-            pointer, saved, opt_state = ck
-            held.set_params({n: saved[n] for n in names})
-            held.load_optim(opt, opt_state)
-            for g in opt.param_groups:  # a continued run may have lowered optim.lr (after a divergence)
-                g["lr"] = spec.base_lr
-            state = LoopState.from_dict(pointer["meta"]["loop"])
-        elif moments is not None:  # bcd.moments=keep: where the block's last visit left its optimizer
-            saved = checkpoints.load_file(ctx.store, vs.run_id, moments, f"the optimizer moments of block {block}",
-                                          held.ckpt_device)
-            held.load_optim(opt, optimizer_state(saved, names, opt.state_dict()["param_groups"]))
-
-        def checkpoint(st: LoopState, why: str) -> None:
-            # a holder whose lease could have expired writes nothing more: the next holder of the visit keeps its
-            # checkpoint here too. On a lapsed lease (should_stop) this is where the loop ends, with LeaseLost.
-            check_leases()
-            tensors, opt_state = held.params(), held.optim_state(opt)  # collectives under FSDP
-            if held.writer:
-                trainckpt.save(ctx.store, vkey, st.steps, tensors, opt_state,
-                               {"loop": st.to_dict(), "base_version": vs.version, "why": why,
-                                **({"gpus": held.world} if held.world > 1 else {})})
-                failpoints.hit("train-checkpoint")
-            held.barrier()
-
-        # the data cursor: a resumed loop skips the batches it already trained on
-        resumed_at = state.steps if state else 0  # run_steps advances the state it is given
-        ranges = itertools.islice(batch_ranges(len(rows), cfg.train.batch_size, cfg.seed, vs.cycle, block), resumed_at,
-                                  None)
-        check_leases()  # a lease that lapsed while the visit set up (a slow load): not one step is trained
-        try:
-            with preempt.training():
-                res = run_steps(held.loss, params, prefetched(ranges, held.fetch(read, rows), device), opt, spec,
-                                cfg.stop_rule(min_rate), on_window=on_window, should_stop=held.should_stop,
-                                state=state, checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
-                                ckpt_seconds=cfg.checkpoint.every_seconds, clock=held.clock, progress=progress,
-                                global_step=global_step)
-        finally:
-            if progress is not None:
-                progress.close()
-        check_leases()  # a lease that lapsed during the last step: no evaluation, no block file
-        peak = held.peak()
-        done = res.stopped_by != "interrupted"
-        val_loss, eval_s = None, 0.0
-        if vs.exact and done:
-            if val_points and val_points[-1][0] == res.steps:  # validated at the last step already
-                val_loss = val_points[-1][1]
-            else:
-                t0 = time.perf_counter()
-                held.module.eval()
-                val_loss = evaluate_model(held.eval_loss, val, cfg, device)
-                eval_s = time.perf_counter() - t0
-        block_file, moments_file = {}, None
-        if done:
-            tensors = held.block_tensors()
-            opt_full = held.optim_state(opt) if cfg.bcd.moments == "keep" else None  # collectives under FSDP
-            if held.writer:
-                block_file = checkpoints.save_block(ctx.store, vs.run_id, tensors)
-                if opt_full is not None:
-                    moments_file = checkpoints.save_block(ctx.store, vs.run_id, optimizer_tensors(opt_full, names))
-        return TrainResult(
-            steps=res.steps, first_loss=res.losses[0] if res.losses else float("nan"), train_loss=res.final_loss,
-            stopped_by=res.stopped_by, seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows),
-            val_points=val_points, peak_mem_bytes=peak and peak[0], peak_reserved_bytes=peak and peak[1],
-            alloc_retries=peak and peak[2], block_file=block_file, recompute=vs.recompute, gpus=held.world,
-            streamed=len(vs.streamed), rate=res.rate, moments_file=moments_file, val_loss=val_loss, eval_seconds=eval_s)
+            t0 = time.perf_counter()
+            held.module.eval()
+            val_loss = evaluate_model(held.eval_loss, val, cfg, device)
+            eval_s = time.perf_counter() - t0
+    block_file, moments_file = {}, None
+    if done:
+        tensors = held.block_tensors()
+        opt_full = held.optim_state(opt) if cfg.bcd.moments == "keep" else None  # collectives under FSDP
+        if held.writer:
+            block_file = checkpoints.save_block(ctx.store, vs.run_id, tensors)
+            if opt_full is not None:
+                moments_file = checkpoints.save_block(ctx.store, vs.run_id, optimizer_tensors(opt_full, names))
+    return TrainResult(
+        steps=res.steps, first_loss=res.losses[0] if res.losses else float("nan"), train_loss=res.final_loss,
+        stopped_by=res.stopped_by, seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows),
+        val_points=val_points, peak_mem_bytes=peak and peak[0], peak_reserved_bytes=peak and peak[1],
+        alloc_retries=peak and peak[2], block_file=block_file, recompute=vs.recompute, gpus=held.world,
+        streamed=len(vs.streamed), rate=res.rate, moments_file=moments_file, val_loss=val_loss, eval_seconds=eval_s)
