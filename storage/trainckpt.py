@@ -33,6 +33,7 @@ from .store import Store, sha256_bytes
 log = logging.getLogger(__name__)
 POINTER = "ckpt.json"
 _ENTRY = ("step", "params", "params_sha256", "optim", "optim_sha256", "meta")
+_SHORTCUT = " (a checkpoint is a shortcut: the committed versions are intact)"
 
 
 class TrainCheckpointError(DamagedArtifact):
@@ -78,11 +79,12 @@ def read_pointer(store: Store, visit_key: str) -> dict | None:
         return None
     try:
         pointer = store.read_json(d, POINTER)
+        why = _malformed(pointer)
     except (ValueError, UnicodeDecodeError) as e:
-        raise TrainCheckpointError(f"mid-visit checkpoint pointer {store.url_of(d, POINTER)} is damaged (not valid "
-                                   f"JSON: {e})") from None
-    if (why := _malformed(pointer)) is not None:
-        raise TrainCheckpointError(f"mid-visit checkpoint pointer {store.url_of(d, POINTER)} is damaged ({why})")
+        why = f"not valid JSON: {e}"
+    if why is not None:
+        raise TrainCheckpointError(f"mid-visit checkpoint pointer {store.url_of(d, POINTER)} is damaged ({why}): a "
+                                   f"resume starts the visit over{_SHORTCUT}")
     if pointer.get("previous") is not None and _malformed(pointer["previous"]) is not None:
         pointer["previous"] = None
     return pointer
@@ -108,7 +110,7 @@ def load(store: Store, visit_key: str, device: str | torch.device = "cpu", base_
     try:
         pointer = read_pointer(store, visit_key)
     except TrainCheckpointError as e:
-        log.warning("%s: the visit starts over (a checkpoint is a shortcut; the committed versions are intact)", e)
+        log.warning("%s", e)
         return None
     entries = [e for e in (pointer, (pointer or {}).get("previous")) if e is not None
                and (base_version is None or e["meta"].get("base_version") == base_version)]
@@ -123,8 +125,7 @@ def load(store: Store, visit_key: str, device: str | torch.device = "cpu", base_
             log.warning("%s: the visit goes on from its checkpoint of step %d", "; ".join(damaged), entry["step"])
         return entry, params, optim_state
     if damaged:
-        log.warning("%s: the visit starts over (a checkpoint is a shortcut; the committed versions are intact)",
-                    "; ".join(damaged))
+        log.warning("%s: the visit starts over%s", "; ".join(damaged), _SHORTCUT)
     return None
 
 
