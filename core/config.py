@@ -9,6 +9,7 @@ A config is data plus validation: it reads no file, opens no store and looks at 
 """
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bcdflow.core.spend import DEFAULT_PRICES, parse_prices
-from bcdflow.models.config import REGISTRY, ModelConfig, get_config
+from bcdflow.models.config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelConfig, get_config
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.plan import layer_bounds
 from bcdflow.models.trainer import OptimSpec, StopRule
@@ -37,15 +38,8 @@ class _Section(BaseModel):
                               coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
-# sizes beyond any model this trains: a value past one of these can only be a mistake (a typo, an extra digit), and
-# the largest are already far past a machine (the parameter count against memory is checked before a run:
-# core/context.check_model_size). n_layer also bounds the meta-device model the planner builds: 1024 layers
-# take seconds, 1e8 would take days.
-SIZE_LIMITS = {"n_layer": 1024, "d_model": 1 << 17, "n_head": 1 << 12, "n_kv_head": 1 << 12, "d_ff": 1 << 20,
-               "n_ctx": 1 << 24}
-# the byte-level BPE trainer (tokenizers) allocates ~66 bytes per vocabulary entry up front and aborts the process
-# (a Rust backtrace) when that fails: 2**31 asks for 141 GB. The largest vocabularies in use are ~256k.
-MAX_VOCAB = 1 << 21
+# the bounds of the model sizes (SIZE_LIMITS) and of data.vocab_size (MAX_VOCAB) live with the model config, so a
+# Hugging Face checkpoint's config.json is held to the same ones (models/hf.config_from_hf)
 
 
 class ModelSection(_Section):
@@ -65,6 +59,8 @@ class ModelSection(_Section):
     @field_validator(*SIZE_LIMITS)
     @classmethod
     def _size(cls, v: int | None, info) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"must be at least 1, got {v}")
         if v is not None and v > SIZE_LIMITS[info.field_name]:
             raise ValueError(f"{v} is beyond any model this trains (at most {SIZE_LIMITS[info.field_name]})")
         return v
@@ -485,7 +481,7 @@ def _one_line(err: ValidationError) -> str:
         noun = e["loc"][-2] if e["loc"][-1] == "name" and len(e["loc"]) > 1 else e["loc"][-1]
         choices = ", ".join(re.findall(r"'([^']*)'", e["ctx"]["expected"]))
         return f"{key}: unknown {noun} {e['input']!r} (choose from {choices})"
-    msg = e["msg"].removeprefix("Value error, ")
+    msg = _flat(e["msg"].removeprefix("Value error, "))
     return msg if not key or msg.startswith(f"{key}:") else f"{key}: {msg}"
 
 
@@ -499,6 +495,8 @@ def parse_config(raw: dict) -> RunConfig:
 
 def _set_key(tree: dict, dotted: str, value) -> None:
     parts = dotted.split(".")
+    if not all(p.strip() for p in parts):
+        raise ConfigError(f"--set {dotted!r}: not a key (section.field, e.g. bcd.blocks)")
     node = tree
     for p in parts[:-1]:
         node = node.setdefault(p, {})
@@ -515,38 +513,77 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise _DuplicateKey(f"key {key!r} appears twice in one mapping (line {key_node.start_mark.line + 1})")
-            seen.add(key)
+            try:
+                if key in seen:
+                    raise yaml.MarkedYAMLError(problem=f"key {key!r} appears twice in one mapping",
+                                               problem_mark=key_node.start_mark)
+                seen.add(key)
+            except TypeError:  # an unhashable key (a list): the safe loader's own check words it
+                break
         return super().construct_mapping(node, deep)
 
 
-class _DuplicateKey(yaml.YAMLError):
-    pass
+def parse_text(text: str | bytes, where: str):
+    """The one place config text is parsed, whatever it holds: YAML (safe loader, no key twice) from a ``-c`` file's
+    bytes or a ``--set`` value. Anything that is not UTF-8 YAML (another encoding, control characters, bad syntax,
+    a date that does not exist, nesting deeper than the parser's stack) is a ConfigError naming ``where`` (the file,
+    or the ``--set`` item) and, when YAML says, the line and column."""
+    if isinstance(text, bytes):
+        for bom, name in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+                          (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16")):
+            if text.startswith(bom):  # e.g. PowerShell's `>` writes UTF-16
+                raise ConfigError(f"{where} is {name} text (it starts with a {name} byte order mark); save it as "
+                                  "UTF-8")
+        try:
+            text = text.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{where} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); save "
+                              "it as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{where} is not valid YAML{at}: {_flat(e.problem or e.context or e)}") from None
+    except (yaml.YAMLError, ValueError, TypeError) as e:  # ValueError: a date such as 2024-02-30
+        raise ConfigError(f"{where} is not valid YAML: {_flat(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where} is not valid YAML: nested too deeply") from None
+
+
+def _flat(msg) -> str:
+    return " ".join(str(msg).split())
+
+
+def _read_config_file(file: str) -> dict:
+    if not os.path.isfile(file):
+        what = "is not a regular file" if os.path.exists(file) else "does not exist"
+        raise ConfigError(f"config file {file!r} {what}")
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"config file {file!r} cannot be read ({e.strerror or e})") from None
+    loaded = parse_text(data, f"config file {file!r}")
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {file!r} must hold a mapping of sections")
+    return loaded
 
 
 def load_config(file: str | None = None, sets: list[str] | None = None, base: dict | None = None) -> RunConfig:
-    """YAML file (optional), then ``KEY=VALUE`` overrides (values parsed as YAML scalars/lists)."""
+    """YAML file (optional), then ``KEY=VALUE`` overrides (values parsed as YAML scalars/lists), both through
+    :func:`parse_text`; every problem is one ConfigError line."""
     raw: dict = dict(base or {})
     if file:
-        if not os.path.isfile(file):
-            raise ConfigError(f"config file {file!r} does not exist")
-        with open(file) as f:
-            try:
-                loaded = yaml.load(f, Loader=_UniqueKeyLoader) or {}
-            except _DuplicateKey as e:
-                raise ConfigError(f"config file {file!r}: {e}") from None
-            except yaml.YAMLError as e:
-                raise ConfigError(f"config file {file!r} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {file!r} must hold a mapping of sections")
-        for k, v in _flatten(loaded).items():
+        for k, v in _flatten(_read_config_file(file)).items():
             _set_key(raw, k, v)
     for item in sets or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
         key, value = item.split("=", 1)
-        _set_key(raw, key.strip(), yaml.safe_load(value) if value != "" else None)
+        _set_key(raw, key.strip(), parse_text(value, f"--set {item!r}: the value") if value != "" else None)
     return parse_config(raw)
 
 

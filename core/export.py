@@ -21,15 +21,19 @@ load as is::
 
 ``bcdflow export`` writes either into a temporary directory beside ``out_dir`` and renames it into place
 (``written_whole``), so a failure leaves nothing half-written; an existing file or non-empty directory is refused.
+Files and directories get the modes the umask gives; a temporary directory left by an export that was killed is
+removed by the next export into the same parent directory.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import tempfile
+import uuid
 from contextlib import contextmanager
 
+import psutil
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
@@ -39,7 +43,8 @@ from bcdflow.models import hf as hfmap
 from bcdflow.models.build import param_shapes
 from bcdflow.models.config import ModelConfig
 from bcdflow.storage import checkpoints, layout, runs
-from bcdflow.storage.store import Store, raise_naming
+from bcdflow.storage.lease import machine
+from bcdflow.storage.store import Store, file_mode, raise_naming
 
 FORMATS = ("bcdflow", "hf")
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -54,11 +59,11 @@ def export_version(store: Store, run_id: str, version: int, out_dir: str) -> int
     cfg = runs.read_config(store, run_id)
     os.makedirs(out_dir, exist_ok=True)
     with _writing(os.path.join(out_dir, "model.safetensors")) as path:
-        save_file(tensors, path, metadata={"run_id": run_id, "version": str(version)})
+        _save(tensors, path, metadata={"run_id": run_id, "version": str(version)})
     with _writing(os.path.join(out_dir, "config.json")) as path, open(path, "w") as f:
         json.dump({"run_id": run_id, "version": version, "model": cfg["model_resolved"],
                    "plan": cfg["plan"], "dataset": cfg["dataset"]}, f, indent=2)
-    tok = f"datasets/{cfg['dataset']}/tokenizer.json"
+    tok = layout.dataset_key(cfg["dataset"], layout.DATASET_TOKENIZER)
     if store.exists(tok):
         data = store.read_bytes(tok)
         with _writing(os.path.join(out_dir, "tokenizer.json")) as path, open(path, "wb") as f:
@@ -81,6 +86,11 @@ def check_target(out_dir: str) -> str:
     return out
 
 
+def _save(tensors: dict[str, torch.Tensor], path: str, metadata: dict) -> None:
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, file_mode())  # safetensors makes its files 0600: the umask's mode, as the export's other files
+
+
 @contextmanager
 def _writing(path: str):
     """Name ``path`` in an error while it is written (a full disk: safetensors and ``write()`` name no file)."""
@@ -93,12 +103,16 @@ def _writing(path: str):
 @contextmanager
 def written_whole(out_dir: str):
     """Yield a temporary directory beside ``out_dir`` and move it into place when the block succeeds, so a
-    failure leaves nothing half-written."""
+    failure leaves nothing half-written. The directory is made with the umask's mode (mkdtemp's would be 0700, and
+    the exported model unreadable to the other users of a shared disk); its name says which process writes it, so
+    the next export into the same parent removes those of writers that are gone (an export killed mid-write)."""
     out = check_target(out_dir)
     parent = os.path.dirname(out)
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+        _remove_abandoned(parent)
+        tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{_writer()}-{uuid.uuid4().hex[:6]}")
+        os.mkdir(tmp)
     except OSError as e:
         raise BadInput(f"export: cannot write in {parent} ({e.strerror or e})") from None
     try:
@@ -112,6 +126,33 @@ def written_whole(out_dir: str):
         raise OSError(e.errno, e.strerror, os.path.join(out, os.path.relpath(e.filename, tmp))) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# a temporary export directory: .{name}.tmp-{boot id, 8 hex}-{pid namespace}-{pid}-{start, ms}-{random}
+_TMP = re.compile(r"^\..+\.tmp-([0-9a-f]{8})-(\d+)-(\d+)-(\d+)-[0-9a-f]{6}$")
+
+
+def _writer() -> str:
+    """This process as a temporary directory's name holds it: enough to tell later, on this machine, that it is gone."""
+    m, me = machine(), psutil.Process()
+    boot = m.get("boot_id", "0" * 8).replace("-", "")[:8]
+    return f"{boot}-{m.get('pid_ns', 0)}-{me.pid}-{int(me.create_time() * 1000)}"
+
+
+def _remove_abandoned(parent: str) -> None:
+    """Remove the temporary export directories in ``parent`` whose writer was a process of this machine (boot id and
+    pid namespace) that no longer exists; a live writer's, another machine's and anything else are left alone."""
+    mine = _writer().split("-")[:2]
+    for name in os.listdir(parent):
+        m = _TMP.match(name)
+        if not m or list(m.groups()[:2]) != mine or mine[0] == "0" * 8:
+            continue
+        try:
+            alive = int(psutil.Process(int(m[3])).create_time() * 1000) == int(m[4])
+        except psutil.Error:
+            alive = False
+        if not alive:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def export_hf(store: Store, run_id: str, version: int, out_dir: str, dtype: str | None = None,
@@ -153,14 +194,14 @@ def _write_weights(store: Store, run_id: str, version: int, mcfg: ModelConfig, p
     if total <= max_shard_bytes or len(blocks) == 1:
         tensors = {k: v for b in blocks for k, v in hf_block(b).items()}
         with _writing(os.path.join(out, "model.safetensors")) as path:
-            save_file(tensors, path, metadata=meta)
+            _save(tensors, path, metadata=meta)
         return len(tensors)
     weight_map, n = {}, 0
     for k, b in enumerate(blocks):
         shard = f"model-{k + 1:05d}-of-{len(blocks):05d}.safetensors"
         tensors = hf_block(b)
         with _writing(os.path.join(out, shard)) as path:
-            save_file(tensors, path, metadata=meta)
+            _save(tensors, path, metadata=meta)
         weight_map.update({name: shard for name in tensors})
         n += len(tensors)
         del tensors

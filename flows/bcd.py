@@ -91,7 +91,22 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     lease = Lease(store, layout.run_key(run_id), f"run {run_id!r}", ttl=cfg.fleet.lease_seconds,
                   owner=this_process(flow_run.get_id()))
     with lease.held():
-        return _run(cfg, store, lease, run_id, mode, dataset_id)
+        try:
+            return _run(cfg, store, lease, run_id, mode, dataset_id)
+        except BaseException:
+            _drop_if_unborn(store, run_id, lease)
+            raise
+
+
+def _drop_if_unborn(store, run_id: str, lease: Lease) -> None:
+    """A run refused before its first state leaves nothing behind: not its lease, nor a version-0 file
+    (docs/DESIGN.md §8). A run that exists keeps everything; a store fault here leaves the objects (the next start
+    of the run reuses or replaces them) and the failure that brought us here is the one reported."""
+    try:
+        if runs.read_state(store, run_id) is None:
+            lease.drop()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id: str) -> dict:

@@ -55,10 +55,15 @@ def _env_defaults() -> None:
 
 
 class RunFailed(Exception):
-    """A run stopped on a fault (store outage, crash): its committed work is safe and resuming continues it."""
+    """A run stopped on a fault (store outage, crash): its committed work is safe and resuming continues it. A run
+    that failed before it existed (no state: nothing of it was kept, flows/bcd.py) gets no resume line."""
 
-    def __init__(self, run_id: str, store: str, cause: BaseException):
+    def __init__(self, run_id: str, store: str, cause: BaseException, exists: bool = True):
         first = (str(cause).strip().splitlines() or [""])[0]
+        if not exists:
+            super().__init__(f"run {run_id} failed before it was created: {type(cause).__name__}: {first} (nothing "
+                             "of it was kept; run the same command again)")
+            return
         super().__init__(f"run {run_id} failed: {type(cause).__name__}: {first}\n"
                          f"bcdflow: committed visits are safe; continue with: {_resume_line(run_id, store)}")
 
@@ -68,9 +73,20 @@ def _resume_line(run_id: str, store: str) -> str:
 
 
 class _Interrupted(Exception):
-    def __init__(self, run_id: str, store: str):
+    def __init__(self, run_id: str, store: str, exists: bool = True):
         super().__init__(f"interrupted; committed visits and the last checkpoint are safe; continue with: "
-                         f"{_resume_line(run_id, store)}")
+                         f"{_resume_line(run_id, store)}" if exists else
+                         f"interrupted before run {run_id} was created (nothing of it was kept)")
+
+
+def _exists(cfg, run_id: str) -> bool:
+    """Whether the run has a state (a resume can continue it); True when the store cannot tell (it is down)."""
+    from bcdflow.storage import runs
+
+    try:
+        return runs.read_state(open_store(cfg), run_id) is not None
+    except Exception:  # noqa: BLE001 - the failure being reported is the one that matters
+        return True
 
 
 # -- console, signals, the temporary server --------------------------------------------------------
@@ -261,9 +277,9 @@ def _call(fn, cfg, run_id: str) -> dict:
     except (BadInput, DamagedArtifact, SystemExit):
         raise
     except KeyboardInterrupt:
-        raise _Interrupted(run_id, cfg.store) from None
+        raise _Interrupted(run_id, cfg.store, _exists(cfg, run_id)) from None
     except Exception as e:
-        raise RunFailed(run_id, cfg.store, e) from e
+        raise RunFailed(run_id, cfg.store, e, _exists(cfg, run_id)) from e
 
 
 def _run(args, mode: str, base: list[str] | None = None) -> dict:

@@ -22,13 +22,14 @@ Tied embeddings: a tied head has no ``lm_head.weight`` of its own in either form
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from bcdflow.models.config import ModelConfig, RopeScaling
+from bcdflow.models.config import MAX_VOCAB, SIZE_LIMITS, ModelConfig, RopeScaling
 from bcdflow.models.errors import ConfigError
 
 KEY = "model.from_hf"
@@ -159,20 +160,73 @@ def hf_shape(cfg: ModelConfig, our: str, shape: tuple[int, ...]) -> tuple[int, .
 
 
 # -- config.json -> ModelConfig ------------------------------------------------------------------------------
+# config.json is input like any other: every field read from it is checked for its type and range before a model
+# config exists (a null, a string where a number belongs, a size past any real model), each refusal one ConfigError
+# naming the key. Sizes are held to the bounds of the run config's model.* (models/config.SIZE_LIMITS).
+_ABSENT = object()
+
+
+def _bad(key: str, want: str, v) -> ConfigError:
+    return ConfigError(f"{KEY}: config.json {key} must be {want}, got {v!r}"[:300])
+
+
+def _int(d: dict, key: str, default=_ABSENT, limit: str | None = None, within: str = "") -> int | None:
+    """A positive integer (``default`` when absent or null, if one is given), at most ``SIZE_LIMITS[limit]``;
+    ``within``: the object holding ``key`` (``rope_parameters.``), for the message."""
+    v = d.get(key)
+    if v is None and default is not _ABSENT:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise _bad(within + key, "a positive integer", v)
+    top = MAX_VOCAB if limit == "vocab_size" else SIZE_LIMITS.get(limit or "")
+    if top is not None and v > top:
+        raise ConfigError(f"{KEY}: config.json {within}{key}={v} is beyond any model this trains (at most {top})")
+    return v
+
+
+def _float(d: dict, key: str, default=_ABSENT, within: str = "") -> float:
+    """A finite positive number (``default`` when absent or null, if one is given)."""
+    v = d.get(key)
+    if v is None and default is not _ABSENT:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        raise _bad(within + key, "a positive number", v)
+    return float(v)
+
+
+def _flag(d: dict, key: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(key, "true or false", v)
+    return v
+
+
+def _text(d: dict, key: str, default: str) -> str:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise _bad(key, "a string", v)
+    return v
+
+
+def _object(d: dict, key: str) -> dict | None:
+    v = d.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise _bad(key, "an object", v)
+    return v
+
+
 def architecture(d: dict) -> str:
     """``architectures[0]`` of a config.json, refused unless supported (the message lists what is)."""
     archs = d.get("architectures") or [None]
     arch = archs[0] if isinstance(archs, list) else archs
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"{KEY}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise ConfigError(f"{KEY}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+                          [:300])
     return arch
-
-
-def _need(d: dict, key: str, arch: str) -> int:
-    v = d.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ConfigError(f"{KEY}: config.json of {arch} needs a positive integer {key!r}, got {v!r}")
-    return v
 
 
 def _refuse_if(cond: bool, what: str) -> None:
@@ -180,66 +234,67 @@ def _refuse_if(cond: bool, what: str) -> None:
         raise ConfigError(f"{KEY}: {what} is not supported")
 
 
-def rope_settings(d: dict) -> tuple[float, dict | None]:
-    """(theta, scaling dict or None) from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
-    ``rope_scaling`` (earlier files)."""
-    params = d.get("rope_parameters")
-    if isinstance(params, dict):
-        theta, scaling = params.get("rope_theta", d.get("rope_theta", 10000.0)), params
+def rope_settings(d: dict) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling or None) from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``
+    (earlier files); the scaling is ``default`` (none) or ``llama3``, whose four numbers must all be there."""
+    params = _object(d, "rope_parameters")
+    theta = _float(d, "rope_theta", 10000.0)
+    if params is not None:
+        theta, scaling, within = _float(params, "rope_theta", theta, "rope_parameters."), params, "rope_parameters."
     else:
-        theta, scaling = d.get("rope_theta", 10000.0), d.get("rope_scaling")
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return float(theta), None
+        scaling, within = _object(d, "rope_scaling") or {}, "rope_scaling."
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return theta, None
     if kind != "llama3":
-        raise ConfigError(f"{KEY}: rope scaling type {kind!r} is not supported (supported: default, llama3)")
-    return float(theta), scaling
+        raise ConfigError(f"{KEY}: rope scaling type {kind!r} is not supported (supported: default, llama3)"[:300])
+    missing = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} - set(scaling)
+    if missing:
+        raise ConfigError(f"{KEY}: llama3 rope scaling lacks {', '.join(sorted(missing))}")
+    low, high = (_float(scaling, k, within=within) for k in ("low_freq_factor", "high_freq_factor"))
+    if low >= high:
+        raise ConfigError(f"{KEY}: config.json {within}low_freq_factor must be below high_freq_factor, got {low} and "
+                          f"{high}")
+    return theta, RopeScaling(_float(scaling, "factor", within=within), low, high,
+                              _int(scaling, "original_max_position_embeddings", limit="n_ctx", within=within))
 
 
 def config_from_hf(d: dict) -> ModelConfig:
     """Our model config of a config.json; anything the family's forward pass would compute differently is
-    refused with a ConfigError that names the key."""
+    refused with a ConfigError that names the key, as is any field of the wrong type or out of range."""
     arch = architecture(d)
     family, _ = ARCHITECTURES[arch]
     if family == "gpt":
-        act = d.get("activation_function", "gelu_new")
+        act = _text(d, "activation_function", "gelu_new")
         _refuse_if(act not in ("gelu_new", "gelu_pytorch_tanh"), f"GPT-2 activation_function {act!r}")
-        _refuse_if(d.get("scale_attn_weights", True) is not True, "GPT-2 scale_attn_weights=false")
-        _refuse_if(bool(d.get("scale_attn_by_inverse_layer_idx")), "GPT-2 scale_attn_by_inverse_layer_idx")
-        _refuse_if(bool(d.get("add_cross_attention")), "GPT-2 add_cross_attention")
-        n_inner = d.get("n_inner")
+        _refuse_if(not _flag(d, "scale_attn_weights", True), "GPT-2 scale_attn_weights=false")
+        _refuse_if(_flag(d, "scale_attn_by_inverse_layer_idx", False), "GPT-2 scale_attn_by_inverse_layer_idx")
+        _refuse_if(_flag(d, "add_cross_attention", False), "GPT-2 add_cross_attention")
         return ModelConfig(
-            family="gpt", n_layer=_need(d, "n_layer", arch), d_model=_need(d, "n_embd", arch),
-            n_head=_need(d, "n_head", arch), d_ff=n_inner or None,
-            n_ctx=_need(d, "n_positions" if "n_positions" in d else "n_ctx", arch),
-            vocab_size=_need(d, "vocab_size", arch), norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
-            tie_embeddings=bool(d.get("tie_word_embeddings", True)), bias=True)
+            family="gpt", n_layer=_int(d, "n_layer", limit="n_layer"), d_model=_int(d, "n_embd", limit="d_model"),
+            n_head=_int(d, "n_head", limit="n_head"), d_ff=_int(d, "n_inner", None, limit="d_ff"),
+            n_ctx=_int(d, "n_positions" if "n_positions" in d else "n_ctx", limit="n_ctx"),
+            vocab_size=_int(d, "vocab_size", limit="vocab_size"), norm_eps=_float(d, "layer_norm_epsilon", 1e-5),
+            tie_embeddings=_flag(d, "tie_word_embeddings", True), bias=True)
 
-    act = d.get("hidden_act", "silu")
+    act = _text(d, "hidden_act", "silu")
     _refuse_if(act != "silu", f"hidden_act {act!r}")
-    _refuse_if(bool(d.get("attention_bias")), "attention_bias=true (biases on all four attention projections)")
-    _refuse_if(bool(d.get("mlp_bias")), "mlp_bias=true")
-    d_model, n_head = _need(d, "hidden_size", arch), _need(d, "num_attention_heads", arch)
-    head_dim = d.get("head_dim")
+    _refuse_if(_flag(d, "attention_bias", False), "attention_bias=true (biases on all four attention projections)")
+    _refuse_if(_flag(d, "mlp_bias", False), "mlp_bias=true")
+    d_model, n_head = _int(d, "hidden_size", limit="d_model"), _int(d, "num_attention_heads", limit="n_head")
+    head_dim = _int(d, "head_dim", None)
     _refuse_if(head_dim not in (None, d_model // n_head) or d_model % n_head != 0,
                f"head_dim={head_dim} other than hidden_size/num_attention_heads")
-    theta, scaling = rope_settings(d)
-    prf = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    _refuse_if(prf not in (None, 1, 1.0), f"partial_rotary_factor={prf}")
-    rope_scaling = None
-    if scaling is not None:
-        missing = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} - set(scaling)
-        if missing:
-            raise ConfigError(f"{KEY}: llama3 rope scaling lacks {', '.join(sorted(missing))}")
-        rope_scaling = RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                   float(scaling["high_freq_factor"]),
-                                   int(scaling["original_max_position_embeddings"]))
+    theta, rope_scaling = rope_settings(d)
+    prf = _float(_object(d, "rope_parameters") or {}, "partial_rotary_factor",
+                 _float(d, "partial_rotary_factor", 1.0), "rope_parameters.")
+    _refuse_if(prf != 1.0, f"partial_rotary_factor={prf}")
     return ModelConfig(
-        family="llama", n_layer=_need(d, "num_hidden_layers", arch), d_model=d_model, n_head=n_head,
-        n_kv_head=d.get("num_key_value_heads") or n_head, d_ff=_need(d, "intermediate_size", arch),
-        n_ctx=_need(d, "max_position_embeddings", arch), vocab_size=_need(d, "vocab_size", arch),
-        norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)), bias=False,
+        family="llama", n_layer=_int(d, "num_hidden_layers", limit="n_layer"), d_model=d_model, n_head=n_head,
+        n_kv_head=_int(d, "num_key_value_heads", n_head, limit="n_kv_head"),
+        d_ff=_int(d, "intermediate_size", limit="d_ff"), n_ctx=_int(d, "max_position_embeddings", limit="n_ctx"),
+        vocab_size=_int(d, "vocab_size", limit="vocab_size"), norm_eps=_float(d, "rms_norm_eps", 1e-6),
+        rope_theta=theta, tie_embeddings=_flag(d, "tie_word_embeddings", False), bias=False,
         qkv_bias=arch == "Qwen2ForCausalLM", rope_scaling=rope_scaling)
 
 
@@ -247,9 +302,8 @@ def attention_window(d: dict) -> int | None:
     """The sliding attention window a checkpoint uses (Mistral; Qwen2 with use_sliding_window), else None.
     Sequences no longer than the window see plain causal attention, which is what we run."""
     arch = architecture(d)
-    if arch == "MistralForCausalLM" or (arch == "Qwen2ForCausalLM" and d.get("use_sliding_window")):
-        w = d.get("sliding_window")
-        return int(w) if w else None
+    if arch == "MistralForCausalLM" or (arch == "Qwen2ForCausalLM" and _flag(d, "use_sliding_window", False)):
+        return _int(d, "sliding_window", None)
     return None
 
 

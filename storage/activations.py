@@ -36,6 +36,7 @@ Usage::
 """
 from __future__ import annotations
 
+import logging
 import threading
 import zlib
 from collections import OrderedDict
@@ -52,6 +53,7 @@ from bcdflow.errors import DamagedArtifact
 from .layout import shard_done_key
 from .store import Store
 
+log = logging.getLogger(__name__)
 DTYPES = ("float32", "float16", "bfloat16")
 _STORED = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
 _CHUNK_BYTES = 16 << 20  # ~16 MB per chunk object: large enough for object stores, small enough for batches
@@ -194,7 +196,12 @@ def verify_shard(store: Store, key: str, shard: int) -> None:
     mkey = shard_done_key(key, shard)
     if not store.exists(mkey):
         raise ActivationError(f"shard {shard} (rows [{lo}, {hi})) of {key} has no completion marker {mkey}")
-    marker = store.read_json(mkey)
+    try:
+        marker = store.read_json(mkey)
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict):
+        raise ActivationError(f"marker {mkey} of shard {shard} is damaged (not a JSON object)")
     if (marker.get("lo"), marker.get("hi"), marker.get("dtype")) != (lo, hi, attrs["dtype"]):
         raise ActivationError(f"marker {mkey} describes rows [{marker.get('lo')}, {marker.get('hi')}) "
                               f"{marker.get('dtype')}, the group expects [{lo}, {hi}) {attrs['dtype']}")
@@ -210,10 +217,13 @@ def verify_shard(store: Store, key: str, shard: int) -> None:
 
 
 def shard_complete(store: Store, key: str, shard: int) -> bool:
-    """True when the shard has a marker and its data re-read matches the marker (docs/DESIGN.md §3 I5)."""
+    """True when the shard has a marker and its data re-read matches the marker (docs/DESIGN.md §3 I5). A shard with
+    a marker that fails the check is logged (one line): its caller computes it again."""
     try:
         verify_shard(store, key, shard)
-    except ActivationError:
+    except ActivationError as e:
+        if store.exists(shard_done_key(key, shard)):  # written once, damaged since: say why it is redone
+            log.warning("%s: it is computed again", e)
         return False
     return True
 

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import tempfile
+import uuid
 from typing import Any
 
 import torch
@@ -32,8 +33,8 @@ from safetensors.torch import save_file as st_save_file
 
 from bcdflow.errors import DamagedArtifact
 
-from .layout import block_file, blocks_key, manifest_key, run_key, versions_key
-from .store import Store, raise_naming, sha256_bytes
+from .layout import block_file, block_file_key, block_name, blocks_key, manifest_key, run_key, versions_key
+from .store import Store, file_mode, raise_naming, sha256_bytes
 
 
 class CheckpointError(DamagedArtifact):
@@ -70,14 +71,13 @@ def save_block(store: Store, run_id: str, tensors: dict[str, torch.Tensor]) -> d
         raise CheckpointError("save_block got no tensors")
     tensors = _to_cpu_contiguous(tensors)
     # a local store gets the temporary file beside its final name (an atomic rename); others upload it
-    tmp_dir = store.path(blocks_key(run_id)) if store.is_local else None
-    if tmp_dir:
-        os.makedirs(tmp_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=tmp_dir)
+    tmp_dir = store.path(blocks_key(run_id)) if store.is_local else tempfile.gettempdir()
+    os.makedirs(tmp_dir, exist_ok=True)
+    tmp = os.path.join(tmp_dir, f".tmp-{uuid.uuid4().hex}.safetensors")
     try:  # the temporary file goes whatever happens (a full disk: docs/DESIGN.md §8)
-        os.close(fd)
         try:
             st_save_file(tensors, tmp)
+            os.chmod(tmp, file_mode())  # safetensors makes it 0600: the umask's mode, as every object of the store
             h, size = hashlib.sha256(), 0
             with open(tmp, "rb+") as f:
                 for chunk in iter(lambda: f.read(8 << 20), b""):
@@ -104,7 +104,10 @@ def load_file(store: Store, run_id: str, entry: dict[str, Any], what: str,
               device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The tensors of one content-addressed file that ``save_block`` wrote (``entry``: its manifest entry), its
     checksum verified; ``what`` names it in errors (e.g. "the optimizer moments of block 1")."""
-    key = run_key(run_id, entry["file"])
+    key = block_file_key(run_id, entry.get("file")) if isinstance(entry, dict) else None
+    if key is None or not isinstance(entry.get("sha256"), str):
+        raise CheckpointError(f"{what}: the run state names {entry!r}, not a block file of run {run_id!r} (the "
+                              "state is damaged; restore it)"[:400])
     try:
         data = store.read_bytes(key)
     except FileNotFoundError as e:
@@ -114,10 +117,18 @@ def load_file(store: Store, run_id: str, entry: dict[str, Any], what: str,
     return {name: t.to(device) for name, t in st_load(data).items()}
 
 
-def _check_entry(block: Any, entry: Any) -> dict[str, Any]:
+def _check_entry(block: Any, entry: Any, where: str = "manifest") -> dict[str, Any]:
+    """A manifest entry as written (``save_block``): ``blocks/{name}`` (a plain name: store content never leads out of
+    the run's prefix, storage/layout.py), a sha256 string and a byte count; anything else is damage of ``where``."""
     if not isinstance(entry, dict) or not {"file", "sha256", "bytes"} <= set(entry):
-        raise CheckpointError(f"manifest entry of block {block} must have file, sha256 and bytes; got {entry!r}")
-    return entry
+        why = f"must have file, sha256 and bytes; got {entry!r}"
+    elif block_name(entry["file"]) is None:
+        why = f"names {entry['file']!r}, not a file in the run's blocks/ folder"
+    elif not isinstance(entry["sha256"], str) or type(entry["bytes"]) is not int:
+        why = f"has a sha256 or byte count of the wrong type: {entry!r}"
+    else:
+        return entry
+    raise CheckpointError(f"{where}: the entry of block {block} {why}"[:400])
 
 
 def write_manifest(store: Store, run_id: str, version: int, blocks: dict[int, dict[str, Any]]) -> None:
@@ -165,8 +176,10 @@ def read_manifest(store: Store, run_id: str, version: int) -> dict[str, Any]:
                               f"an earlier version with bcdflow export {run_id} OUT --version N") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("blocks"), dict):
         raise CheckpointError(f"manifest {key} has no 'blocks' mapping")
+    where = (f"manifest {store.url_of(key)} is damaged (restore it, or export an earlier version with bcdflow export "
+             f"{run_id} OUT --version N)")
     for b, e in manifest["blocks"].items():
-        _check_entry(b, e)
+        _check_entry(b, e, where)
     return manifest
 
 
@@ -174,7 +187,7 @@ def check_version(store: Store, run_id: str, version: int) -> None:
     """Raise CheckpointError unless version ``version``'s manifest and every block file it names are present
     at their recorded sizes (cheap: one listing per file, no data read)."""
     for b, entry in read_manifest(store, run_id, version)["blocks"].items():
-        key = run_key(run_id, entry["file"])
+        key = block_file_key(run_id, entry["file"])
         try:
             size = store.fs.size(store.path(key))
         except FileNotFoundError:
@@ -204,8 +217,8 @@ def load_from_manifest(store: Store, run_id: str, manifest: dict[str, Any], bloc
         if str(b) not in entries:
             raise CheckpointError(f"block {b} is not in manifest runs/{run_id}/versions/{version}.json "
                                   f"(blocks: {sorted(int(k) for k in entries)})")
-        entry = entries[str(b)]
-        key = run_key(run_id, entry["file"])
+        entry = _check_entry(b, entries[str(b)], f"manifest of version {version} of run {run_id!r}")
+        key = block_file_key(run_id, entry["file"])
         try:
             data = store.read_bytes(key)
         except FileNotFoundError as e:
@@ -236,7 +249,7 @@ def commit_version(store: Store, run_id: str, base_version: int, new_version: in
         if int(b) not in blocks:
             raise CheckpointError(f"changed block {b} is not in base version {base_version} "
                                   f"(blocks: {sorted(blocks)})")
-        if not store.exists(run_key(run_id, _check_entry(b, entry)["file"])):
+        if not store.exists(block_file_key(run_id, _check_entry(b, entry)["file"])):
             raise CheckpointError(f"block file runs/{run_id}/{entry['file']} of changed block {b} was not written")
         blocks[int(b)] = entry
     write_manifest(store, run_id, new_version, blocks)

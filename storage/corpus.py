@@ -17,8 +17,10 @@ from __future__ import annotations
 import codecs
 import glob
 import itertools
+import logging
 import os
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -180,21 +182,36 @@ def _datasets(files, path, name, split, cache_dir):
             group = list(run)
             kwargs = {"sample_by": "document"} if builder == "text" else {}
             try:
-                ds = datasets.load_dataset(builder, data_files=group, split="train",
-                                           cache_dir=cache_dir, **kwargs)
+                with _quiet_datasets():
+                    ds = datasets.load_dataset(builder, data_files=group, split="train",
+                                               cache_dir=cache_dir, **kwargs)
             except Exception as e:  # noqa: BLE001 - datasets raises many types; all mean "unreadable"
                 names = ", ".join(os.path.basename(f) for f in group[:3]) + (", ..." if len(group) > 3 else "")
                 raise DataError(f"data.files: cannot read {builder} file(s) {names}: {_reason(e)}") from e
             yield builder, ds, f"{builder} files"
     elif path:
         try:
-            ds = datasets.load_dataset(path, name, split=split, cache_dir=cache_dir)
+            with _quiet_datasets():
+                ds = datasets.load_dataset(path, name, split=split, cache_dir=cache_dir)
         except Exception as e:  # noqa: BLE001
             raise DataError(f"data.path: cannot load dataset {path!r} (name={name!r}, split={split!r}): "
                             f"{_reason(e)}") from e
         yield "dataset", ds, f"dataset {path!r}"
     else:
         raise DataError("data.files: give data.files or data.path")
+
+
+@contextmanager
+def _quiet_datasets():
+    """``datasets`` logs a file it cannot parse (a ``.jsonl`` cut mid-line) before it raises, on its own handler and
+    the root logger's: the one line bcdflow says (``DataError``) is the message, so its loggers are silent here."""
+    lib = logging.getLogger("datasets")
+    level = lib.level
+    lib.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        lib.setLevel(level)
 
 
 def _column(ds, field: str, what: str) -> list[str]:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import struct
 from functools import cached_property
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .errors import DataError
 
@@ -75,22 +76,62 @@ def read_config(directory: str) -> dict:
 
 
 def read_header(path: str) -> tuple[bytes, dict]:
-    """The raw safetensors header of a file and its parsed form (name -> dtype, shape, data_offsets)."""
+    """The raw safetensors header of a file and its parsed form (name -> dtype, shape, data_offsets), checked
+    against the file's size without reading the data: each tensor's byte range must match its dtype and shape, the
+    ranges must follow each other, and the last must end where the file ends (a file cut short, or with bytes after
+    its data, is refused here rather than found part way through a run)."""
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            raw = f.read(n) if 0 < n <= 100 << 20 else b""
+            raw = f.read(n) if 0 < n <= min(100 << 20, size - 8) else b""
     except OSError as e:
         raise DataError(f"{KEY}: cannot read {path!r} ({e.strerror or e})") from None
     try:
         header = json.loads(raw)
-        if not isinstance(header, dict) or len(raw) != n:
+        if not isinstance(header, dict) or len(raw) != n or not isinstance(header.pop("__metadata__", {}), dict):
             raise ValueError
-    except ValueError:
+        end = _data_end(header)
+    except (ValueError, TypeError, RecursionError):
+        if 8 <= size and 8 + n > size:
+            raise DataError(f"{KEY}: {path!r} is cut short (its header alone needs {8 + n} bytes, the file has "
+                            f"{size}): copy or download it again") from None
         raise DataError(f"{KEY}: {path!r} is not a safetensors file (bad header)") from None
-    header.pop("__metadata__", None)
+    if 8 + n + end != size:
+        what = "is cut short" if 8 + n + end > size else "has bytes after its last tensor"
+        raise DataError(f"{KEY}: {path!r} {what} (its header describes {8 + n + end} bytes, the file has {size}): "
+                        "copy or download it again")
     return head + raw, header
+
+
+# bytes per element of the safetensors dtypes whose size is whole bytes (sub-byte float formats are not checked)
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+             "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+
+
+def _data_end(header: dict) -> int:
+    """Where the last tensor's data ends; ValueError unless every entry is well formed and the byte ranges follow
+    each other from 0 without gaps or overlaps (what safetensors itself requires when it opens the file)."""
+    spans = []
+    for entry in header.values():
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+            raise ValueError
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)):  # not bool
+            raise ValueError
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ValueError
+        if entry["dtype"] in _ITEMSIZE and offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[entry["dtype"]]:
+            raise ValueError
+        spans.append(tuple(offsets))
+    end = 0
+    for lo, hi in sorted(spans):
+        if lo != end:
+            raise ValueError
+        end = hi
+    return end
 
 
 class Checkpoint:
@@ -116,8 +157,10 @@ class Checkpoint:
         self._headers: dict[str, dict] = {}
         for name in files:
             path = os.path.join(directory, name)
-            if os.path.dirname(os.path.normpath(name)) or not os.path.isfile(path):
-                where = f" (listed in {INDEX})" if self.index_bytes else ""
+            where = f" (listed in {INDEX})" if self.index_bytes else ""
+            if os.path.dirname(os.path.normpath(name)) or name in ("", ".", ".."):
+                raise DataError(f"{KEY}: shard {name!r}{where} is not a file name inside {directory!r}")
+            if not os.path.isfile(path):
                 raise DataError(f"{KEY}: shard {name!r}{where} is missing from {directory!r}")
             self._raw[name], self._headers[name] = read_header(path)
         if not self.index_bytes:
@@ -147,9 +190,15 @@ class Checkpoint:
             by_file.setdefault(self.weight_map[n], []).append(n)
         out: dict[str, torch.Tensor] = {}
         for file, group in by_file.items():
-            with safe_open(os.path.join(self.dir, file), framework="pt") as f:
-                for n in group:
-                    out[n] = f.get_tensor(n)
+            path = os.path.join(self.dir, file)
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for n in group:
+                        out[n] = f.get_tensor(n)
+            except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+                # the file changed or went bad since it was opened: input to fix, not a fault that a retry fixes
+                raise DataError(f"{KEY}: cannot read {path!r} whole ({' '.join(str(e).split())[:200]}): copy or "
+                                "download it again") from None
         return out
 
     # -- tokenizer ------------------------------------------------------------------------------------------

@@ -20,14 +20,19 @@
         mlflow.json                               the visit's MLflow run id (an interrupted visit continues it)
 
 Beside these, a local store's root holds ``mlflow.db`` and ``mlartifacts/`` when MLflow defaults to SQLite there
-(``RunConfig.resolved_tracking_uri``, ``tracking/tracker.py``). Keys are ``/``-joined relative to the store root (``Store`` joins them onto its URL). A run id is checked once,
-where a key is first made from it.
+(``RunConfig.resolved_tracking_uri``, ``tracking/tracker.py``). Keys are ``/``-joined relative to the store root
+(``Store`` joins them onto its URL). A run id is checked once, where a key is first made from it.
+
+A name read from the store's own content (the files a checkpoint pointer, a manifest entry or a visit record names,
+a run's dataset id) becomes part of a key only when it is a plain name inside its folder (``is_plain_name``: no
+separator, not ``.`` or ``..``, not absolute); anything else is damage (``UnsafeName``), so a pointer written by
+hand or by a broken writer can never make bcdflow read, write or delete outside the run's own prefix.
 """
 from __future__ import annotations
 
 import re
 
-from bcdflow.errors import BadInput
+from bcdflow.errors import BadInput, DamagedArtifact
 
 RUNS, DATASETS = "runs", "datasets"
 CONFIG, STATE = "config.json", "state.json"
@@ -35,6 +40,17 @@ OUTCOME, MLFLOW = "outcome.json", "mlflow.json"
 DATASET_META, DATASET_TOKENIZER = "meta.json", "tokenizer.json"
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_PLAIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")  # a first character that is not "." rules out . and ..
+
+
+class UnsafeName(DamagedArtifact):
+    """A name read from the store (or a key made from one) that would leave its folder."""
+
+
+def is_plain_name(name) -> bool:
+    """Whether ``name`` (read from store content) is a plain file name inside its folder: letters, digits, ``_ . -``,
+    not starting with a dot, so no separator, no ``..``, no absolute path."""
+    return isinstance(name, str) and bool(_PLAIN.match(name))
 
 
 def check_run_id(run_id: str) -> str:
@@ -89,6 +105,20 @@ def blocks_key(run_id: str) -> str:
 def block_file(sha256: str) -> str:
     """A block file's name as a manifest entry holds it, relative to the run (content-addressed)."""
     return f"blocks/{sha256[:32]}.safetensors"
+
+
+def block_name(file) -> str | None:
+    """The plain name in ``blocks/{name}``, a block file (or a block's kept optimizer state) as a manifest entry or
+    a visit record names it (:func:`block_file`), or None when ``file`` is anything else: the caller names the
+    damaged object."""
+    folder, _, name = file.partition("/") if isinstance(file, str) else ("", "", None)
+    return name if folder == "blocks" and is_plain_name(name) else None
+
+
+def block_file_key(run_id: str, file) -> str | None:
+    """The key of ``file`` (``blocks/{name}``) in the run, or None when it is not a plain name in ``blocks/``."""
+    name = block_name(file)
+    return None if name is None else run_key(run_id, "blocks", name)
 
 
 def hf_key(run_id: str, name: str = "") -> str:
@@ -154,4 +184,8 @@ def probe_key(token: str) -> str:
 
 # -- datasets -------------------------------------------------------------------------------------------------
 def dataset_key(dataset_id: str, *parts: str) -> str:
+    """A token dataset's key. Its id may come from the store (a run's config.json), so it must be a plain name."""
+    if not is_plain_name(dataset_id):
+        raise UnsafeName(f"dataset id {dataset_id!r} is not a plain name (read from a damaged run config or state); "
+                         "restore the run's config.json")
     return "/".join([DATASETS, dataset_id, *parts])

@@ -23,6 +23,7 @@ that was not renewed for two thirds of its ttl by this process's monotonic clock
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -61,6 +62,9 @@ class LeaseLost(DamagedArtifact):
     """This process's lease was taken over by another one, or could have been: it stops without committing."""
 
 
+# a process in one of these states does not renew its lease (SIGSTOP, a debugger, exited): watched, not trusted
+_NOT_RUNNING = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
 # the leases this process holds (``Lease.held``): what its training polls between steps (``lost_lease``)
 _holding: list["Lease"] = []
 _holding_lock = threading.Lock()
@@ -83,7 +87,7 @@ def check_leases() -> None:
         raise lost
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
     """What makes a pid mean the same process to two observers: the kernel's boot id and the pid namespace (a
     hostname does not: containers share one with separate pid namespaces). Empty where /proc does not say."""
     try:
@@ -99,7 +103,21 @@ def this_process(flow_run_id: str | None = None, attempt: int | None = None) -> 
     retried run increments, so its dispatcher can tell this attempt's lease from an earlier one's)."""
     me = psutil.Process()
     return {"host": socket.gethostname(), "pid": me.pid, "started": me.create_time(),
-            "flow_run_id": flow_run_id, "attempt": attempt, **_machine()}
+            "flow_run_id": flow_run_id, "attempt": attempt, **machine()}
+
+
+def _owner_here(lease: dict) -> tuple[bool, psutil.Process | None]:
+    """(whether the lease's owner is provably of this machine: same boot id and pid namespace, its process if it
+    still runs: same pid and start time). A hostname proves nothing: containers share one."""
+    o = lease.get("owner") or {}
+    mine = machine()
+    if not mine or not all(o.get(k) == v for k, v in mine.items()):
+        return False, None
+    try:
+        proc = psutil.Process(int(o["pid"]))
+        return True, proc if abs(proc.create_time() - float(o["started"])) <= 1e-3 else None
+    except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
+        return True, None
 
 
 class Lease:
@@ -141,15 +159,23 @@ class Lease:
     def _free(self, lease: dict | None) -> bool:
         if lease is None or lease.get("token") == self.token or lease.get("expires", 0) == 0:  # 0: released
             return True
-        o = lease.get("owner", {})
-        mine = _machine()
-        if mine and all(o.get(k) == v for k, v in mine.items()):  # provably this machine's processes
-            try:
-                if abs(psutil.Process(int(o["pid"])).create_time() - float(o["started"])) > 1e-3:
-                    return True  # its pid is another process now: the holder is dead
-            except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
-                return True  # a dead owner frees it at once
+        here, proc = _owner_here(lease)
+        if here and proc is None:
+            return True  # a dead owner of this machine (or its pid is another process now) frees it at once
         return self.unrenewed_for(lease) >= float(lease.get("ttl", self.ttl))
+
+    def _renewing_here(self, lease: dict) -> bool:
+        """Whether the holder is provably a running process of this machine that renewed within half a ttl:
+        ``expires`` was written by this machine's own clock, so it can be compared with ours. A second ``train`` or
+        ``resume`` of a live run here then stops at once instead of watching for the next renewal (up to a third of
+        the ttl); a holder elsewhere, or a stopped one here (SIGSTOP: it renews no more), is watched."""
+        _, proc = _owner_here(lease)
+        try:
+            if proc is None or proc.status() in _NOT_RUNNING:
+                return False
+            return time.time() - (float(lease["expires"]) - float(lease["ttl"])) < float(lease["ttl"]) / 2
+        except (psutil.Error, KeyError, ValueError, TypeError):
+            return False
 
     def holder(self) -> dict | None:
         """The current lease object while a live process other than this one holds it (its ``owner``: host, pid,
@@ -178,6 +204,8 @@ class Lease:
         cur = self.current()
         first = None
         while not self._free(cur):
+            if self._renewing_here(cur):
+                raise LeaseHeld(self.what, cur)  # a live process of this machine that renews: no need to watch
             sig = (cur.get("epoch"), cur.get("token"), cur.get("expires"))
             if first is not None and sig != first:
                 raise LeaseHeld(self.what, cur)  # renewed while we watched: alive
@@ -245,6 +273,25 @@ class Lease:
         if cur is not None and cur.get("token") == self.token:
             self.store.write_json(self._body(expires=0.0), lease_key(self.key, self.epoch))
         self.epoch = None
+
+    def drop(self) -> None:
+        """Remove everything under the leased key, the lease objects last, instead of releasing the lease: the
+        thing it leased never came to exist (a run refused before its first state leaves nothing behind,
+        docs/DESIGN.md §8). Only while this process holds the current lease; the keep-alive stops first."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        cur = self.current()
+        if self.epoch is None or cur is None or cur.get("token") != self.token:
+            return
+        for name in self.store.listdir(self.key):
+            if name != "lease":
+                self.store.rm(self.key, name)
+        self.store.rm(lease_key(self.key))
+        self.epoch = None
+        if self.store.is_local:  # the folder too, unless another process wrote into it meanwhile
+            with contextlib.suppress(OSError):
+                os.rmdir(self.store.path(self.key))
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(self.ttl / 3):

@@ -22,7 +22,7 @@ from fsspec.utils import get_protocol
 
 from bcdflow.errors import BadInput
 
-from .layout import probe_key
+from .layout import UnsafeName, probe_key
 
 
 def sha256_bytes(data: bytes | memoryview) -> str:
@@ -68,6 +68,23 @@ def means_exists(e: BaseException) -> bool:
         seen.add(id(e))
         e = e.__cause__
     return False
+
+
+_umask_lock = threading.Lock()
+
+
+def file_mode() -> int:
+    """The mode this process's umask gives a new file (0o644 under the usual 022). For files a library creates 0600
+    (safetensors writes a temporary file and renames it): a block file of a shared store, or an exported model, is
+    then as readable to the user's group as every other file they write."""
+    try:
+        with open("/proc/self/status") as f:  # Linux: read without changing it
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, ValueError, StopIteration, IndexError):
+        with _umask_lock:  # elsewhere: set and restore; a file another thread makes meanwhile is only more private
+            mask = os.umask(0o077)
+            os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _complete_tmp(path: str, data: bytes) -> str:
@@ -129,11 +146,11 @@ class Store:
     # -- paths ---------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
         """Filesystem path (no protocol) of a key below the root."""
-        key = "/".join(p.strip("/") for p in parts if p)
+        key = _key(parts)
         return f"{self.root}/{key}" if key else self.root
 
     def url_of(self, *parts: str) -> str:
-        key = "/".join(p.strip("/") for p in parts if p)
+        key = _key(parts)
         return f"{self.url}/{key}" if key else self.url
 
     # -- bytes and json ------------------------------------------------------------------
@@ -275,6 +292,8 @@ class Store:
                     where = "is" if path == self.root else f"leads through {path},"
                     raise BadInput(f"store: {self.url} {where} a broken or looping symbolic link")
                 path = os.path.dirname(path)
+            if not os.path.isdir(path):  # the store would be created below a file: it can never be a directory
+                raise BadInput(f"store: {self.url} cannot be created: {path} is a file, not a directory")
             if write and not os.access(path, os.W_OK):
                 raise BadInput(f"store: cannot create or write {self.url} (no write permission in {path})")
             return
@@ -314,6 +333,15 @@ class Store:
             return LocalStore(p, read_only=read_only)
         return FsspecStore.from_url(self.url_of(*parts), storage_options=self.storage_options or None,
                                     read_only=read_only)
+
+
+def _key(parts: tuple[str, ...]) -> str:
+    """The ``/``-joined key of ``parts``, never one that climbs out of the root: keys come from storage/layout.py,
+    whose names read from store content are plain names already (layout.is_plain_name); this is the last guard."""
+    key = "/".join(p.strip("/") for p in parts if p)
+    if any(seg in (".", "..") for seg in key.split("/")):
+        raise UnsafeName(f"store key {key!r} has a '.' or '..' part: a name read from the store is damaged")
+    return key
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

@@ -4,11 +4,21 @@
 the RNG state, a ``torch.save`` file of the optimizer state, and last a small ``ckpt.json`` pointer with
 the step, the data cursor, the loop state and the sha256 of both files. Loading verifies both
 checksums and reads the optimizer state with ``torch.load(weights_only=True)``: never arbitrary pickle.
-Older files are removed only after the new pointer is written.
+
+The pointer also names the checkpoint before it (``previous``), whose files are kept: a checkpoint is only a
+shortcut (the committed versions are intact), so one that fails its checks is skipped, with one logged line, for
+the one before it, else the visit starts over; either way the visit ends bitwise where an uninterrupted one does
+(docs/DESIGN.md I4). File names read from a pointer are used only when they are plain names in the checkpoint's
+folder (storage/layout.is_plain_name), and old files are removed by listing that folder, never by a name the
+pointer holds, so no pointer can make bcdflow read or delete anything outside it.
+
+    save(store, visit_key, step, params, optim_state, meta)        # files first, the pointer last
+    load(store, visit_key, device, base_version=v)                 # newest intact checkpoint of base version v
 """
 from __future__ import annotations
 
 import io
+import logging
 from typing import Any
 
 import torch
@@ -17,8 +27,13 @@ from safetensors.torch import save as st_save
 
 from bcdflow.errors import DamagedArtifact
 
-from .layout import train_ckpt_key
+from .layout import is_plain_name, train_ckpt_key
 from .store import Store, sha256_bytes
+
+log = logging.getLogger(__name__)
+POINTER = "ckpt.json"
+_ENTRY = ("step", "params", "params_sha256", "optim", "optim_sha256", "meta")
+_SHORTCUT = " (a checkpoint is a shortcut: the committed versions are intact)"
 
 
 class TrainCheckpointError(DamagedArtifact):
@@ -37,44 +52,106 @@ def save(store: Store, visit_key: str, step: int, params: dict[str, torch.Tensor
     torch.save(_to_cpu(optim_state), buf)
     obytes = buf.getvalue()
     d = train_ckpt_key(visit_key)
-    old = read_pointer(store, visit_key)
+    try:
+        old = read_pointer(store, visit_key)
+    except TrainCheckpointError:  # replaced below; its files go with the listing, whatever it named
+        old = None
     pfile, ofile = f"params-{step}.safetensors", f"optim-{step}.pt"
     store.write_bytes(pbytes, d, pfile)
     store.write_bytes(obytes, d, ofile)
+    previous = old if old and old["step"] != step else (old or {}).get("previous")
     pointer = {"step": step, "params": pfile, "params_sha256": sha256_bytes(pbytes),
-               "optim": ofile, "optim_sha256": sha256_bytes(obytes), "meta": meta}
-    store.write_json(pointer, d, "ckpt.json")  # the commit point of a checkpoint
-    if old and old["step"] != step:
-        for f in (old["params"], old["optim"]):
-            store.rm(d, f)
+               "optim": ofile, "optim_sha256": sha256_bytes(obytes), "meta": meta,
+               "previous": {k: previous[k] for k in _ENTRY} if previous else None}
+    store.write_json(pointer, d, POINTER)  # the commit point of a checkpoint
+    keep = {POINTER, pfile, ofile, *((previous["params"], previous["optim"]) if previous else ())}
+    for name in store.listdir(d):  # older checkpoints, and what a writer that died left half-written
+        if name not in keep:
+            store.rm(d, name)
     return pointer
 
 
 def read_pointer(store: Store, visit_key: str) -> dict | None:
+    """The visit's checkpoint pointer, None when there is none; TrainCheckpointError when it does not parse or names
+    anything but plain file names of its folder (its ``previous`` likewise, else dropped as absent)."""
     d = train_ckpt_key(visit_key)
-    return store.read_json(d, "ckpt.json") if store.exists(d, "ckpt.json") else None
-
-
-def load(store: Store, visit_key: str, device: str | torch.device = "cpu"):
-    """(pointer, params, optimizer state) of the latest checkpoint, or None if there is none."""
-    pointer = read_pointer(store, visit_key)
-    if pointer is None:
+    if not store.exists(d, POINTER):
         return None
+    try:
+        pointer = store.read_json(d, POINTER)
+        why = _malformed(pointer)
+    except (ValueError, UnicodeDecodeError) as e:
+        why = f"not valid JSON: {e}"
+    if why is not None:
+        raise TrainCheckpointError(f"mid-visit checkpoint pointer {store.url_of(d, POINTER)} is damaged ({why}): a "
+                                   f"resume starts the visit over{_SHORTCUT}")
+    if pointer.get("previous") is not None and _malformed(pointer["previous"]) is not None:
+        pointer["previous"] = None
+    return pointer
+
+
+def _malformed(entry) -> str | None:
+    """Why a pointer entry is unusable, or None: it must name its two files by plain names (never a path)."""
+    if not isinstance(entry, dict) or not all(k in entry for k in _ENTRY):
+        return f"it lacks {', '.join(k for k in _ENTRY if not isinstance(entry, dict) or k not in entry)}"
+    if not isinstance(entry["step"], int) or isinstance(entry["step"], bool) or not isinstance(entry["meta"], dict):
+        return "its step or meta has the wrong type"
+    for k in ("params", "optim"):
+        if not is_plain_name(entry[k]):
+            return f"it names {entry[k]!r}, not a file of its folder"[:200]
+    return None
+
+
+def load(store: Store, visit_key: str, device: str | torch.device = "cpu", base_version: int | None = None):
+    """(pointer entry, params, optimizer state) of the newest intact checkpoint of the visit (made on
+    ``base_version`` when given), or None: none, or none intact. A damaged one is skipped for the one before it (or
+    the visit's start), said in one warning line; the torch RNG state is the chosen checkpoint's."""
     d = train_ckpt_key(visit_key)
-    pbytes = store.read_bytes(d, pointer["params"])
-    obytes = store.read_bytes(d, pointer["optim"])
-    for name, data, sha in ((pointer["params"], pbytes, pointer["params_sha256"]),
-                            (pointer["optim"], obytes, pointer["optim_sha256"])):
-        if sha256_bytes(data) != sha:
-            raise TrainCheckpointError(f"checkpoint file {store.url_of(d, name)} is corrupt (sha256 mismatch)")
-    tensors = st_load(pbytes)
-    torch.set_rng_state(tensors.pop("rng/torch"))
+    try:
+        pointer = read_pointer(store, visit_key)
+    except TrainCheckpointError as e:
+        log.warning("%s", e)
+        return None
+    entries = [e for e in (pointer, (pointer or {}).get("previous")) if e is not None
+               and (base_version is None or e["meta"].get("base_version") == base_version)]
+    damaged = []
+    for entry in entries:
+        try:
+            params, optim_state = _read(store, d, entry, device)
+        except TrainCheckpointError as e:
+            damaged.append(str(e))
+            continue
+        if damaged:
+            log.warning("%s: the visit goes on from its checkpoint of step %d", "; ".join(damaged), entry["step"])
+        return entry, params, optim_state
+    if damaged:
+        log.warning("%s: the visit starts over%s", "; ".join(damaged), _SHORTCUT)
+    return None
+
+
+def _read(store: Store, d: str, entry: dict, device) -> tuple[dict[str, torch.Tensor], dict]:
+    """One checkpoint's parameters and optimizer state, both files checked against the pointer's sha256 and
+    loaded; the torch RNG state set from it. TrainCheckpointError naming the file otherwise."""
+    data = {}
+    for k in ("params", "optim"):
+        try:
+            data[k] = store.read_bytes(d, entry[k])
+        except FileNotFoundError:
+            raise TrainCheckpointError(f"checkpoint file {store.url_of(d, entry[k])} is missing") from None
+        if sha256_bytes(data[k]) != entry[f"{k}_sha256"]:
+            raise TrainCheckpointError(f"checkpoint file {store.url_of(d, entry[k])} is corrupt (sha256 mismatch)")
+    try:
+        tensors = st_load(data["params"])
+        optim_state = torch.load(io.BytesIO(data["optim"]), map_location=device, weights_only=True)
+        rng = tensors.pop("rng/torch")
+    except Exception as e:  # noqa: BLE001 - bytes that match their sha256 yet do not load: a broken writer's
+        raise TrainCheckpointError(f"checkpoint of step {entry['step']} in {store.url_of(d)} does not load "
+                                   f"({type(e).__name__})") from None
+    torch.set_rng_state(rng)
     cuda_rng = tensors.pop("rng/cuda", None)
     if cuda_rng is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(cuda_rng)
-    params = {k.removeprefix("param/"): v.to(device) for k, v in tensors.items()}
-    optim_state = torch.load(io.BytesIO(obytes), map_location=device, weights_only=True)
-    return pointer, params, optim_state
+    return {k.removeprefix("param/"): v.to(device) for k, v in tensors.items()}, optim_state
 
 
 def _to_cpu(obj):

@@ -412,8 +412,9 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: Track
     opt = make_optimizer(params, spec)
     vkey = ctx.visit_key(vs.cycle, block)
     state = None
-    ck = trainckpt.load(ctx.store, vkey, held.ckpt_device)  # unsharded: resumable on any process count
-    if ck is not None and ck[0]["meta"].get("base_version") == vs.version:  # resume mid-visit
+    # unsharded: resumable on any process count; a damaged one is skipped for the one before it or the visit's start
+    ck = trainckpt.load(ctx.store, vkey, held.ckpt_device, base_version=vs.version)
+    if ck is not None:  # resume mid-visit
         pointer, saved, opt_state = ck
         held.set_params({n: saved[n] for n in names})
         held.load_optim(opt, opt_state)

@@ -113,7 +113,8 @@ def test_sigterm_to_one_process_checkpoints_once_and_resumes_on_one(tiny_cfg, tm
     assert exc.value.code == 128 + signal.SIGTERM and sent
     pointer = store.read_json(ckpt)
     assert pointer["meta"]["why"] == "signal" and pointer["meta"]["gpus"] == 2 and pointer["step"] > sent[0]
-    assert len([f for f in store.listdir("runs/r/visits/c0-b0/train-ckpt") if f.startswith("params-")]) == 1
+    kept = {f for f in store.listdir("runs/r/visits/c0-b0/train-ckpt") if f.startswith("params-")}
+    assert kept == {pointer["params"], pointer["previous"]["params"]}  # this checkpoint and the one kept before it
     # the unsharded checkpoint resumes in one process, and ends where an uninterrupted visit ends
     resumed = train_block.fn(RunContext.of(one, "r", ds), 0, 0, 0)
     assert resumed.resumed_at == pointer["step"]
