@@ -24,6 +24,7 @@ from bcdflow.constants import IGNORE_INDEX
 from bcdflow.core import failpoints, preempt
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, memory_budget
+from bcdflow.core.spend import spent_at
 from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import needs_recompute
 from bcdflow.models.plan import block_tensors
@@ -323,13 +324,16 @@ class Resident:
 
 
 def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None = None, progress=None,
-              global_step: int = 0, min_rate: float | None = None, moments: dict | None = None) -> TrainResult:
+              global_step: int = 0, min_rate: float | None = None, moments: dict | None = None,
+              spent: dict | None = None) -> TrainResult:
     """Train visit ``vs`` with its model held by ``hold`` (:class:`Resident` or ``train_dist.Distributed``) to local
     convergence; returns its result, the block file (and, ``bcd.moments=keep``, its optimizer state) written by the
     writer, content-addressed, not committed; none of them after an interruption (its checkpoint is written).
     ``progress``: the live line, closed when the loop ends; ``global_step``: the run's steps before this visit (the
     learning-rate schedule's clock); ``min_rate``: the adaptive budget's rate to beat; ``moments``: the optimizer
-    state the block's last visit ended with. Raises Diverged (the caller words it) and LeaseLost."""
+    state the block's last visit ended with; ``spent``: the visit's clock (``core/spend.Earlier.clock``), whose
+    reading each checkpoint carries, so a resumed visit is billed for its earlier attempts. Raises Diverged (the
+    caller words it) and LeaseLost."""
     cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
     # the validation rows as this visit's model sees them (the prefix's states where it starts at its block): the
     # new version's validation loss is this model's on them, so the visit needs no reload of the whole model
@@ -377,7 +381,8 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
         if held.writer:
             trainckpt.save(ctx.store, vkey, st.steps, tensors, opt_state,
                            {"loop": st.to_dict(), "base_version": vs.version, "why": why,
-                            **({"gpus": held.world} if held.world > 1 else {})})
+                            **({"gpus": held.world} if held.world > 1 else {}),
+                            **({"spent": spent_at(spent)} if spent else {})})
             failpoints.hit("train-checkpoint")
         held.barrier()
 
