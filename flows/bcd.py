@@ -102,6 +102,8 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
     # the takeover is complete once our epoch is in the state: no earlier holder can commit after this, so what
     # lies above the state's version now is a dead writer's half-commit, never a committed version (I7)
     state: RunState = runs.fence(store, run_id, run_fence)
+    if state.status == "done":  # continued with more cycles or a larger budget: running until it stops again
+        state = note_state(cfg, run_id, run_fence, status="running", stop_reason=None, stop_detail=None)
     if dropped := checkpoints.drop_uncommitted(store, run_id, state.version):
         log.warning("dropped manifests of versions %s: written by a commit that crashed before its state", dropped)
     if gone := runs.drop_committed_visits(store, state):  # a visit not yet committed keeps its folder (§2.6)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-from bcdflow.core.context import model_config
 from bcdflow.errors import BadInput
 
 COLS = ("weights", "grads_total", "optim", "activations", "logits")
@@ -36,6 +35,7 @@ def add_parser(sub, common) -> None:
 def plan(cfg, gpu_gb: float, pcie_gbs: float = 25.0, tflops: float = 80.0) -> dict:
     """Every visit of ``cfg``'s plan with and without recompute, resident and streamed, full training, and the
     recommendation."""
+    from bcdflow.core.context import model_config  # torch: not for `bcdflow --help` (flows/cli.py)
     from bcdflow.models import model_plan
     from bcdflow.models.memory import GB, plan_visits, recommend, step_flops, visit_memory
 
