@@ -172,3 +172,20 @@ def test_prefect_yaml_deploys_without_prompts():
     for dep in spec["deployments"]:
         assert "schedules" in dep, dep["name"]
         _construct_schedules(dep, {}, console=None, is_interactive=lambda: pytest.fail(f"{dep['name']} prompts"))
+
+
+@pytest.mark.slow
+def test_a_run_leaves_nothing_in_the_temporary_folder(prefect_api_url, tmp_path):
+    """Test runs and the Hugging Face reader left folders in /tmp (bcdflow-hf-cache: the Arrow conversion of the
+    corpus, kept for ever)."""
+    from tests.helpers import TINY
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k != "BCDFLOW_HF_CACHE"}, "TMPDIR": str(tmp),
+           "PREFECT_API_URL": prefect_api_url}
+    sets = [a for s in TINY + ["tracking_uri=none", "bcd.cycles=1"] for a in ("--set", s)]
+    proc = subprocess.run([BCDFLOW, "train", *sets, "--store", str(tmp_path / "store"), "--run-id", "t"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.listdir(tmp) == []
