@@ -36,9 +36,9 @@ import os
 import subprocess
 import sys
 
-from bcdflow.core.spend import DEFAULT_KIND
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows.compare import BRACKET_TOL, TOL
+from bcdflow.flows.status import cmd_runs, cmd_status, existing_state as _existing_state, status_dict, status_table
 from bcdflow.flows.store_admin import cli_store as _store
 
 # Prefect, torch and what imports them (flows, tasks, core.context, core.config) are imported inside the commands
@@ -233,15 +233,6 @@ def _config(args, base: list[str] | None = None):
     return cfg
 
 
-def _existing_state(store, run_id: str):
-    from bcdflow.storage import runs
-
-    state = runs.read_state(store, run_id)
-    if state is None:
-        raise BadInput(f"run {run_id!r} not found in store {store.url}")
-    return state
-
-
 def _check_continuable(store, run_id: str) -> None:
     """A run that exists must be whole before it is continued: its config, its state and every file of its last
     committed version (a finished run whose last manifest is gone is damaged, not done)."""
@@ -356,7 +347,7 @@ def cmd_demo(args) -> int:
 
     out = _run(args, "bcd", DEMO)
     cfg, run_id = out["cfg"], out["run_id"]
-    print(_status_table(status_dict(open_store(cfg), run_id)))
+    print(status_table(status_dict(open_store(cfg), run_id)))
     uri = cfg.resolved_tracking_uri()
     print(f"\nresults: store {cfg.store} run {run_id}")
     print(f"  bcdflow status {run_id} --store {cfg.store}")
@@ -384,85 +375,6 @@ def next_steps(run_id: str, store: str) -> str:
               f"  bcdflow export {run_id} ./demo-model{s}    # model.safetensors + config.json + tokenizer.json",
               "  bcdflow config show    # every key, its value and meaning"]
     return "\n".join(lines)
-
-
-def status_dict(store, run_id: str) -> dict:
-    """The run's committed visits, and (``live``) what it is doing now: running (its lease's owner, the visit in
-    training and its last checkpoint's step), interrupted or done (storage/overview.py)."""
-    from bcdflow.storage import overview, runs
-
-    state = _existing_state(store, run_id)
-    cfg = runs.read_config(store, run_id)
-    keep = {"cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
-            "preinfer_seconds", "train_seconds", "lost_seconds", "tokens_per_s", "stopped_by", "spend_usd"}
-    live = overview.overview(store, run_id)
-    sp = cfg.get("spend") or {}
-    kind, gpus = sp.get("train_device") or DEFAULT_KIND, sp.get("train_gpus") or (cfg.get("train") or {}).get("gpus", 1)
-    return {"run_id": run_id, "version": state.version, "status": state.status, "mode": state.mode,
-            "blocks": cfg["plan"]["blocks"], "visits": [v.model_dump(include=keep) for v in state.visits],
-            "priced_as": f"{gpus}×{kind}", "default_price_kind": kind == DEFAULT_KIND,
-            "live": {k: live[k] for k in ("status", "visits_done", "visits_planned", "spend_usd", "changed",
-                                          "lease_owner", "training")}}
-
-
-def _status_table(st: dict) -> str:
-    from bcdflow.storage.overview import ago, owner_text
-
-    live = st.get("live") or {}
-    lines = [f"run {st['run_id']}: version {st['version']} ({live.get('status', st['status'])}, {st['mode']})"]
-    if live.get("status") == "running":
-        lines.append(f"  lease: {owner_text(live['lease_owner'])}")
-    if tr := live.get("training"):
-        where = "not checkpointed yet" if tr["step"] is None else \
-            f"step {tr['step']}/{tr['max_steps']} at its last checkpoint ({ago(tr['checkpoint_at'])})"
-        doing = "training" if tr["lease_owner"] else "interrupted in"
-        lines.append(f"  {doing} visit {tr['visit']}: {where}")
-    if live.get("status") == "interrupted":
-        lines.append(f"  no process holds the run: continue it with bcdflow resume {st['run_id']}")
-    note = (f" (the default price kind: set spend.train_device to the GPU you rent)" if st["default_price_kind"]
-            else "")
-    lines.append(f"  spend ${live.get('spend_usd', 0.0):.4f}, priced as {st['priced_as']}{note}")
-    lines.append(f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'train':>8} {'val':>8} {'secs':>7} "
-                 f"{'lost s':>7} {'spend $':>9}")
-    for v in st["visits"]:
-        lines.append(f"{v['cycle']:>5} {v['block']:>5} {v['version']:>4} {v['steps']:>6} "
-                     f"{v['train_loss']:>8.4f} {v['val_loss']:>8.4f} {v['seconds']:>7.1f} {v['lost_seconds']:>7.1f} "
-                     f"{v['spend_usd']:>9.4f}")
-    return "\n".join(lines)
-
-
-def cmd_status(args) -> int:
-    st = status_dict(_store(args.store, args, write=False), args.run_id)
-    print(json.dumps(st, indent=2) if args.json else _status_table(st))
-    return 0
-
-
-def _runs_table(rows: list[dict]) -> str:
-    from bcdflow.storage.overview import ago
-
-    head = f"{'run':<24} {'mode':<4} {'status':<16} {'ver':>4} {'visits':>7} {'val loss':>9} {'spend $':>9}  changed"
-    lines = [head]
-    for o in rows:
-        status = o["status"] + (f" ({o['training']['visit']})" if o["status"] == "running" and o["training"] else "")
-        visits = f"{o['visits_done']}/{o['visits_planned'] or '?'}"
-        val = "–" if o["val_loss"] is None else f"{o['val_loss']:.4f}"
-        lines.append(f"{o['run_id']:<24} {o['mode']:<4} {status:<16} {o['version']:>4} {visits:>7} {val:>9} "
-                     f"{o['spend_usd']:>9.4f}  {ago(o['changed'])}")
-    return "\n".join(lines)
-
-
-def cmd_runs(args) -> int:
-    """Every run of the store: mode, status (done / running / interrupted), version, visits done of planned, last
-    validation loss, spend and when it last changed."""
-    from bcdflow.storage.overview import overviews
-
-    store = _store(args.store, args, write=False)
-    rows = overviews(store)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print(_runs_table(rows) if rows else f"no runs in store {store.url}")
-    return 0
 
 
 def cmd_compare(args) -> int:

@@ -189,3 +189,18 @@ def test_a_run_leaves_nothing_in_the_temporary_folder(prefect_api_url, tmp_path)
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.listdir(tmp) == []
+
+
+def test_the_flow_run_url_tag_is_a_url_or_absent(monkeypatch):
+    """Every CLI run tagged MLflow with prefect.flow_run_url = "None/flow-runs/flow-run/<id>": the CLI's temporary
+    server has no UI address."""
+    from prefect.runtime import flow_run
+
+    from bcdflow.flows.visit import prefect_tags
+
+    monkeypatch.setattr(flow_run, "get_id", lambda: "abc")
+    monkeypatch.setattr(flow_run, "get_name", lambda: "c0-b0")
+    monkeypatch.setattr(flow_run, "get_flow_run_ui_url", lambda: "None/flow-runs/flow-run/abc")
+    assert prefect_tags() == {"prefect.flow_run_id": "abc", "prefect.flow_run_name": "c0-b0"}
+    monkeypatch.setattr(flow_run, "get_flow_run_ui_url", lambda: "http://127.0.0.1:4200/flow-runs/flow-run/abc")
+    assert prefect_tags()["prefect.flow_run_url"] == "http://127.0.0.1:4200/flow-runs/flow-run/abc"
