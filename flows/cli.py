@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for run_id in [getattr(args, "run_id", None), *getattr(args, "run_ids", [])]:
             _check_run_id(run_id)
-        if args.command in ("worker", "plan-memory"):
+        if args.command == "worker":
             _quiet_console(args.debug)  # Prefect's console filter; the run commands set it where a flow starts
         return args.fn(args)
     except BadInput as e:
