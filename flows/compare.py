@@ -117,8 +117,8 @@ def _multiplier(r: dict, base: dict, tol: float) -> None:
     """B-F, its range and the loss gap at equal steps of run ``r`` against ``base``; or why none is given."""
     n = min(r["steps"], base["steps"])
     mine, theirs = loss_at(r["curve"], n), loss_at(base["curve"], n)
-    r["gap_at_equal_steps"] = None if mine is None or theirs is None else mine - theirs
-    r["gap_step"] = n
+    r["gap_at_equal_steps"] = None if mine is None or theirs is None or r is base else mine - theirs
+    r["gap_step"] = None if r is base else n
     r["bf_multiplier"] = r["bf_range"] = r["bf_withheld"] = r["tokens_multiplier"] = None
     if not r["reached"] or not base["reached"]:
         r["bf_withheld"] = r["not_reached"] or f"the baseline {base['not_reached']}"
