@@ -151,6 +151,7 @@ class Progress:
             for handler, stream in self._routed:
                 handler.setStream(stream).flush()  # the proxy's last partial line, then the handler's own stream
             self._routed = []
+            self._themed.pop_theme()
         if self._artifact_on and self._t0 is not None:
             if self._artifact_job is not None:
                 self._artifact_job.result()  # the last figures must not be skipped behind an update in flight
@@ -170,9 +171,14 @@ class Progress:
     # -- the terminal -------------------------------------------------------------------------------------------
     def _begin(self) -> None:
         if self.mode == "bar":
+            from rich.default_styles import DEFAULT_STYLES
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
+            from rich.theme import Theme
 
             console = shared_console()
+            # the bar's styles on that console while the bar is up (Prefect's console theme has only its own)
+            console.push_theme(Theme({k: v for k, v in DEFAULT_STYLES.items() if k.startswith(("bar.", "progress."))}))
+            self._themed = console
             # auto_refresh off: no drawing thread; the bar is redrawn by our throttled updates only
             # step of max before the bar, so a narrow terminal cuts the figures at the end, not the count
             # stdout is not redirected: what a command prints there stays there

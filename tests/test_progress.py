@@ -113,9 +113,10 @@ def test_the_bar_and_the_log_lines_share_one_console(monkeypatch):
     of the log handler that writes to stderr, and plain stream handlers go through it while the bar is up, so every
     log line starts a line of its own and the bar is drawn again below it."""
     from rich.console import Console
+    from rich.theme import Theme
 
-    term = io.StringIO()
-    console = Console(file=term, force_terminal=True, width=120)
+    term = io.StringIO()  # Prefect's console: its own theme only, no progress-bar styles
+    console = Console(file=term, force_terminal=True, width=120, theme=Theme({"log.info_level": "cyan"}, inherit=False))
 
     class ConsoleHandler(logging.Handler):  # as Prefect's PrefectConsoleHandler: a rich console on the terminal
         def __init__(self):
