@@ -84,11 +84,11 @@ def cost(book: RunBook, out: Path, **_) -> dict:
 def product_compare(book: RunBook, a: dict) -> str:
     """The product's own comparison (``bcdflow compare full bcd``), when flows.compare is there."""
     try:
-        # local: flows.compare imports Prefect, which must not be imported before cli.setup_env (see runs.py)
+        # local: imported where used, as the other benchmarks' product tables are (see runs.py)
         from bcdflow.flows.compare import compare
 
         out = compare(Store(a["full"]["store"]), [a["full"]["run_id"], a["bcd"]["run_id"]])
-        return "`bcdflow compare` of the AdamW pair (the product's table; L* = the worse of the two best losses):\n\n" \
+        return "`bcdflow compare` of the AdamW pair (the product's table; L* = the baseline's best + 0.02):\n\n" \
             + out["markdown"]
     except Exception as e:  # the product table is a bonus; the figures above stand without it
         return f"(`flows.compare` unavailable: {type(e).__name__}: {e})"

@@ -10,6 +10,7 @@ A config is data plus validation: it reads no file, opens no store and looks at 
 from __future__ import annotations
 
 import codecs
+import difflib
 import json
 import math
 import os
@@ -46,11 +47,17 @@ class ModelSection(_Section):
     name: ModelName = "tiny"
     """A registry name: tiny, tiny-llama, gpt2-124m, G-1.6B ... L-23B."""
     n_layer: int | None = None
+    """Decoder layers; None = the named model's."""
     d_model: int | None = None
+    """Width of the residual stream; None = the named model's."""
     n_head: int | None = None
+    """Attention heads; None = the named model's."""
     n_kv_head: int | None = None
+    """Key/value heads (grouped-query attention, LLaMA); None = the named model's."""
     d_ff: int | None = None
+    """Width of the feed-forward layer; None = the named model's."""
     n_ctx: int | None = None
+    """Longest context the model takes (positions); None = the named model's."""
     from_hf: str | None = None
     """A Hugging Face checkpoint directory to fine-tune (config.json, model.safetensors or a sharded index,
     tokenizer.json), or a hub id already in the local HF cache (nothing is downloaded). Sizes, context and
@@ -78,8 +85,11 @@ class DataSection(_Section):
     name: str | None = None
     """The datasets config name that goes with ``path``."""
     split: str = "train"
+    """The split of ``path`` to read."""
     text_field: str = "text"
+    """The field of a record (json, jsonl, parquet, ``path``) that holds the text."""
     seq_len: int = Field(128, ge=2)
+    """Tokens per training sequence (at most the model's context)."""
     vocab_size: int = Field(2048, ge=260)
     """Size of the BPE vocabulary trained on the corpus (at most 2**21: the trainer allocates for all of it)."""
     tokenizer: str | None = None
@@ -89,7 +99,9 @@ class DataSection(_Section):
     strings; ``chat``: records with a ``messages`` list rendered by the checkpoint's chat template. The
     two supervised formats train on completion/assistant tokens only (prompt tokens are masked)."""
     val_fraction: float = Field(0.05, gt=0, lt=1)
+    """Share of the rows held out for validation."""
     max_chars: int | None = None
+    """Read at most this many characters of the corpus; None = all of it."""
     builtin_bytes: int = 1_500_000
     """How much of the built-in (Python standard library) corpus to read."""
 
@@ -110,6 +122,7 @@ class DataSection(_Section):
 
 class BcdSection(_Section):
     blocks: int = Field(3, ge=1)
+    """How many blocks the layers are cut into (one trains per visit)."""
     boundaries: list[int] | None = None
     """Explicit layer cut points (e.g. [4, 8] for 12 layers); overrides ``blocks``."""
     split: Literal["params", "layers"] = "params"
@@ -121,20 +134,25 @@ class BcdSection(_Section):
     a large part of the blocks that own them, so freezing them makes those visits as small as the others, and a
     ``params`` split balances what trains. A trade-off: the run is no longer full-parameter training."""
     cycles: int = Field(2, ge=1)
+    """Passes over all blocks."""
     order: Order = "cyclic"
+    """The order of the blocks in a cycle: ``cyclic``, ``reverse``, ``random`` (seeded per cycle) or ``greedy``
+    (the largest gradient norm first)."""
     sample_rate: float = 0.9
     """Per-visit data sampling rate (paper §3.2.3)."""
     preinfer: bool = True
     """Pre-compute the frozen prefix's activations to Zarr (paper §3.2.2)."""
     max_steps: int = Field(200, ge=1)
+    """A visit's step cap (local convergence: it may end sooner on a plateau or its budget)."""
     eval_every: int | None = Field(None, ge=1)
-    """Also validate every N steps within a visit (None = once, after the visit); the baseline sets it
-    from ``train.eval_every``."""
+    """Also validate every N steps within a visit, at the end of the first window past each multiple (None = once,
+    after the visit); the baseline's is ``train.eval_every``."""
     patience: int = Field(3, ge=0)
     """Plateau rule (models/trainer.StopRule): a visit has converged once a least-squares line through its last
     ``patience`` windows of step losses (half the visit once that is longer) lowers the loss by less than
     ``min_delta`` per window even at the optimistic end of its noise (two standard errors); 0 = off."""
     min_delta: float = Field(1e-2, ge=0)
+    """The plateau rule's smallest fall of the loss per window that still counts as progress."""
     window: int = Field(20, ge=1)
     """Steps per window: the loss is synced to the host and the stop rules are read once per window."""
     budget: Literal["fixed", "adaptive"] = "adaptive"
@@ -149,7 +167,9 @@ class BcdSection(_Section):
     lr_scales: list[float] | None = None
     """Per-block multipliers of ``optim.lr`` (one per block), e.g. a lower rate for the embedding block."""
     shard_rows: int = Field(256, ge=1)
+    """Rows per pre-inference shard (the unit of work and of concurrent writes)."""
     act_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """The dtype pre-inferred activations are stored in (bfloat16 halves the bytes, rounding them)."""
     act_compression: Literal["none", "zstd"] = "none"
     """Activations barely compress; zstd (level 1) trades CPU for bytes on a slow link."""
     preinfer_batch_size: int | None = Field(None, ge=1)
@@ -182,11 +202,15 @@ class BcdSection(_Section):
 
 class OptimSection(_Section):
     name: Literal["adamw", "sgd"] = "adamw"
+    """The optimizer of the active block (paper §4.2.1)."""
     lr: float | None = Field(None, gt=0)
     """None = the paper's §4.2.1 default (AdamW 1e-4, SGD 0.1)."""
     weight_decay: float = Field(1e-5, ge=0)
+    """Decoupled weight decay (AdamW) or L2 (SGD); the paper's 1e-5."""
     momentum: float = Field(0.9, ge=0)
+    """SGD's momentum (unused by AdamW)."""
     grad_clip: float = Field(1.0, ge=0)
+    """Clip the active block's gradient norm to this before each step; 0 = off."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup over each visit's first steps (a visit starts with a fresh optimizer); the baseline's run is
     one visit."""
@@ -194,17 +218,21 @@ class OptimSection(_Section):
     """``cosine``: decay the rate over the run's planned steps (``bcd.cycles`` × blocks × ``bcd.max_steps``; the
     baseline's ``train.steps``), counted across visits, down to ``min_lr_ratio`` × ``lr``."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Where ``cosine`` ends, as a fraction of ``lr``."""
 
 
 class TrainSection(_Section):
     batch_size: int = Field(16, ge=1)
+    """Sequences per optimizer step (the global batch, however many processes train it)."""
     steps: int = Field(300, ge=1)
     """Step count of the full-parameter baseline: it trains them all unless ``patience`` asks for a stop rule."""
     patience: int = Field(0, ge=0)
     """The baseline's plateau rule (as ``bcd.patience``, with ``bcd.min_delta`` and ``bcd.window``); 0 = off."""
-    eval_every: int = Field(100, ge=1)
-    """Baseline: validation every N steps (BCD validates after each visit)."""
+    eval_every: int | None = Field(None, ge=1)
+    """Baseline: validate every N steps (at the end of the first window past each multiple); None = ``steps`` / 25,
+    so ``bcdflow compare`` can place where the baseline crosses L* (BCD validates after each visit)."""
     eval_rows: int = Field(256, ge=1)
+    """Validation rows every validation loss is measured on."""
     device: str = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; checked against the machine
     that trains before anything runs."""
@@ -265,8 +293,11 @@ class S3Section(_Section):
     endpoint_url: str | None = None
     """S3-compatible endpoint (MinIO, R2, a test server); None = AWS."""
     region: str | None = None
+    """The bucket's region; None = the endpoint's default."""
     profile: str | None = None
+    """A named AWS profile to take credentials from."""
     anon: bool = False
+    """Read a public bucket without credentials."""
 
 
 class CheckpointSection(_Section):
@@ -349,6 +380,7 @@ class FleetSection(_Section):
     dask_address: str | None = None
     """An existing Dask scheduler (tcp://host:8786); None = a LocalCluster of ``dask_workers`` processes."""
     dask_workers: int = Field(2, ge=1)
+    """Worker processes of the local Dask cluster (no ``dask_address``)."""
     lease_seconds: float = Field(60.0, ge=2, le=86400)
     """How long a run's (or a visit's) lease lasts without renewal (renewed every third of it): after a crash
     elsewhere, the wait before another process may take the run over. At most a day: longer can only be a
@@ -387,6 +419,7 @@ class RunConfig(_Section):
     tracking_uri: str | None = None
     """MLflow tracking URI; None = a SQLite file next to a local store; "none" = tracking off."""
     experiment: str = "bcdflow"
+    """The MLflow experiment runs are logged to."""
     log_model: bool = True
     """Log the final model (model.safetensors + config.json, as ``bcdflow export`` writes) to MLflow."""
 
@@ -476,13 +509,29 @@ def _one_line(err: ValidationError) -> str:
     e = err.errors()[0]
     key = ".".join(str(p) for p in e["loc"])
     if e["type"] == "extra_forbidden":
-        return f"{key}: unknown config key"
+        keys = config_keys(sections=True)
+        same = [k for k in keys if k.rpartition(".")[2] == key.rpartition(".")[2] and "." in key]
+        near = same[:1] or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)  # the same name in another section
+        return f"{key}: unknown config key" + (f" (did you mean {near[0]}?)" if near else "")
     if e["type"] == "literal_error":  # a choice field: "bcd.order: unknown order 'x' (choose from cyclic, ...)"
         noun = e["loc"][-2] if e["loc"][-1] == "name" and len(e["loc"]) > 1 else e["loc"][-1]
         choices = ", ".join(re.findall(r"'([^']*)'", e["ctx"]["expected"]))
         return f"{key}: unknown {noun} {e['input']!r} (choose from {choices})"
     msg = _flat(e["msg"].removeprefix("Value error, "))
     return msg if not key or msg.startswith(f"{key}:") else f"{key}: {msg}"
+
+
+def config_keys(sections: bool = False) -> list[str]:
+    """Every key of the run config, dotted (``bcd.blocks``, ``seed``), in the config's order; ``sections``: the
+    section names too."""
+    out = []
+    for sec, f in RunConfig.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            out += [sec] if sections else []
+            out += [f"{sec}.{name}" for name in f.annotation.model_fields]
+        else:
+            out.append(sec)
+    return out
 
 
 def parse_config(raw: dict) -> RunConfig:

@@ -9,15 +9,24 @@ so a visit record carries, per stage, its GPU-hours and USD, and the run's cumul
 budget rule predicts the next visit's spend from the last visit of the same block (blocks differ in
 size and in pre-inference depth), else from the last visit. Pure functions over visit records: no
 Prefect, no MLflow; ``spend`` is anything with the ``spend`` config section's attributes.
+
+A visit interrupted and resumed is billed for every attempt (:class:`Earlier`, :func:`earlier_attempts`): the
+mid-visit checkpoint carries what the visit had spent when it was written (:func:`spent_at`), and what an attempt
+did after its last checkpoint (work done again by the next attempt) is counted up to the last write of its visit
+lease (a renewal, every third of ``fleet.lease_seconds``, or its release) and reported apart as ``lost_seconds``.
 """
 from __future__ import annotations
 
 import re
+import time
+from dataclasses import asdict, dataclass
 
 from bcdflow.storage.runs import VisitRecord
 
 # paper §4.4.2: rental prices per GPU-hour
 DEFAULT_PRICES: dict[str, float] = {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}
+DEFAULT_KIND = "rtx4090"
+"""The device kind every stage is priced as unless ``spend.*_device`` says otherwise (a CPU trial too)."""
 STAGES = ("preinfer", "train", "eval")
 _KIND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -82,6 +91,11 @@ def visit_spend(spend, stage_seconds: dict[str, float], seconds: float,
     return out
 
 
+def earlier_usd(spend, earlier: "Earlier", used: dict[str, int] | None = None) -> float:
+    """What a visit's earlier attempts cost (their pre-inference at its price, the rest at training's)."""
+    return visit_spend(spend, {"preinfer": earlier.preinfer}, earlier.wall, used)["spend_usd"]
+
+
 def total_spend(visits: list[VisitRecord]) -> float:
     return sum(v.spend_usd for v in visits)
 
@@ -128,3 +142,40 @@ def curve(visits: list[VisitRecord]) -> list[dict]:
                         **{k: acc[k] + f * cost[k] for k in cost}})
         acc = {"step": v.step_end, **{k: acc[k] + cost[k] for k in cost}}
     return out
+
+
+@dataclass(frozen=True)
+class Earlier:
+    """What the earlier attempts of a visit spent, in seconds (docs/DESIGN.md §7): ``wall`` (the lost ones
+    included), ``preinfer`` of it, and ``lost``: seconds after an attempt's last checkpoint, done again since."""
+    wall: float = 0.0
+    preinfer: float = 0.0
+    lost: float = 0.0
+
+    def clock(self, preinfer: float, since: float | None = None) -> dict:
+        """What this attempt's checkpoints carry (:func:`spent_at`): the earlier attempts' seconds, this attempt's
+        pre-inference ``preinfer`` seconds, and its start ``since`` (epoch seconds)."""
+        return {**asdict(self), "preinfer": self.preinfer + preinfer, "since": time.time() if since is None else since}
+
+
+def spent_at(clock: dict, now: float | None = None) -> dict:
+    """The visit's spend so far as a mid-visit checkpoint records it: wall seconds of every attempt up to ``now``
+    (epoch seconds), pre-inference and lost seconds among them, and ``at`` = ``now``."""
+    now = time.time() if now is None else now
+    return {"wall": clock["wall"] + max(0.0, now - clock["since"]), "preinfer": clock["preinfer"],
+            "lost": clock["lost"], "at": now}
+
+
+def earlier_attempts(checkpoint: dict | None, started: dict | None, previous_end: float | None) -> Earlier:
+    """What a visit spent before this attempt. ``checkpoint``: the ``spent`` of its mid-visit checkpoint
+    (:func:`spent_at`), ``started``: what the previous attempt knew when it started (the same fields, ``at`` = its
+    start), the later of the two being the last known; ``previous_end``: the last write of the previous attempt's
+    visit lease (epoch seconds; a kill -9 stops its renewals, a clean stop releases it), so the previous attempt's
+    seconds after the last known point are counted, as lost."""
+    known = max((d for d in (checkpoint, started) if d), key=lambda d: d.get("at", 0.0), default=None)
+    wall, pre, lost = ((known.get("wall", 0.0), known.get("preinfer", 0.0), known.get("lost", 0.0)) if known
+                       else (0.0, 0.0, 0.0))
+    if known and previous_end is not None and previous_end > known.get("at", previous_end):
+        gone = previous_end - known["at"]
+        wall, lost = wall + gone, lost + gone
+    return Earlier(wall=wall, preinfer=pre, lost=lost)

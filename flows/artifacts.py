@@ -2,8 +2,10 @@
 
 Keys are ``{run-id}-visits``, ``{run-id}-progress``, ``{run-id}-mlflow``, so the Artifacts page keeps one entry
 per run: a table of the committed visits (block, steps, losses, seconds, spend) and a progress bar, both updated
-in place after each visit (also across resumes), and a link to the run's MLflow page. An artifact that cannot be published is logged as a warning, never
-a reason to fail training.
+in place after each visit (also across resumes), and a link to the run's MLflow page. An artifact that cannot be
+published is logged as a warning, never a reason to fail training. :func:`crash_previous` marks the flow run of a
+process that died holding a run or a visit Crashed once another process takes it over (Prefect would show it
+running for good).
 """
 from __future__ import annotations
 
@@ -101,3 +103,28 @@ class RunArtifacts:
 
 def publish_markdown(key: str, markdown: str, description: str | None = None) -> None:
     _publish(create_markdown_artifact, markdown, key=key, description=description)
+
+
+def crash_previous(previous: dict | None, what: str) -> str | None:
+    """Mark Crashed the flow run of ``previous`` (the lease object this process took ``what`` over from: its owner
+    names a flow run) when Prefect still has it in a non-final state: its process died (kill -9, a lost machine)
+    without reporting. Returns its id when marked; a flow run this server does not know is left alone."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+    from prefect.states import Crashed
+
+    old, me = ((previous or {}).get("owner") or {}).get("flow_run_id"), flow_run.get_id()
+    if not old or old == me:  # never leased, or a rescheduled attempt of this very flow run
+        return None
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(old).state
+            if state is None or state.is_final():
+                return None
+            client.set_flow_run_state(old, Crashed(message=f"its process stopped holding {what} without reporting; "
+                                                           f"taken over by flow run {me}"), force=True)
+    except Exception as e:  # another server's flow run (ObjectNotFound), or the API is busy: nothing to repair here
+        log.info("flow run %s (the previous holder of %s) not marked crashed: %s: %s", old, what, type(e).__name__, e)
+        return None
+    log.warning("flow run %s held %s when its process died: marked Crashed", old, what)
+    return old

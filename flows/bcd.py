@@ -24,7 +24,7 @@ from bcdflow.flows import artifacts
 from bcdflow.flows.params import RunParams, new_run_id
 from bcdflow.flows.fleet import dispatch_visit
 from bcdflow.flows.visit import prefect_tags, visit
-from bcdflow.storage import checkpoints, layout, runs
+from bcdflow.storage import checkpoints, layout, overview, runs
 from bcdflow.storage.lease import Lease, this_process
 from bcdflow.storage.layout import check_run_id
 from bcdflow.storage.runs import RunState, VisitRecord
@@ -112,10 +112,13 @@ def _drop_if_unborn(store, run_id: str, lease: Lease) -> None:
 def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id: str) -> dict:
     log = get_run_logger()
     init_run(cfg, run_id, dataset_id, mode)
+    artifacts.crash_previous(overview.previous_owner(store, layout.run_key(run_id), lease.epoch), f"run {run_id!r}")
     run_fence = {"run": lease.epoch}
     # the takeover is complete once our epoch is in the state: no earlier holder can commit after this, so what
     # lies above the state's version now is a dead writer's half-commit, never a committed version (I7)
     state: RunState = runs.fence(store, run_id, run_fence)
+    if state.status == "done":  # continued with more cycles or a larger budget: running until it stops again
+        state = note_state(cfg, run_id, run_fence, status="running", stop_reason=None, stop_detail=None)
     if dropped := checkpoints.drop_uncommitted(store, run_id, state.version):
         log.warning("dropped manifests of versions %s: written by a commit that crashed before its state", dropped)
     if gone := runs.drop_committed_visits(store, state):  # a visit not yet committed keeps its folder (§2.6)
@@ -211,12 +214,21 @@ def bcd_train(run_id: str | None = None, config: RunParams = RunParams()) -> dic
     return run_bcd(config.to_config(), run_id or _run_id("bcd"), "bcd")
 
 
+BASELINE_VAL_POINTS = 25
+
+
+def baseline_eval_every(train) -> int:
+    """How often the baseline validates: ``train.eval_every``, else ``train.steps`` / 25, so the step where its
+    curve crosses L* is bracketed within 4% of the run (``bcdflow compare`` states that bracket)."""
+    return train.eval_every or max(1, train.steps // BASELINE_VAL_POINTS)
+
+
 def full_config(cfg: RunConfig) -> RunConfig:
     """The baseline as a BCD run: one block, one cycle, every row, ``train.steps`` steps (unless
-    ``train.patience`` asks for the plateau rule), validating every ``train.eval_every`` steps (I3)."""
+    ``train.patience`` asks for the plateau rule), validating every ``baseline_eval_every`` steps (I3)."""
     bcd = cfg.bcd.model_copy(update={"blocks": 1, "boundaries": None, "cycles": 1, "sample_rate": 1.0,
                                      "preinfer": False, "max_steps": cfg.train.steps,
-                                     "eval_every": cfg.train.eval_every, "patience": cfg.train.patience,
+                                     "eval_every": baseline_eval_every(cfg.train), "patience": cfg.train.patience,
                                      "budget": "fixed", "lr_scales": None, "moments": "reset"})
     return cfg.model_copy(update={"bcd": bcd})
 
@@ -228,6 +240,6 @@ def full_train(run_id: str | None = None, config: RunParams = RunParams()) -> di
     Args:
         run_id: The bcdflow run id; an existing one resumes that run, empty starts a new run (full-...).
         config: The run's settings; the bcd_* fields are overridden (one block, one cycle, every row), and it
-            trains `train_steps` steps, validating every `train_eval_every`.
+            trains `train_steps` steps, validating every `train_eval_every` (empty: train_steps / 25).
     """
     return run_bcd(full_config(config.to_config()), run_id or _run_id("full"), "full")

@@ -1,4 +1,4 @@
-"""``bcdflow`` command line: demo, train, baseline, resume, status, runs, export, compare.
+"""``bcdflow`` command line: demo, train, baseline, resume, status, runs, export, compare, generate, prune, rm, config.
 
     bcdflow demo                         # tiny model, built-in corpus, embedded defaults
     bcdflow train -c run.yaml --set bcd.blocks=4 --run-id my-run
@@ -8,8 +8,14 @@
     bcdflow export my-run ./hf-out --format hf --dtype bf16   # a transformers model directory
     bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
     bcdflow compare full-run bcd-run --plot cmp.png   # and their validation curves against steps and spend
+    bcdflow generate my-run "def main("       # sample text from a version, with the run's tokenizer
+    bcdflow prune my-run --keep 2             # drop old versions and optimizer states; bcdflow rm my-run: the run
+    bcdflow config show -c run.yaml           # the resolved config, every key with its meaning
     bcdflow worker --pool bcdflow-gpu         # a worker on a GPU box (visits as deployment runs, fleet.visit_pool)
     bcdflow plan-memory -c run.yaml --gpu-gb 24   # predicted peak memory per visit; the bcd.blocks that fits
+
+The commands that only read (``--help``, ``runs``, ``status``, ``compare``, ``config show``'s parse) import neither
+Prefect nor torch, so they answer at once; what needs them imports them inside the command.
 
 What goes wrong is said in one line on stderr, never with a traceback (``--debug`` shows them):
 
@@ -30,11 +36,14 @@ import os
 import subprocess
 import sys
 
-from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput, DamagedArtifact
+from bcdflow.flows.compare import BRACKET_TOL, TOL
+from bcdflow.flows.status import cmd_runs, cmd_status, existing_state as _existing_state, status_dict, status_table
+from bcdflow.flows.store_admin import cli_store as _store
 
-# Prefect and what imports it (flows, tasks) are imported inside the subcommands, after _embedded_env: Prefect
-# reads PREFECT_HOME and its other settings when it is first imported, and `bcdflow --help` stays quick.
+# Prefect, torch and what imports them (flows, tasks, core.context, core.config) are imported inside the commands
+# that need them, after _env_defaults: Prefect reads PREFECT_HOME and its other settings when it is first imported,
+# and the read-only commands answer at once (tests/test_cli.py checks what `bcdflow --help` imports).
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
 DEMO = [
@@ -81,6 +90,7 @@ class _Interrupted(Exception):
 
 def _exists(cfg, run_id: str) -> bool:
     """Whether the run has a state (a resume can continue it); True when the store cannot tell (it is down)."""
+    from bcdflow.core.context import open_store
     from bcdflow.storage import runs
 
     try:
@@ -166,6 +176,31 @@ def _watch(server_pid: int) -> None:
 
 # -- checks before anything runs ---------------------------------------------------------------------
 
+def check_prefect_api() -> None:
+    """A Prefect API that is set (``PREFECT_API_URL``, in the environment or a profile) must answer before a run is
+    created: a stopped server left in the profile by a UI session would otherwise fail the run after it started.
+    Any HTTP answer will do (a Prefect Cloud URL may ask for a key); no answer is bad input naming the setting."""
+    import httpx
+    from prefect.context import get_settings_context
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return  # the embedded default: a temporary server of this process
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=5.0)
+    except httpx.TransportError as e:
+        profile = get_settings_context().profile
+        if os.environ.get("PREFECT_API_URL"):
+            where, how = "in the environment", "unset PREFECT_API_URL"
+        elif PREFECT_API_URL in profile.settings:
+            where, how = f"in Prefect profile {profile.name!r}", "prefect config unset PREFECT_API_URL"
+        else:
+            where, how = "in a prefect.toml or .env file here", "remove it there"
+        raise BadInput(f"PREFECT_API_URL={url} (set {where}) does not answer ({type(e).__name__}): start that Prefect "
+                       f"server, or unset the setting to run on bcdflow's embedded default: {how}") from None
+
+
 def _check_run_id(run_id: str | None) -> None:
     from bcdflow.storage.layout import check_run_id
 
@@ -176,7 +211,7 @@ def _check_run_id(run_id: str | None) -> None:
 def _preflight(cfg) -> None:
     """Checks that need the machine, the file system or the store, done before any flow starts (nothing
     written on failure)."""
-    from bcdflow.core.context import check_gpus, check_model_size, check_plan_fits
+    from bcdflow.core.context import check_gpus, check_model_size, check_plan_fits, open_store
     from bcdflow.storage.corpus import check_text_files
     from bcdflow.tasks.data import data_files
 
@@ -210,32 +245,9 @@ def _config(args, base: list[str] | None = None):
     if getattr(args, "store", None):
         sets.append(f"store={args.store}")
     cfg = load_config(args.config, sets)
+    check_prefect_api()
     _preflight(cfg)
     return cfg
-
-
-def _store(url: str, args=None, write: bool = True):
-    """The store named on the command line (with ``--endpoint-url`` for S3), checked before use; ``write=False``
-    for the commands that only read it (a read-only store is fine, and nothing is written)."""
-    from bcdflow.core.config import RunConfig
-    from bcdflow.storage.store import Store, check_url
-
-    check_url(url)
-    opts = {}
-    if url.startswith("s3://") and getattr(args, "endpoint_url", None):
-        opts = RunConfig(store=url, s3={"endpoint_url": args.endpoint_url}).storage_options()
-    store = Store(url, opts)
-    store.probe(write)
-    return store
-
-
-def _existing_state(store, run_id: str):
-    from bcdflow.storage import runs
-
-    state = runs.read_state(store, run_id)
-    if state is None:
-        raise BadInput(f"run {run_id!r} not found in store {store.url}")
-    return state
 
 
 def _check_continuable(store, run_id: str) -> None:
@@ -268,9 +280,10 @@ def _check_same_data(store, run_id: str, cfg) -> None:
 
 # -- commands --------------------------------------------------------------------------------------------
 
-def _call(fn, cfg, run_id: str) -> dict:
+def _call(fn, cfg, run_id: str, debug: bool = False) -> dict:
     from bcdflow.flows.params import RunParams
 
+    _quiet_console(debug)
     _detach_temporary_server()
     try:
         return fn(config=RunParams.from_config(cfg), run_id=run_id)
@@ -284,13 +297,14 @@ def _call(fn, cfg, run_id: str) -> dict:
 
 def _run(args, mode: str, base: list[str] | None = None) -> dict:
     cfg = _config(args, base)
+    from bcdflow.core.context import open_store
     from bcdflow.flows.bcd import bcd_train, full_train
     from bcdflow.flows.params import new_run_id
 
     run_id = args.run_id or new_run_id(mode)
     _check_continuable(open_store(cfg), run_id)
     _check_same_data(open_store(cfg), run_id, cfg)
-    summary = _call(full_train if mode == "full" else bcd_train, cfg, run_id)
+    summary = _call(full_train if mode == "full" else bcd_train, cfg, run_id, args.debug)
     print(json.dumps(summary, indent=2))
     return {"cfg": cfg, "run_id": run_id, "summary": summary}
 
@@ -312,101 +326,72 @@ def cmd_resume(args) -> int:
     from bcdflow.storage import runs
 
     store = _store(args.store, args)
-    _existing_state(store, args.run_id)
-    _check_continuable(store, args.run_id)
+    state = _existing_state(store, args.run_id)
+    _check_continuable(store, args.run_id)  # a finished run whose last version is gone is damaged, not done
+    if state.status == "done":
+        print(_finished(state, args.store))
+        return 0
     stored = runs.read_config(store, args.run_id)
     raw = {k: v for k, v in stored.items() if k in RunConfig.model_fields}
     cfg = parse_config({**raw, "store": args.store})
+    check_prefect_api()
     _preflight(cfg)
     _check_same_data(store, args.run_id, cfg)
     from bcdflow.flows.bcd import bcd_train, full_train
 
-    print(json.dumps(_call(full_train if stored.get("mode") == "full" else bcd_train, cfg, args.run_id), indent=2))
+    fn = full_train if stored.get("mode") == "full" else bcd_train
+    print(json.dumps(_call(fn, cfg, args.run_id, args.debug), indent=2))
     return 0
 
 
+# what continues a run that stopped for each reason (flows/bcd.stop_reason)
+_FURTHER = {"cycles": "--set bcd.cycles=<more>", "budget": "--set spend.budget_usd=<more>",
+            "target_val_loss": "--set stop.target_val_loss=<lower>",
+            "no_improvement": "--set stop.patience_cycles=<more, or 0>"}
+
+
+def _finished(state, store: str) -> str:
+    """What ``resume`` says of a run that is done: there is nothing to resume, and what would train it further."""
+    val = f", val loss {state.visits[-1].val_loss:.4f}" if state.visits else ""
+    more = _FURTHER.get(state.stop_reason or "", "--set bcd.cycles=<more>")
+    return (f"run {state.run_id} is done ({state.stop_reason}: {state.stop_detail}) at version {state.version}{val}: "
+            f"nothing to resume.\nTo train it further: bcdflow train --run-id {state.run_id} --store {store} "
+            f"{more} (with the run's own settings: the same -c file or --set keys)")
+
+
 def cmd_demo(args) -> int:
+    from bcdflow.core.context import open_store
+
     out = _run(args, "bcd", DEMO)
     cfg, run_id = out["cfg"], out["run_id"]
-    print(_status_table(status_dict(open_store(cfg), run_id)))
+    print(status_table(status_dict(open_store(cfg), run_id)))
     uri = cfg.resolved_tracking_uri()
     print(f"\nresults: store {cfg.store} run {run_id}")
     print(f"  bcdflow status {run_id} --store {cfg.store}")
     print(f"  MLflow UI:  mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)")
     print("  Prefect UI: prefect server start   (then open http://127.0.0.1:4200; the demo's flow runs are in "
           f"{os.environ.get('PREFECT_HOME', '~/.prefect')}/prefect.db)")
+    print(next_steps(run_id, cfg.store))
     return 0
 
 
-def status_dict(store, run_id: str) -> dict:
-    """The run's committed visits, and (``live``) what it is doing now: running (its lease's owner, the visit in
-    training and its last checkpoint's step), interrupted or done (storage/overview.py)."""
-    from bcdflow.storage import overview, runs
-
-    state = _existing_state(store, run_id)
-    cfg = runs.read_config(store, run_id)
-    keep = {"cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
-            "preinfer_seconds", "train_seconds", "tokens_per_s", "stopped_by"}
-    live = overview.overview(store, run_id)
-    return {"run_id": run_id, "version": state.version, "status": state.status, "mode": state.mode,
-            "blocks": cfg["plan"]["blocks"], "visits": [v.model_dump(include=keep) for v in state.visits],
-            "live": {k: live[k] for k in ("status", "visits_done", "visits_planned", "spend_usd", "changed",
-                                          "lease_owner", "training")}}
-
-
-def _status_table(st: dict) -> str:
-    from bcdflow.storage.overview import ago, owner_text
-
-    live = st.get("live") or {}
-    lines = [f"run {st['run_id']}: version {st['version']} ({live.get('status', st['status'])}, {st['mode']})"]
-    if live.get("status") == "running":
-        lines.append(f"  lease: {owner_text(live['lease_owner'])}")
-    if tr := live.get("training"):
-        where = "not checkpointed yet" if tr["step"] is None else \
-            f"step {tr['step']}/{tr['max_steps']} at its last checkpoint ({ago(tr['checkpoint_at'])})"
-        doing = "training" if tr["lease_owner"] else "interrupted in"
-        lines.append(f"  {doing} visit {tr['visit']}: {where}")
-    if live.get("status") == "interrupted":
-        lines.append(f"  no process holds the run: continue it with bcdflow resume {st['run_id']}")
-    lines.append(f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'train':>8} {'val':>8} {'secs':>7}")
-    for v in st["visits"]:
-        lines.append(f"{v['cycle']:>5} {v['block']:>5} {v['version']:>4} {v['steps']:>6} "
-                     f"{v['train_loss']:>8.4f} {v['val_loss']:>8.4f} {v['seconds']:>7.1f}")
+def next_steps(run_id: str, store: str) -> str:
+    """The demo's last lines: what to type next."""
+    bin_dir = os.path.dirname(sys.executable)
+    active = os.environ.get("VIRTUAL_ENV") and os.path.samefile(os.environ["VIRTUAL_ENV"], os.path.dirname(bin_dir))
+    rel = os.path.relpath(bin_dir)
+    venv = rel if not rel.startswith("..") else bin_dir
+    s = "" if store == "./bcdflow-store" else f" --store {store}"
+    lines = ["\nnext:"]
+    if not active:
+        lines.append(f"  . {venv}/activate      # puts bcdflow, mlflow and prefect on PATH (or call {venv}/bcdflow)")
+    lines += [f"  bcdflow train --set data.files='~/corpus/*.txt' --run-id mine{s}      # your own text files",
+              f"  bcdflow baseline --set data.files='~/corpus/*.txt' --run-id mine-full{s}   # full training, "
+              f"then: bcdflow compare mine-full mine{s}",
+              f"  bcdflow generate {run_id} \"def main(\"{s}    # sample from the demo's model",
+              f"  bcdflow export {run_id} ./demo-model{s}    # model.safetensors + config.json + tokenizer.json",
+              "  bcdflow config show    # every key, its value and meaning"]
     return "\n".join(lines)
-
-
-def cmd_status(args) -> int:
-    st = status_dict(_store(args.store, args, write=False), args.run_id)
-    print(json.dumps(st, indent=2) if args.json else _status_table(st))
-    return 0
-
-
-def _runs_table(rows: list[dict]) -> str:
-    from bcdflow.storage.overview import ago
-
-    head = f"{'run':<24} {'mode':<4} {'status':<16} {'ver':>4} {'visits':>7} {'val loss':>9} {'spend $':>9}  changed"
-    lines = [head]
-    for o in rows:
-        status = o["status"] + (f" ({o['training']['visit']})" if o["status"] == "running" and o["training"] else "")
-        visits = f"{o['visits_done']}/{o['visits_planned'] or '?'}"
-        val = "–" if o["val_loss"] is None else f"{o['val_loss']:.4f}"
-        lines.append(f"{o['run_id']:<24} {o['mode']:<4} {status:<16} {o['version']:>4} {visits:>7} {val:>9} "
-                     f"{o['spend_usd']:>9.4f}  {ago(o['changed'])}")
-    return "\n".join(lines)
-
-
-def cmd_runs(args) -> int:
-    """Every run of the store: mode, status (done / running / interrupted), version, visits done of planned, last
-    validation loss, spend and when it last changed."""
-    from bcdflow.storage.overview import overviews
-
-    store = _store(args.store, args, write=False)
-    rows = overviews(store)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print(_runs_table(rows) if rows else f"no runs in store {store.url}")
-    return 0
 
 
 def cmd_compare(args) -> int:
@@ -415,7 +400,7 @@ def cmd_compare(args) -> int:
     if args.plot:
         check_plot_path(args.plot)
     store = _store(args.store, args, write=False)
-    result = compare(store, args.run_ids)
+    result = compare(store, args.run_ids, target=args.target, tol=args.tol, bracket_tol=args.bracket_tol)
     print(json.dumps(result, indent=2) if args.json else result["markdown"])
     if args.plot:
         plot(store, result, args.plot)
@@ -425,6 +410,7 @@ def cmd_compare(args) -> int:
 
 def cmd_export(args) -> int:
     from bcdflow.core.export import check_target, export_hf, export_version, written_whole
+    from bcdflow.storage.prune import check_not_pruned
 
     check_target(args.out_dir)
     if args.dtype and args.format != "hf":
@@ -434,6 +420,7 @@ def cmd_export(args) -> int:
     version = state.version if args.version is None else args.version
     if not 0 <= version <= state.version:
         raise BadInput(f"--version: run {args.run_id!r} has versions 0..{state.version}, got {version}")
+    check_not_pruned(store, args.run_id, version)
     with written_whole(args.out_dir) as tmp:
         n = (export_hf(store, args.run_id, version, tmp, dtype=args.dtype) if args.format == "hf"
              else export_version(store, args.run_id, version, tmp))
@@ -500,7 +487,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="the baseline first, then the others")
     store_opts(sp, one_run=False)
     sp.add_argument("--json", action="store_true")
-    sp.add_argument("--plot", metavar="FILE.png", help="also draw validation loss against steps and spend, L* marked")
+    sp.add_argument("--plot", metavar="FILE.png",
+                    help="also draw validation loss against steps and spend, L* and each run's crossing marked")
+    sp.add_argument("--target", metavar="L*", default="best",
+                    help="best (default: the baseline's best validation loss + --tol), final (its last + --tol), "
+                         "common (the worst of the runs' best losses) or a loss")
+    sp.add_argument("--tol", type=float, default=TOL, help=f"what L* adds to the baseline's loss (default {TOL})")
+    sp.add_argument("--bracket-tol", type=float, default=BRACKET_TOL,
+                    help="the widest bracket of a crossing, as a fraction of its step, that still gives a B-F "
+                         f"(default {BRACKET_TOL})")
     sp.set_defaults(fn=cmd_compare)
     sp = sub.add_parser("worker", help="a Prefect process worker whose flow runs checkpoint on SIGTERM (spot GPUs)",
                         parents=[common])
@@ -509,8 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds the flow runs get to checkpoint on SIGTERM before the worker stops (default 60)")
     sp.add_argument("worker_args", nargs=argparse.REMAINDER, help="more `prefect worker start` options, after --")
     sp.set_defaults(fn=cmd_worker)
-    from bcdflow.flows import plan_memory
+    from bcdflow.flows import generate, keys, plan_memory, store_admin
 
+    generate.add_parser(sub, common, store_opts)
+    store_admin.add_parsers(sub, common, store_opts)
+    keys.add_parser(sub, common)
     plan_memory.add_parser(sub, common)
     return p
 
@@ -521,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for run_id in [getattr(args, "run_id", None), *getattr(args, "run_ids", [])]:
             _check_run_id(run_id)
-        _quiet_console(args.debug)
+        if args.command == "worker":
+            _quiet_console(args.debug)  # Prefect's console filter; the run commands set it where a flow starts
         return args.fn(args)
     except BadInput as e:
         _say(e, args)

@@ -1,42 +1,45 @@
-"""Compare runs by loss and by cost: ``bcdflow compare RUN RUN [...]`` and the ``compare_runs`` flow.
+"""Compare runs by loss and by cost: ``bcdflow compare BASELINE RUN [...]`` (the flow is ``flows/compare_flow.py``).
 
-Everything is read from the store's state.json and config.json (no MLflow needed). The first run is
-the baseline. The *best common validation loss* L* is the worst of the runs' best validation losses:
-the lowest loss every run reaches. For each run: the steps, tokens, wall seconds, GPU-hours and USD
-it needed to first reach L* (curves: one point per BCD visit, the baseline's ``val_points`` in between,
-costed pro rata by step); its steps over the baseline's is the paper's B-F multiplier (§4.2.3). The
-what-if cost prices a run's GPU-hours to L* on every device kind of the catalog, and the cost-reduction
-tables set each run as configured against the baseline on each kind, like the paper's Tables 5-7
-(BCD on RTX 4090 against full-parameter training on 4090 / A100 / A800).
+Everything is read from the store's state.json and config.json (no MLflow, no Prefect, no torch: it answers at
+once). The first run is the baseline, and the target L* is *its* quality: its best validation loss plus a stated
+tolerance (``--tol``, 0.02), or ``--target`` (a loss, ``final`` for its last loss plus the tolerance, ``common``
+for the worst of the runs' best losses). A run's curve (``core/spend.curve``: one point per BCD visit, the
+baseline's ``val_points`` in between) crosses L* between two validation points, its *bracket*; the crossing is
+interpolated linearly within it, and so are the tokens, seconds, GPU-hours and USD to L*. Steps to L* over the
+baseline's is the paper's B-F multiplier (§4.2.3), given with the range the two brackets allow, and withheld
+(naming the key to rerun with) when either bracket is wider than ``--bracket-tol`` (10%) of its crossing step: a
+baseline validated once would otherwise make BCD look faster than it is. A run that never reaches L* gets "not
+reached: ended at X after N steps", no multiplier. Beside every multiplier stands the loss gap at equal steps:
+the run's validation loss minus the baseline's at the last step both reached. The what-if cost prices a run's
+GPU-hours to L* on every device kind of the catalog, and the cost-reduction tables set each run as configured
+against the baseline on each kind, like the paper's Tables 5-7.
 
     from bcdflow.flows.compare import compare
-    result = compare(store, ["bcd-1", "full-1"])     # plain function; result["markdown"] is the table
+    result = compare(store, ["full-1", "bcd-1"])     # result["markdown"] is the table, result["runs"] the figures
 """
 from __future__ import annotations
 
-from prefect import flow
+import math
 
 from bcdflow.core import spend
-from bcdflow.core.config import RunConfig, SpendSection
-from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput
-from bcdflow.flows import artifacts
 from bcdflow.storage import runs
 from bcdflow.storage.store import Store, raise_naming
-from bcdflow.tracking.report import md_table
+from bcdflow.tracking.tables import md_table
 
+TOL, BRACKET_TOL = 0.02, 0.1
+COSTS = ("step", "tokens", "seconds", "gpu_hours", "spend_usd")
 RUN_COLUMNS = [
-    ("run_id", "run", "s"), ("mode", "mode", "s"), ("device", "device", "s"),
-    ("final_val_loss", "final val", ".4f"), ("best_val_loss", "best val", ".4f"),
-    ("steps_to_target", "steps to L*", "d"), ("tokens_to_target", "tokens to L*", ",.0f"),
-    ("bf_multiplier", "B-F ×", ".2f"), ("tokens_multiplier", "tokens ×", ".2f"),
-    ("wall_seconds", "wall s", ".1f"), ("gpu_hours", "GPU-h", ".5f"), ("spend_usd", "spend $", ".5f"),
-    ("spend_to_target_usd", "$ to L*", ".5f"),
+    ("run_id", "run", "s"), ("mode", "mode", "s"), ("device", "priced as", "s"),
+    ("final_val_loss", "final val", ".4f"), ("best_val_loss", "best val", ".4f"), ("steps", "steps", "d"),
+    ("to_target", "steps to L* [bracket]", "s"), ("bf", "B-F ×", "s"), ("gap", "gap at equal steps", "s"),
+    ("tokens_multiplier", "tokens ×", ".2f"), ("wall_seconds", "wall s", ".1f"), ("gpu_hours", "GPU-h", ".5f"),
+    ("spend_usd", "spend $", ".5f"), ("spend_to_target_usd", "$ to L*", ".5f"),
 ]
 
 
 class CompareError(BadInput):
-    """A run that cannot be compared (missing, or without a committed visit)."""
+    """Runs that cannot be compared (missing, without a committed visit, an unknown --target)."""
 
 
 def _run_summary(store: Store, run_id: str) -> dict:
@@ -46,62 +49,145 @@ def _run_summary(store: Store, run_id: str) -> dict:
     if not state.visits:
         raise CompareError(f"run {run_id!r} has no committed visit yet")
     cfg = runs.read_config(store, run_id)
-    sp = SpendSection.model_validate(cfg.get("spend") or {})
-    visits = state.visits
-    pts = spend.curve(visits)
-    kind, gpus = sp.train_device, sp.train_gpus or (cfg.get("train") or {}).get("gpus", 1)
-    return {"run_id": run_id, "mode": state.mode, "spend_cfg": sp, "curve": pts,
-            "device": f"{gpus}×{kind}", "stop_reason": state.stop_reason,
-            "final_val_loss": visits[-1].val_loss, "best_val_loss": min(p["val_loss"] for p in pts),
-            "steps": pts[-1]["step"], "tokens": pts[-1]["tokens"], "wall_seconds": pts[-1]["seconds"],
-            "gpu_hours": pts[-1]["gpu_hours"], "spend_usd": pts[-1]["spend_usd"]}
+    sp = cfg.get("spend") or {}  # as the run validated it (core/config.SpendSection), defaults filled in
+    kind = sp.get("train_device") or spend.DEFAULT_KIND
+    gpus = sp.get("train_gpus") or (cfg.get("train") or {}).get("gpus", 1)
+    pts = spend.curve(state.visits)
+    return {"run_id": run_id, "mode": state.mode, "prices": spend.parse_prices(sp.get("prices") or []),
+            "curve": pts, "window": (cfg.get("bcd") or {}).get("window", 20),
+            "device": f"{gpus}×{kind}" + ("*" if kind == spend.DEFAULT_KIND else ""),
+            "stop_reason": state.stop_reason, "final_val_loss": state.visits[-1].val_loss,
+            "best_val_loss": min(p["val_loss"] for p in pts), "steps": pts[-1]["step"], "tokens": pts[-1]["tokens"],
+            "wall_seconds": pts[-1]["seconds"], "gpu_hours": pts[-1]["gpu_hours"], "spend_usd": pts[-1]["spend_usd"]}
 
 
-def compare(store: Store, run_ids: list[str]) -> dict:
+def target_of(rows: list[dict], target: str | float | None, tol: float) -> tuple[float, str]:
+    """L* and how it was chosen: the baseline's (``rows[0]``) best (default) or ``final`` loss plus ``tol``, the
+    worst of the runs' best losses (``common``), or a loss."""
+    base = rows[0]
+    if target in (None, "best"):
+        return base["best_val_loss"] + tol, f"the baseline's best validation loss {base['best_val_loss']:.4f} + {tol:g}"
+    if target == "final":
+        return base["final_val_loss"] + tol, f"the baseline's final validation loss {base['final_val_loss']:.4f} + {tol:g}"
+    if target == "common":
+        return max(r["best_val_loss"] for r in rows), "the worst of the runs' best losses (the lowest every run reaches)"
+    try:
+        value = float(target)
+    except (TypeError, ValueError):
+        raise CompareError(f"--target: expected best, final, common or a loss, got {target!r}") from None
+    if not math.isfinite(value):
+        raise CompareError(f"--target: expected a finite loss, got {target!r}")
+    return value, "given (--target)"
+
+
+def crossing(pts: list[dict], target: float) -> tuple[dict, tuple[int, int]] | None:
+    """Where a curve first reaches ``target``: its step, tokens, seconds, GPU-hours and USD interpolated linearly
+    between the last point above and the first at or below it, and that bracket of steps (from 0 when the first
+    point is already below: the loss at step 0 is not measured). None when it never does."""
+    for i, p in enumerate(pts):
+        if p["val_loss"] <= target:
+            if i == 0:
+                return {k: p[k] for k in COSTS}, (0, p["step"])
+            q = pts[i - 1]
+            f = (q["val_loss"] - target) / (q["val_loss"] - p["val_loss"])
+            return {k: q[k] + f * (p[k] - q[k]) for k in COSTS}, (q["step"], p["step"])
+    return None
+
+
+def loss_at(pts: list[dict], step: float) -> float | None:
+    """The curve's validation loss at ``step``, linear between its points; None before its first point."""
+    for q, p in zip([None, *pts], pts):
+        if step <= p["step"]:
+            if q is None:
+                return p["val_loss"] if step == p["step"] else None
+            return q["val_loss"] + (step - q["step"]) / (p["step"] - q["step"]) * (p["val_loss"] - q["val_loss"])
+    return None
+
+
+def rerun_hint(r: dict, tol: float) -> str:
+    """The key that resolves a run's crossing within ``tol`` of its step when the run is trained again (validation
+    happens at window ends, so a cadence finer than ``bcd.window`` needs a finer window too)."""
+    every = max(1, int(tol * r["steps_to_target"]))
+    key = "train.eval_every" if r["mode"] == "full" else "bcd.eval_every"
+    window = f" --set bcd.window={every}" if every < r["window"] else ""
+    return f"rerun {r['run_id']} with --set {key}={every}{window}"
+
+
+def _multiplier(r: dict, base: dict, tol: float) -> None:
+    """B-F, its range and the loss gap at equal steps of run ``r`` against ``base``; or why none is given."""
+    n = min(r["steps"], base["steps"])
+    mine, theirs = loss_at(r["curve"], n), loss_at(base["curve"], n)
+    r["gap_at_equal_steps"] = None if mine is None or theirs is None or r is base else mine - theirs
+    r["gap_step"] = None if r is base else n
+    r["bf_multiplier"] = r["bf_range"] = r["bf_withheld"] = r["tokens_multiplier"] = None
+    if not r["reached"] or not base["reached"]:
+        r["bf_withheld"] = r["not_reached"] or f"the baseline {base['not_reached']}"
+        return
+    if r is base:  # the reference itself
+        r["bf_multiplier"], r["bf_range"], r["tokens_multiplier"] = 1.0, [1.0, 1.0], 1.0
+        return
+    wide = [x for x in (base, r) if x["bracket_width"] > tol]
+    if wide:
+        r["bf_withheld"] = "; ".join(
+            f"{x['run_id']} crosses L* between steps {x['bracket'][0]} and {x['bracket'][1]} (more than {tol:.0%} "
+            f"of its {x['steps_to_target']:.0f} steps to L*): {rerun_hint(x, tol)}" for x in wide)
+        return
+    (lo, hi), (blo, bhi) = r["bracket"], base["bracket"]
+    r["bf_multiplier"] = r["steps_to_target"] / base["steps_to_target"]
+    r["bf_range"] = [lo / bhi, hi / blo if blo else math.inf]
+    r["tokens_multiplier"] = r["tokens_to_target"] / base["tokens_to_target"] if base["tokens_to_target"] else None
+
+
+def compare(store: Store, run_ids: list[str], target: str | float | None = None, tol: float = TOL,
+            bracket_tol: float = BRACKET_TOL) -> dict:
     """The comparison of ``run_ids`` (the first is the baseline) as a JSON-able dict with its markdown."""
     if len(run_ids) < 2:
         raise CompareError(f"compare needs at least two runs, got {len(run_ids)}")
     rows = [_run_summary(store, r) for r in run_ids]
     prices: dict[str, float] = dict(spend.DEFAULT_PRICES)
     for r in reversed(rows):  # every run's own catalog entries; the baseline's win a conflict
-        prices.update(spend.parse_prices(r["spend_cfg"].prices))
-    target = max(r["best_val_loss"] for r in rows)
+        prices.update(r["prices"])
+    value, rule = target_of(rows, target, tol)
     for r in rows:
-        hit = next(p for p in r["curve"] if p["val_loss"] <= target)
-        r.update(steps_to_target=hit["step"], tokens_to_target=hit["tokens"],
-                 seconds_to_target=hit["seconds"], gpu_hours_to_target=hit["gpu_hours"],
-                 spend_to_target_usd=hit["spend_usd"],
-                 what_if_usd={k: spend.cost_on(hit["gpu_hours"], k, prices) for k in prices})
+        hit = crossing(r["curve"], value)
+        r["reached"] = hit is not None
+        r["not_reached"] = None if hit else f"not reached: ended at {r['final_val_loss']:.4f} after {r['steps']} steps"
+        at, (lo, hi) = hit if hit else ({k: None for k in COSTS}, (None, None))
+        r.update(steps_to_target=at["step"], tokens_to_target=at["tokens"], seconds_to_target=at["seconds"],
+                 gpu_hours_to_target=at["gpu_hours"], spend_to_target_usd=at["spend_usd"],
+                 bracket=None if hit is None else [lo, hi],
+                 bracket_width=None if hit is None else (hi - lo) / max(at["step"], 1e-9),
+                 crossing={"step": at["step"], "spend_usd": at["spend_usd"]} if hit else None,
+                 what_if_usd={k: spend.cost_on(at["gpu_hours"], k, prices) for k in prices} if hit else None)
     base = rows[0]
     for r in rows:
-        r["bf_multiplier"] = r["steps_to_target"] / base["steps_to_target"]
-        r["tokens_multiplier"] = (r["tokens_to_target"] / base["tokens_to_target"]
-                                  if base["tokens_to_target"] else None)
+        _multiplier(r, base, bracket_tol)
     # paper Tables 5-7: each run as it ran against the baseline priced on each kind
     reduction = {}
     for kind in prices:
-        ref = base["what_if_usd"][kind]
+        ref = base["what_if_usd"][kind] if base["reached"] else None
         reduction[kind] = [{"run_id": base["run_id"], "device": f"{base['device'].split('×')[0]}×{kind}",
-                            "cost_usd": ref, "reduction": 0.0}]
+                            "cost_usd": ref, "reduction": 0.0 if ref is not None else None}]
         reduction[kind] += [{"run_id": r["run_id"], "device": r["device"], "cost_usd": r["spend_to_target_usd"],
-                             "reduction": 1 - r["spend_to_target_usd"] / ref if ref else None}
+                             "reduction": 1 - r["spend_to_target_usd"] / ref if ref and r["reached"] else None}
                             for r in rows[1:]]
-    out = {"baseline": base["run_id"], "target_val_loss": target, "catalog": prices,
-           "runs": [{k: v for k, v in r.items() if k not in ("spend_cfg", "curve")} for r in rows],
+    out = {"baseline": base["run_id"], "target_val_loss": value, "target_rule": rule, "bracket_tol": bracket_tol,
+           "catalog": prices, "runs": [{k: v for k, v in r.items() if k not in ("prices", "curve", "window")}
+                                       for r in rows],
            "cost_reduction": reduction}
     out["markdown"] = markdown(out)
     return out
 
 
 def plot(store: Store, result: dict, path: str) -> list[list[str]]:
-    """Draw the compared runs' validation curves against steps and spend, L* marked, into ``path`` (a PNG);
-    returns each panel's line labels."""
-    from bcdflow.tracking.report import compare_figure
+    """Draw the compared runs' validation curves against steps and spend, L* and each run's crossing of it marked,
+    into ``path`` (a PNG); returns each panel's line labels."""
+    from bcdflow.tracking.report import compare_figure  # matplotlib: only when a plot is asked for
 
-    ids = [r["run_id"] for r in result["runs"]]
-    curves = {r: spend.curve(runs.read_state(store, r).visits) for r in ids}
+    curves = {r["run_id"]: spend.curve(runs.read_state(store, r["run_id"]).visits) for r in result["runs"]}
+    crossings = {r["run_id"]: r["crossing"] for r in result["runs"] if r["crossing"]}
     try:
-        return compare_figure(curves, result["target_val_loss"], path)
+        return compare_figure(curves, result["target_val_loss"], path, crossings)
     except Exception as e:  # a full disk: matplotlib's error names no file
         raise_naming(e, path)
 
@@ -119,32 +205,48 @@ def check_plot_path(path: str) -> None:
         raise BadInput(f"--plot: {path} is a directory")
 
 
+def _cells(r: dict) -> dict:
+    """A run's row as the table prints it: the crossing with its bracket, B-F with its range, the gap."""
+    cells = dict(r)
+    if r["reached"]:
+        cells["to_target"] = f"{r['steps_to_target']:.0f} [{r['bracket'][0]}–{r['bracket'][1]}]"
+    else:
+        cells["to_target"] = r["not_reached"]
+    if r["bf_multiplier"] is not None:
+        lo, hi = r["bf_range"]
+        cells["bf"] = f"{r['bf_multiplier']:.2f} [{lo:.2f}–{hi:.2f}]" if hi > lo else f"{r['bf_multiplier']:.2f}"
+    else:
+        cells["bf"] = "–"
+    if r["gap_at_equal_steps"] is not None:
+        cells["gap"] = f"{r['gap_at_equal_steps']:+.4f} at step {r['gap_step']}"
+    return cells
+
+
 def markdown(result: dict) -> str:
     kinds = list(result["catalog"])
     runs_ = result["runs"]
-    parts = [f"### Runs against baseline `{result['baseline']}`\n\nBest common validation loss "
-             f"L* = {result['target_val_loss']:.4f} (the lowest loss every run reaches); B-F × = steps to L* "
-             "over the baseline's (paper §4.2.3).\n", md_table(runs_, RUN_COLUMNS)]
+    parts = [f"### Runs against baseline `{result['baseline']}`\n\nL* = {result['target_val_loss']:.4f}: "
+             f"{result['target_rule']}. Steps to L* are interpolated between the validation points that bracket "
+             f"the crossing; B-F × = steps to L* over the baseline's (paper §4.2.3), with the range the brackets "
+             f"allow, given when both brackets are within {result['bracket_tol']:.0%} of their step; the gap is the "
+             "run's validation loss minus the baseline's at the same step.\n",
+             md_table([_cells(r) for r in runs_], RUN_COLUMNS)]
+    notes = [f"- **{r['run_id']}**: B-F not given: {r['bf_withheld']}" for r in runs_[1:] if r["bf_withheld"]]
+    if any(r["device"].endswith("*") for r in runs_):
+        notes.append(f"- \\* {spend.DEFAULT_KIND} is the default price kind (`spend.train_device`, "
+                     "`spend.preinfer_device`, `spend.eval_device`): set the device you rent, whatever trained")
+    if notes:
+        parts += ["", *notes]
     what_if = [{"run_id": r["run_id"], "gpu_hours_to_target": r["gpu_hours_to_target"],
-                **{k: r["what_if_usd"][k] for k in kinds}} for r in runs_]
+                **{k: (r["what_if_usd"] or {}).get(k) for k in kinds}} for r in runs_]
     parts += ["\n### What-if cost to reach L* on each device kind (USD)\n",
               md_table(what_if, [("run_id", "run", "s"), ("gpu_hours_to_target", "GPU-h to L*", ".5f")]
-                              + [(k, f"{k} (${result['catalog'][k]:g}/h)", ".5f") for k in kinds])]
+                       + [(k, f"{k} (${result['catalog'][k]:g}/h)", ".5f") for k in kinds])]
     parts.append("\n### Cost reduction against the baseline (like paper Tables 5-7)")
     for k in kinds:
         rows = [{**r, "reduction": None if r["reduction"] is None else 100 * r["reduction"]}
                 for r in result["cost_reduction"][k]]
         parts += [f"\nBaseline on **{k}**, every other run as it ran:\n",
                   md_table(rows, [("run_id", "run", "s"), ("device", "N×GPU", "s"),
-                                         ("cost_usd", "cost $ to L*", ".5f"), ("reduction", "cost ↓ %", ".1f")])]
+                                  ("cost_usd", "cost $ to L*", ".5f"), ("reduction", "cost ↓ %", ".1f")])]
     return "\n".join(parts) + "\n"
-
-
-@flow(name="compare_runs")
-def compare_runs(run_ids: list[str], store: str = "./bcdflow-store", s3_endpoint_url: str | None = None) -> dict:
-    """Compare runs of one store by loss and cost; the table is published as a markdown artifact."""
-    st = open_store(RunConfig(store=store, s3={"endpoint_url": s3_endpoint_url}))
-    result = compare(st, run_ids)
-    artifacts.publish_markdown(artifacts.artifact_key("compare", "-".join(run_ids))[:200], result["markdown"],
-                            description=f"bcdflow compare {' '.join(run_ids)}")
-    return result

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 
-from bcdflow.core.context import model_config
 from bcdflow.errors import BadInput
 
 COLS = ("weights", "grads_total", "optim", "activations", "logits")
@@ -53,6 +52,7 @@ def _visit_row(h, plan_, b: int) -> dict:
 def plan(cfg, gpu_gb: float) -> dict:
     """Every visit at the config's ``bcd.blocks`` as the run would hold it on a ``gpu_gb`` card, full training, and
     the recommendation with its own visits."""
+    from bcdflow.core.context import model_config  # torch: not for `bcdflow --help` (flows/cli.py)
     from bcdflow.models import model_plan
     from bcdflow.models.holding import plan_holdings, recommend
     from bcdflow.models.memory import GB, device_budget, visit_memory

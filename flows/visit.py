@@ -13,6 +13,7 @@ else (a crash, a lost machine) is worth another try from the mid-visit checkpoin
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -25,7 +26,8 @@ from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, open_store
 from bcdflow.errors import BadInput, DamagedArtifact
-from bcdflow.storage import checkpoints, layout, runs
+from bcdflow.flows import artifacts
+from bcdflow.storage import checkpoints, layout, overview, runs
 from bcdflow.storage.lease import Lease, LeaseHeld, LeaseLost, this_process
 from bcdflow.storage.runs import RunStateError, VisitRecord
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
@@ -46,8 +48,9 @@ VISIT_SUMMARY = ("version", "steps", "stopped_by", "train_loss", "val_loss", "va
 
 def prefect_tags() -> dict:
     """MLflow tags pointing back at the Prefect flow run that does the work."""
+    url = flow_run.get_flow_run_ui_url() or ""  # "None/flow-runs/..." where no UI is configured (the CLI's server)
     tags = {"prefect.flow_run_id": flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
-            "prefect.flow_run_url": flow_run.get_flow_run_ui_url()}
+            "prefect.flow_run_url": url if url.startswith(("http://", "https://")) else None}
     return {k: v for k, v in tags.items() if v}
 
 
@@ -109,6 +112,8 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
         raise RunStateError(f"visit c{cycle}-b{block} of run {run_id!r} was planned on version {version}, but the "
                             f"run is at version {state.version}")
     checkpoints.drop_uncommitted(store, run_id, version)  # a dead earlier attempt's half-commit (fenced out above)
+    artifacts.crash_previous(overview.previous_owner(store, layout.visit_key(run_id, cycle, block), lease.epoch),
+                             f"visit c{cycle}-b{block} of {run_id!r}")
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
     store.rm(layout.outcome_key(run_id, cycle, block))
     # an interrupted visit continues its MLflow run instead of opening a second one
@@ -123,22 +128,28 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     track = TrackTarget(tracker.uri, cfg.experiment, track_runs, state.steps) if track_runs else None
 
     ctx = RunContext.of(cfg, run_id, dataset_id)  # handed to every task of the visit
-    t0 = time.perf_counter()
+    # what this visit's earlier attempts spent (an interrupted visit is billed for them: core/spend.py)
+    earlier = spend.earlier_attempts(*overview.visit_spent(store, run_id, cycle, block, version, lease.epoch))
+    before_usd = state.spend_usd + spend.earlier_usd(cfg.spend, earlier, spend.gpus_used(cfg))
+    t0, since = time.perf_counter(), time.time()
+    store.write_json({**dataclasses.asdict(earlier), "at": since}, layout.spent_key(run_id, cycle, block))
     preinfer_s = 0.0
     if ctx.from_acts(block):  # paper §3.2.2
-        preinfer(ctx, cycle, block, version, state.spend_usd)
+        preinfer(ctx, cycle, block, version, before_usd)
         preinfer_s = time.perf_counter() - t0
     # the live line and the visit run's progress artifact while it trains (tasks/progress.py)
-    spent = state.spend_usd + preinfer_s * preinfer_usd_per_s(cfg)
+    spent = before_usd + preinfer_s * preinfer_usd_per_s(cfg)
     live = visit_progress(cfg, run_id, cycle, block, spend_before=spent, log=log, artifact=True)
     moments = next((v.moments for v in reversed(state.visits) if v.block == block), None)
     tr = train_block(ctx, cycle, block, version, track=track, progress=live, global_step=state.steps,
-                     min_rate=rate_to_beat(state.visits, block), moments=moments if cfg.bcd.moments == "keep" else None)
+                     min_rate=rate_to_beat(state.visits, block), moments=moments if cfg.bcd.moments == "keep" else None,
+                     spent=earlier.clock(preinfer_s, since))
     if tr.val_loss is None:  # the visit could not validate the new version itself: the whole model, from the store
         ev = evaluate_version(ctx, version, {block: tr.block_file})
     else:
         ev = EvalResult(val_loss=tr.val_loss, val_ppl=math.exp(min(tr.val_loss, 50)), seconds=tr.eval_seconds)
-    seconds = time.perf_counter() - t0
+    seconds = earlier.wall + time.perf_counter() - t0
+    preinfer_s += earlier.preinfer
     cost = spend.visit_spend(cfg.spend, {"preinfer": preinfer_s, "train": tr.seconds, "eval": ev.seconds}, seconds,
                              spend.gpus_used(cfg))
     record = VisitRecord(
@@ -147,8 +158,9 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
         first_loss=tr.first_loss, train_loss=tr.train_loss, val_loss=ev.val_loss, val_ppl=ev.val_ppl, rate=tr.rate,
         moments=tr.moments_file,
         val_points=[(state.steps + s, v) for s, v in tr.val_points], tokens_per_s=tr.tokens / max(tr.seconds, 1e-9),
-        peak_mem_bytes=tr.peak_mem_bytes, peak_reserved_bytes=tr.peak_reserved_bytes, preinfer_seconds=preinfer_s, train_seconds=tr.seconds,
-        eval_seconds=ev.seconds, seconds=seconds, **cost, cum_spend_usd=state.spend_usd + cost["spend_usd"])
+        peak_mem_bytes=tr.peak_mem_bytes, peak_reserved_bytes=tr.peak_reserved_bytes, preinfer_seconds=preinfer_s,
+        train_seconds=tr.seconds, eval_seconds=ev.seconds, seconds=seconds, lost_seconds=earlier.lost, **cost,
+        cum_spend_usd=state.spend_usd + cost["spend_usd"])
     lease.check()  # still ours: nobody took this visit over while it trained
     commit_visit(cfg, run_id, record, tr.block_file, fence)
     # curves: the validation loss at the global step, on the visit's run and the parent's; per-visit figures as

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Collection, Iterable, Sequence
+from typing import Collection, Sequence
 
 from bcdflow.models.base import loss_chunk_rows
 from bcdflow.models.build import model_plan, param_shapes

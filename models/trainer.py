@@ -131,6 +131,7 @@ class LoopState:
     tokens: int = 0
     losses: list[float] = field(default_factory=list)
     pending: list[float] = field(default_factory=list)  # losses of the still-open window
+    seconds: float = 0.0  # the loop's seconds up to this state, over every attempt (a resumed visit's figures)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -180,12 +181,14 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
     ``stopped_by="interrupted"``. ``clock`` replaces ``time.perf_counter`` (processes of one distributed visit
     share rank 0's, so they checkpoint by seconds at the same step). Sharded (DTensor) gradient norms are
     gathered whole. ``progress(step, tokens, loss)`` is called once before the first step (the starting point,
-    ``loss`` None) and after every step, with the last synced window's mean loss (None before the first window):
-    a live display, which must throttle itself (it is never given anything that would sync a GPU).
+    ``loss`` None) and after every step, with the last synced window's mean loss, or before the first window the
+    last step's loss as a 0-dim tensor: a live display, which must throttle itself (reading that tensor syncs a GPU,
+    so it reads it only when it draws).
     ``global_step``: the run's steps before this loop's first (the learning-rate schedule's clock).
     """
     clock = clock or time.perf_counter
     st = state or LoopState()
+    before = st.seconds  # what the attempts this loop continues took; res.seconds counts them too
     res = LoopResult(steps=st.steps, losses=list(st.losses), tokens=st.tokens, window=stop.window)
     pending = [torch.tensor(v, dtype=torch.float32) for v in st.pending]
     norms = [torch.zeros(()) for _ in st.pending]  # gradient norms of the pending steps (checked at sync)
@@ -236,8 +239,8 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             if len(window) == stop.window and res.steps < stop.max_steps and (verdict := stop.verdict(res.losses)):
                 res.stopped_by = verdict
                 break
-        if progress:
-            progress(res.steps, res.tokens, window_loss)
+        if progress:  # before the first window is synced: the last step's loss, still a tensor (read when drawn)
+            progress(res.steps, res.tokens, window_loss if window_loss is not None else pending[-1])
         interrupted = bool(should_stop and should_stop())
         now = clock()
         why = "signal" if interrupted else None
@@ -245,7 +248,7 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             why = ("steps" if ckpt_steps and res.steps % ckpt_steps == 0 else
                    "seconds" if ckpt_seconds and now - last_ckpt >= ckpt_seconds else None)
         if checkpoint and why:
-            st.steps, st.tokens, st.losses = res.steps, res.tokens, list(res.losses)
+            st.steps, st.tokens, st.losses, st.seconds = res.steps, res.tokens, list(res.losses), before + now - t0
             st.pending = synced() if pending else []  # never checkpoint a diverged step
             checkpoint(st, why)
             last_ckpt = now
@@ -254,7 +257,7 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             break
     if pending and res.stopped_by != "interrupted":
         res.losses.extend(synced())
-    res.seconds = clock() - t0
+    res.seconds = before + clock() - t0
     return res
 
 

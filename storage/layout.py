@@ -18,6 +18,8 @@
         lease/{epoch}.json                        the visit's lease (every visit takes one)
         outcome.json                              why a visit failed, for a dispatcher (bad input, damage, busy)
         mlflow.json                               the visit's MLflow run id (an interrupted visit continues it)
+        spent.json                                what the visit had spent when its latest attempt started
+    runs/{run_id}/retention.json                  versions a user pinned and versions ``bcdflow prune`` removed
 
 Beside these, a local store's root holds ``mlflow.db`` and ``mlartifacts/`` when MLflow defaults to SQLite there
 (``RunConfig.resolved_tracking_uri``, ``tracking/tracker.py``). Keys are ``/``-joined relative to the store root
@@ -36,7 +38,7 @@ from bcdflow.errors import BadInput, DamagedArtifact
 
 RUNS, DATASETS = "runs", "datasets"
 CONFIG, STATE = "config.json", "state.json"
-OUTCOME, MLFLOW = "outcome.json", "mlflow.json"
+OUTCOME, MLFLOW, SPENT = "outcome.json", "mlflow.json", "spent.json"
 DATASET_META, DATASET_TOKENIZER = "meta.json", "tokenizer.json"
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -162,6 +164,16 @@ def outcome_key(run_id: str, cycle: int, block: int) -> str:
 
 def mlflow_key(run_id: str, cycle: int, block: int) -> str:
     return f"{visit_key(run_id, cycle, block)}/{MLFLOW}"
+
+
+def spent_key(run_id: str, cycle: int, block: int) -> str:
+    """What a visit had spent when its latest attempt started (core/spend.earlier_attempts)."""
+    return f"{visit_key(run_id, cycle, block)}/{SPENT}"
+
+
+def retention_key(run_id: str) -> str:
+    """The versions of a run a user pinned and those ``bcdflow prune`` removed (storage/prune.py)."""
+    return run_key(run_id, "retention.json")
 
 
 # -- leases -------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ lease is held by a live process: the lease names the owner), ``interrupted`` (ne
 stopped; ``bcdflow resume`` continues it), ``new`` (config written, no state yet). The visit in training is the
 one whose visit lease is held, or failing that the one with a mid-visit checkpoint; how far it is comes from that
 checkpoint's pointer (storage/trainckpt.py), so it moves every ``checkpoint.every_steps`` steps.
+:func:`visit_spent` reads what an interrupted visit had spent (core/spend.earlier_attempts); :func:`previous_owner`
+names the process a lease was taken over from. Nothing here imports torch: ``runs`` and ``status`` answer at once.
 """
 from __future__ import annotations
 
@@ -14,13 +16,43 @@ import time
 
 from bcdflow.errors import BadInput
 
-from . import layout, runs, trainckpt
+from . import layout, runs
 from .lease import Lease
 from .store import Store
+
+CKPT_POINTER = "ckpt.json"  # storage/trainckpt.py's pointer, read here as JSON (trainckpt imports torch)
 
 
 def _holder(store: Store, key: str) -> dict | None:
     return Lease(store, key, key).holder()
+
+
+def checkpoint_pointer(store: Store, visit_key: str) -> dict | None:
+    """The mid-visit checkpoint's pointer of a visit (step, files, ``meta``), or None before its first."""
+    key = layout.train_ckpt_key(visit_key)
+    return store.read_json(key, CKPT_POINTER) if store.exists(key, CKPT_POINTER) else None
+
+
+def previous_owner(store: Store, key: str, epoch: int | None) -> dict | None:
+    """The lease object a holder of epoch ``epoch`` of ``key``'s lease took over from (kept one epoch), or None."""
+    if not epoch or not store.exists(layout.lease_key(key, epoch - 1)):
+        return None
+    return store.read_json(layout.lease_key(key, epoch - 1))
+
+
+def visit_spent(store: Store, run_id: str, cycle: int, block: int, version: int,
+                epoch: int | None) -> tuple[dict | None, dict | None, float | None]:
+    """What visit (cycle, block) on ``version`` had spent before the attempt holding lease epoch ``epoch``, as
+    ``core/spend.earlier_attempts`` takes it: the ``spent`` of its mid-visit checkpoint (one on ``version``), what
+    the previous attempt knew when it started, and the last write of that attempt's lease (epoch seconds)."""
+    vkey = layout.visit_key(run_id, cycle, block)
+    pointer = checkpoint_pointer(store, vkey)
+    meta = (pointer or {}).get("meta") or {}
+    ckpt = meta.get("spent") if meta.get("base_version") == version else None
+    skey = layout.spent_key(run_id, cycle, block)
+    started = store.read_json(skey) if store.exists(skey) else None
+    end = store.modified(layout.lease_key(vkey, epoch - 1)) if epoch else None
+    return ckpt, started, end
 
 
 def training_visit(store: Store, run_id: str, max_steps: int | None = None) -> dict | None:
@@ -32,10 +64,10 @@ def training_visit(store: Store, run_id: str, max_steps: int | None = None) -> d
             continue
         vkey = layout.visit_key(run_id, *cb)
         owner = _holder(store, vkey)
-        pointer = trainckpt.read_pointer(store, vkey)
+        pointer = checkpoint_pointer(store, vkey)
         if owner is None and pointer is None:
             continue
-        at = store.modified(layout.train_ckpt_key(vkey), "ckpt.json") if pointer else None
+        at = store.modified(layout.train_ckpt_key(vkey), CKPT_POINTER) if pointer else None
         found.append({"visit": name, "cycle": cb[0], "block": cb[1], "step": pointer["step"] if pointer else None,
                       "max_steps": max_steps, "checkpoint_at": at,
                       "lease_owner": owner.get("owner") if owner else None})

@@ -76,9 +76,14 @@ class VisitRecord(_Record):
     """Peak CUDA memory the caching allocator reserved in the training stage (what the card held); None on the CPU."""
     preinfer_seconds: float = 0.0
     train_seconds: float = 0.0
+    """Seconds of the step loop, every attempt's up to its last checkpoint (``tokens_per_s`` = tokens over these)."""
     eval_seconds: float = 0.0
     seconds: float
-    """Wall seconds of the whole visit (its stages plus orchestration, commit and store I/O)."""
+    """Wall seconds of the whole visit (its stages plus orchestration, commit and store I/O), over every attempt of
+    an interrupted visit, ``lost_seconds`` included."""
+    lost_seconds: float = 0.0
+    """Seconds of interrupted attempts after their last mid-visit checkpoint (work done again; for a kill -9, up to
+    the last renewal of its visit lease): in ``seconds`` and the spend, not in ``train_seconds``."""
     gpu_hours_preinfer: float = 0.0
     gpu_hours_train: float = 0.0
     gpu_hours_eval: float = 0.0

@@ -56,9 +56,17 @@ def data_id(cfg: RunConfig) -> str:
 def prepare_data(cfg: RunConfig, store: Store) -> str:
     """Tokenize and pack the corpus once; later runs with the same inputs reuse it. Returns its id.
 
-    With ``model.from_hf`` the checkpoint is checked in full first (this is the run's first write)."""
-    cache = os.environ.get("BCDFLOW_HF_CACHE") or os.path.join(tempfile.gettempdir(), "bcdflow-hf-cache")
-    return prepare_token_dataset(store, **_dataset_inputs(cfg), cache_dir=cache)
+    With ``model.from_hf`` the checkpoint is checked in full first (this is the run's first write). The ``datasets``
+    library converts local files to Arrow in a cache: a temporary one, removed when the dataset is made (the token
+    dataset is the store's content-addressed copy; nothing reads the Arrow files again), unless
+    ``BCDFLOW_HF_CACHE`` names one; a ``data.path`` dataset is read from the Hugging Face cache it lives in."""
+    inputs = _dataset_inputs(cfg)
+    if cache := os.environ.get("BCDFLOW_HF_CACHE"):
+        return prepare_token_dataset(store, **inputs, cache_dir=cache)
+    if inputs["files"] is None:  # data.path
+        return prepare_token_dataset(store, **inputs, cache_dir=None)
+    with tempfile.TemporaryDirectory(prefix="bcdflow-hf-") as cache:
+        return prepare_token_dataset(store, **inputs, cache_dir=cache)
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:

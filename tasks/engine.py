@@ -24,6 +24,7 @@ from bcdflow.constants import IGNORE_INDEX
 from bcdflow.core import failpoints, preempt
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext
+from bcdflow.core.spend import spent_at
 from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import no_grad_memory, no_grad_rows, visit_memory
 from bcdflow.models.plan import block_tensors
@@ -367,14 +368,17 @@ class Resident:
 
 
 def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None = None, progress=None,
-              global_step: int = 0, min_rate: float | None = None, moments: dict | None = None) -> TrainResult:
+              global_step: int = 0, min_rate: float | None = None, moments: dict | None = None,
+              spent: dict | None = None) -> TrainResult:
     """Train visit ``vs`` with its model held by ``hold`` (:class:`Resident` or ``train_dist.Distributed``) to local
     convergence; returns its result, the block file (and, ``bcd.moments=keep``, its optimizer state) written by the
     writer, content-addressed, not committed; none of them after an interruption (its checkpoint is written).
     ``progress``: the live line, closed when the loop ends; ``global_step``: the run's steps before this visit (the
     learning-rate schedule's clock); ``min_rate``: the adaptive budget's rate to beat; ``moments``: the optimizer
-    state the block's last visit ended with. Raises Diverged (the caller words it) and LeaseLost."""
-    cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
+    state the block's last visit ended with; ``spent``: the visit's clock (``core/spend.Earlier.clock``), whose
+    reading each checkpoint carries, so a resumed visit is billed for its earlier attempts. Raises Diverged (the
+    caller words it) and LeaseLost."""
+    cfg = ctx.cfg
     # the validation rows as this visit's model sees them (the prefix's states where it starts at its block): the
     # new version's validation loss is this model's on them, so the visit needs no reload of the whole model
     val = visit_val_batches(cfg, ctx, vs) if cfg.bcd.eval_every or vs.exact else []
@@ -382,13 +386,13 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
     held = hold(ctx, vs)
     try:
         return _train_held(ctx, vs, held, val, track=track, progress=progress, global_step=global_step,
-                           min_rate=min_rate, moments=moments)
+                           min_rate=min_rate, moments=moments, spent=spent)
     finally:
         held.close()  # its device slots and page-locked buffers go whatever ends the visit
 
 
 def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: TrackTarget | None, progress,
-                global_step: int, min_rate: float | None, moments: dict | None) -> TrainResult:
+                global_step: int, min_rate: float | None, moments: dict | None, spent: dict | None) -> TrainResult:
     """The body of :func:`run_visit` once its model is held."""
     cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
     names, params = [n for n, _ in held.named], [p for _, p in held.named]
@@ -434,7 +438,8 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: Track
         if held.writer:
             trainckpt.save(ctx.store, vkey, st.steps, tensors, opt_state,
                            {"loop": st.to_dict(), "base_version": vs.version, "why": why,
-                            **({"gpus": held.world} if held.world > 1 else {})})
+                            **({"gpus": held.world} if held.world > 1 else {}),
+                            **({"spent": spent_at(spent)} if spent else {})})
             failpoints.hit("train-checkpoint")
         held.barrier()
 

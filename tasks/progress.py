@@ -8,14 +8,17 @@ Where it shows:
 
 - **a terminal** (stderr is one): a ``rich`` progress bar, ``c0-b1 train steps 120/200 ━━━━╸━━ loss 3.2100 ·
   12.3k tok/s · 0:01:02 < 0:00:40 · run $0.0123`` (the run's spend so far), redrawn at most every 0.5 s and
-  removed when the stage ends;
+  removed when the stage ends. It shares one console with the log lines: it draws on the rich console of Prefect's
+  console handler, and log handlers writing to the same stream go through that console while the bar is up, so a
+  log line prints above the bar, never glued onto it;
 - **anything else** (CI, a worker's log, a pipe): the same figures as one log line every ``BCDFLOW_PROGRESS_SECONDS``
   (default 30) through the logger given (the Prefect run logger: the lines show in the flow run's logs in the UI);
 - **the Prefect UI**: with ``artifact=True``, a progress artifact of the visit's flow run, moved every 10 s from a
   background thread (one update in flight at most; a failure is logged once and never stops training).
 
 ``BCDFLOW_PROGRESS=bar|log|off`` overrides the choice of the first two. Per step the cost is one clock read and a
-comparison (the loss is the last window's mean, already on the host: nothing here syncs a GPU).
+comparison. The loss is the last window's mean, already on the host; before the first window it is the last step's
+loss, a tensor read only when the line is drawn (at most one GPU sync per redraw, in the first window only).
 """
 from __future__ import annotations
 
@@ -76,6 +79,7 @@ class Progress:
         self._pool: ThreadPoolExecutor | None = None
         self._artifact_failed = False
         self._bar = self._task = None
+        self._routed: list = []  # (log handler, its own stream) while the bar is up
         self._t0 = self._done0 = self._tokens0 = None
         self._last_draw = self._last_artifact = -float("inf")
         self.done, self.tokens, self.loss = 0, 0, None
@@ -84,12 +88,13 @@ class Progress:
     # -- the figures --------------------------------------------------------------------------------------------
     def snapshot(self) -> dict:
         """What the line shows: done of total, loss, tokens/s, elapsed and left seconds, spend so far (USD)."""
+        loss = None if self.loss is None else float(self.loss)  # a step's loss tensor is read here, when drawn
         elapsed = 0.0 if self._t0 is None else self.clock() - self._t0
         moved = self.done - (self._done0 or 0)
         rate = moved / elapsed if elapsed > 0 and moved > 0 else None
         left = (self.total - self.done) / rate if rate else None
         tps = (self.tokens - (self._tokens0 or 0)) / elapsed if elapsed > 0 else None
-        return {"label": self.label, "done": self.done, "total": self.total, "unit": self.unit, "loss": self.loss,
+        return {"label": self.label, "done": self.done, "total": self.total, "unit": self.unit, "loss": loss,
                 "tokens_per_s": tps, "elapsed_s": elapsed, "left_s": left,
                 "spend_usd": self.spend_before + elapsed * self.usd_per_s}
 
@@ -111,10 +116,11 @@ class Progress:
                 .replace(" · ", ", "))
 
     # -- updates ------------------------------------------------------------------------------------------------
-    def __call__(self, done: int, tokens: int = 0, loss: float | None = None) -> None:
+    def __call__(self, done: int, tokens: int = 0, loss=None) -> None:
         self.update(done, tokens, loss)
 
-    def update(self, done: int, tokens: int = 0, loss: float | None = None) -> None:
+    def update(self, done: int, tokens: int = 0, loss=None) -> None:
+        """``loss``: a float, or a 0-dim tensor (read only when drawn), or None (keep the last)."""
         self.done, self.tokens = done, tokens
         if loss is not None:
             self.loss = loss
@@ -142,6 +148,10 @@ class Progress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+            for handler, stream in self._routed:
+                handler.setStream(stream).flush()  # the proxy's last partial line, then the handler's own stream
+            self._routed = []
+            self._themed.pop_theme()
         if self._artifact_on and self._t0 is not None:
             if self._artifact_job is not None:
                 self._artifact_job.result()  # the last figures must not be skipped behind an update in flight
@@ -161,17 +171,24 @@ class Progress:
     # -- the terminal -------------------------------------------------------------------------------------------
     def _begin(self) -> None:
         if self.mode == "bar":
-            from rich.console import Console
+            from rich.default_styles import DEFAULT_STYLES
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
+            from rich.theme import Theme
 
+            console = shared_console()
+            # the bar's styles on that console while the bar is up (Prefect's console theme has only its own)
+            console.push_theme(Theme({k: v for k, v in DEFAULT_STYLES.items() if k.startswith(("bar.", "progress."))}))
+            self._themed = console
             # auto_refresh off: no drawing thread; the bar is redrawn by our throttled updates only
             # step of max before the bar, so a narrow terminal cuts the figures at the end, not the count
+            # stdout is not redirected: what a command prints there stays there
             self._bar = RichProgress(TextColumn("{task.description}"), MofNCompleteColumn(), BarColumn(bar_width=20),
-                                     TextColumn("{task.fields[info]}"), console=Console(stderr=True),
-                                     auto_refresh=False, transient=True)
+                                     TextColumn("{task.fields[info]}"), console=console, auto_refresh=False,
+                                     transient=True, redirect_stdout=False)
             self._task = self._bar.add_task(f"{self.label} {self.unit}", total=self.total, completed=self.done,
                                             info="")
             self._bar.start()
+            self._routed = route_logs(console)
 
     def _draw(self) -> None:
         if self._bar is not None:
@@ -212,6 +229,38 @@ class Progress:
                 _log.warning("progress artifact not published (%s: %s)", type(e).__name__, e)
             self._artifact_on = self._artifact_id is not None
             return None
+
+
+def _console_handlers():
+    """Every logging handler of the process (the root's and each named logger's)."""
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    return [h for lg in loggers for h in lg.handlers]
+
+
+def shared_console():
+    """The rich console the log lines go to: Prefect's console handler's when it writes to stderr, so the bar and
+    the log lines share one console (rich prints a line above a live bar), else a new one on stderr."""
+    from rich.console import Console
+
+    for h in _console_handlers():
+        console = getattr(h, "console", None)
+        if isinstance(console, Console) and console.file in (sys.stderr, sys.__stderr__):
+            return console
+    return Console(stderr=True)
+
+
+def route_logs(console) -> list:
+    """Send the plain stream handlers that write where the bar draws (MLflow's, a torchrun process's) through the
+    bar's console while it is up; returns (handler, its stream) to restore. Prefect's handler prints on that console
+    already."""
+    from rich.file_proxy import FileProxy
+
+    routed = []
+    for h in _console_handlers():
+        if type(h) is logging.StreamHandler and h.stream in (console.file, sys.stderr, sys.__stderr__):
+            routed.append((h, h.setStream(FileProxy(console, h.stream))))
+    return routed
 
 
 def _fallback_logger() -> logging.Logger:

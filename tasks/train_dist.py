@@ -64,7 +64,8 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGTERM to torchru
 
 
 def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None,
-           global_step: int = 0, min_rate: float | None = None, moments: dict | None = None) -> TrainResult:
+           global_step: int = 0, min_rate: float | None = None, moments: dict | None = None,
+           spent: dict | None = None) -> TrainResult:
     """Train the visit with ``train.gpus`` processes and return rank 0's result (as ``train_block`` does)."""
     cfg, run_id, dataset_id = ctx.cfg, ctx.run_id, ctx.dataset_id
     n = cfg.train.gpus
@@ -74,7 +75,7 @@ def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTa
         prefix="bcdflow-visit-")
     spec = {"cfg": cfg.model_dump(mode="json"), "run_id": run_id, "cycle": cycle, "block": block, "version": version,
             "dataset_id": dataset_id, "work": work, "global_step": global_step, "min_rate": min_rate,
-            "moments": moments,
+            "moments": moments, "spent": spent,
             "track": None if track is None else {f.name: getattr(track, f.name) for f in dataclasses.fields(track)
                                                  if not f.name.startswith("_")}}
     with open(os.path.join(work, "spec.json"), "w") as f:
@@ -286,7 +287,7 @@ def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
     progress = visit_progress(cfg, run_id, cycle, block, ctx.store) if rank == 0 else None  # the live line
     return run_visit(ctx, describe(ctx, cycle, block, spec["version"], gpus=world), Distributed, track=track,
                      progress=progress, global_step=spec.get("global_step", 0), min_rate=spec.get("min_rate"),
-                     moments=spec.get("moments"))
+                     moments=spec.get("moments"), spent=spec.get("spent"))
 
 
 if __name__ == "__main__":

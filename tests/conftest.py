@@ -1,13 +1,17 @@
-"""Shared test harness: telemetry off, every home/URI in a temp dir, and one session-wide Prefect
-temporary server (its first database migration is slow on a fresh machine)."""
+"""Shared test harness: telemetry off, every home/URI in a temp dir (removed when the session ends; pytest keeps
+``tmp_path`` folders of failed tests only: pyproject.toml), and one session-wide Prefect temporary server (its first
+database migration is slow on a fresh machine)."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 import threading
 
 _HOME = tempfile.mkdtemp(prefix="bcdflow-tests-")
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)  # after the test server (a session fixture) has stopped
 os.environ.update({
     "PREFECT_HOME": os.path.join(_HOME, "prefect"),
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -18,6 +22,7 @@ os.environ.update({
     "HF_HOME": os.path.join(_HOME, "hf"),
     "BCDFLOW_HF_CACHE": os.path.join(_HOME, "hf-datasets"),
     "MLFLOW_TRACKING_URI": "sqlite:///" + os.path.join(_HOME, "mlflow-default.db"),
+    "TORCHINDUCTOR_CACHE_DIR": os.path.join(_HOME, "inductor"),  # torch makes it in /tmp on a fused AdamW step
     "TOKENIZERS_PARALLELISM": "false",
     # one intra-op thread: tiny models gain nothing from two, and CLI subprocesses must match the
     # in-process reference runs thread for thread (bitwise checks)

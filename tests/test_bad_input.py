@@ -382,6 +382,12 @@ def test_resume_after_the_data_changed_is_refused(prefect_server, tmp_path, caps
     assert main(["train", *_sets(f"data.files={corpus}", "bcd.cycles=1"), "--store", str(store),
                  "--run-id", "d"]) == 0
     capsys.readouterr()
+    # as if interrupted between its last visit and its end (a finished run has nothing to resume: it says so)
+    from bcdflow.storage import runs
+    from bcdflow.storage.store import Store
+
+    state = runs.read_state(Store(str(store)), "d")
+    runs.write_state(Store(str(store)), state.model_copy(update={"status": "running", "stop_reason": None}))
     corpus.write_text(corpus.read_text().replace("parser", "PARSER"))
     before = _tree(store)
     for args in (["resume", "d", "--store", str(store)],

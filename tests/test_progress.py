@@ -50,7 +50,11 @@ def test_progress_callback_fires_with_monotone_steps_and_a_time_left_estimate():
     steps = [s for s, *_ in seen]
     assert steps == list(range(0, 13))  # the starting point, then every step
     assert all(a <= b for a, b in zip(steps, steps[1:]))
-    assert seen[0][2] is None and seen[3][2] is None and seen[4][2] is not None  # window loss after the first window
+    # a loss from the first step on: that step's own (a tensor, read only when drawn) until the first window is
+    # synced, then the window's mean
+    assert seen[0][2] is None and seen[0][3]["loss"] is None
+    assert isinstance(seen[1][2], torch.Tensor) and seen[1][3]["loss"] == pytest.approx(float(seen[1][2]))
+    assert isinstance(seen[3][2], torch.Tensor) and isinstance(seen[4][2], float)
     # 6 trained targets per batch (4 of 10 positions masked): tokens count trained positions only
     assert [t for _, t, *_ in seen][:3] == [0, 6, 12] and res.tokens == 72
     snap = seen[6][3]  # 6 steps in 3 s: 2 steps/s, 6 steps to go
@@ -101,6 +105,58 @@ def test_a_terminal_gets_a_rich_bar_that_is_removed_at_the_end(monkeypatch):
     assert prog._bar is not None and prog.lines == 0  # no log lines in a terminal
     prog.close()
     assert prog._bar is None
+
+
+def test_the_bar_and_the_log_lines_share_one_console(monkeypatch):
+    """Issue 28: Prefect's log lines were glued onto the live bar (``... run $0.005103:07:59.311 | INFO | ...``): the
+    bar drew on its own console while the log handlers wrote to the same terminal. Now the bar draws on the console
+    of the log handler that writes to stderr, and plain stream handlers go through it while the bar is up, so every
+    log line starts a line of its own and the bar is drawn again below it."""
+    from rich.console import Console
+    from rich.theme import Theme
+
+    term = io.StringIO()  # Prefect's console: its own theme only, no progress-bar styles
+    console = Console(file=term, force_terminal=True, width=120, theme=Theme({"log.info_level": "cyan"}, inherit=False))
+
+    class ConsoleHandler(logging.Handler):  # as Prefect's PrefectConsoleHandler: a rich console on the terminal
+        def __init__(self):
+            super().__init__()
+            self.console = console
+
+        def emit(self, record):
+            self.console.print(self.format(record), soft_wrap=True)
+
+    monkeypatch.setattr("sys.stderr", term)  # the terminal the handlers write to
+    monkeypatch.setenv("BCDFLOW_PROGRESS", "bar")
+    richer, plain = ConsoleHandler(), logging.StreamHandler(term)
+    log = logging.getLogger("test.progress.console")
+    log.addHandler(richer)
+    other = logging.getLogger("test.progress.plain")  # as MLflow's own handler on stderr
+    other.addHandler(plain)
+    log.setLevel(logging.INFO)
+    other.setLevel(logging.INFO)
+    try:
+        clock = FakeClock()
+        prog = Progress("c0-b1 train", 12, every_s=0, clock=clock)
+        prog.update(1, 10, 3.5)
+        log.info("PREFECT-LINE Task run 'shard-2' - Finished")
+        clock.t += 1
+        prog.update(2, 20, 3.4)
+        other.info("PLAIN-LINE system metrics")
+        clock.t += 1
+        prog.update(3, 30, 3.3)
+        prog.close()
+    finally:
+        log.removeHandler(richer)
+        other.removeHandler(plain)
+    assert plain.stream is term  # given back when the bar went
+    import re
+
+    lines = re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", term.getvalue()))
+    assert any("c0-b1 train steps" in ln and "loss 3.5000" in ln for ln in lines)  # the bar is on that terminal
+    for word in ("PREFECT-LINE", "PLAIN-LINE"):
+        (line,) = [ln for ln in lines if word in ln]
+        assert line.startswith(word), lines  # never glued onto the bar
 
 
 def test_off_shows_nothing(monkeypatch, caplog):

@@ -36,30 +36,56 @@ def _cli(api_url: str, *args: str, env: dict | None = None, timeout: int = 300) 
 
 
 @pytest.fixture(scope="module")
-def reference(prefect_server, tmp_path_factory):
+def reference_store(prefect_server, tmp_path_factory) -> Store:
     """An uninterrupted run of the config every test here interrupts."""
     root = tmp_path_factory.mktemp("ref")
     assert main(["train", *_sets(), "--store", str(root), "--run-id", "ref"]) == 0
-    return finished_weights(Store(str(root)), "ref")
+    return Store(str(root))
+
+
+@pytest.fixture(scope="module")
+def reference(reference_store):
+    return finished_weights(reference_store, "ref")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["preinfer-shard:2", "train-checkpoint:2", "before-commit:2"])
-def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, tmp_path, point):
+def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, reference_store, tmp_path, point):
     store = str(tmp_path / "store")
     killed = _cli(prefect_api_url, "train", *_sets(), "--store", store, "--run-id", "k",
                   env={"BCDFLOW_FAILPOINTS": point})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     state = runs.read_state(Store(store), "k")
     assert state is not None and state.status == "running"
+    pointer = Store(store).read_json("runs/k/visits/c0-b0/train-ckpt/ckpt.json") \
+        if point.startswith("train-checkpoint") else None
+    killed_runs = [Store(store).read_json(f"{k}/lease/000000000000.json")["owner"]["flow_run_id"]
+                   for k in ("runs/k", "runs/k/visits/c0-b0") if Store(store).exists(f"{k}/lease/000000000000.json")]
     done = _cli(prefect_api_url, "resume", "k", "--store", store)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same(finished_weights(Store(store), "k"), reference)
     visits = runs.read_state(Store(store), "k").visits
     assert [(v.cycle, v.block) for v in visits] == [(0, 0), (0, 1), (0, 2)]
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:  # the killed process's flow runs no longer show as running
+        assert killed_runs and all(client.read_flow_run(f).state.is_crashed() for f in killed_runs)
+    spends = [v.cum_spend_usd for v in visits]
+    assert spends == sorted(spends) and all(v.spend_usd > 0 for v in visits)  # the run's spend never goes down
     if point.startswith("train-checkpoint"):
         # killed right after the step-4 checkpoint of visit c0-b0: at most one interval lost
-        assert visits[0].resumed_at == 4
+        v = visits[0]
+        assert v.resumed_at == 4
+        # issue 28: the resumed visit is billed for the attempt before the kill (its checkpoint carried it), and its
+        # tokens/s are over the seconds of every attempt, as its tokens are
+        before = pointer["meta"]["spent"]
+        assert v.train_seconds > pointer["meta"]["loop"]["seconds"] > 0
+        assert v.seconds >= before["wall"] + v.lost_seconds and v.lost_seconds >= 0
+        assert v.tokens_per_s == pytest.approx(v.tokens / v.train_seconds)
+        assert v.seconds >= v.preinfer_seconds + v.train_seconds + v.eval_seconds
+        # against the uninterrupted visit: within noise, never lower (it counted the steps after the resume only)
+        ref = runs.read_state(reference_store, "ref").visits[0]
+        assert v.train_seconds >= 0.5 * ref.train_seconds and v.spend_usd >= 0.5 * ref.spend_usd
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 global stop rules' precedence; end to end, a budget that stops a run cleanly and a resume that lifts it."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -106,6 +107,59 @@ def test_curve_is_cumulative_and_costs_intermediate_points_pro_rata():
     assert pts[2]["spend_usd"] == pytest.approx(34)
     assert pts[2]["seconds"] == pytest.approx(34)
     assert pts[2]["gpu_hours"] == pytest.approx(34 / 3600)
+
+
+def test_an_interrupted_loop_counts_the_seconds_of_every_attempt():
+    """Issue 28: a resumed visit's train_seconds counted only the time after the resume while its tokens counted the
+    whole visit (2373 tok/s recorded where the bar showed ~1k). The loop's seconds travel in its checkpointed state:
+    each step takes 1 s here, so 4 steps, an interruption, and 6 more are 10 s whatever each attempt's clock says."""
+    import torch
+
+    from bcdflow.models.trainer import LoopState, OptimSpec, StopRule, make_optimizer, run_steps
+
+    def attempt(state, stop_after, t0):
+        t = [t0]
+        w = torch.nn.Parameter(torch.zeros(1))
+        spec = OptimSpec("sgd", lr=0.0, grad_clip=0.0)
+        saved = []
+
+        def loss(b):
+            t[0] += 1.0
+            return (w * 0).sum() + 1.0
+        calls = itertools.count(1)
+        res = run_steps(loss, [w], itertools.repeat(torch.zeros(1)), make_optimizer([w], spec), spec,
+                        StopRule(max_steps=10, window=5), state=state, clock=lambda: t[0],
+                        checkpoint=lambda st, why: saved.append(LoopState.from_dict(st.to_dict())),
+                        should_stop=(lambda: next(calls) >= stop_after) if stop_after else None)
+        return res, saved
+
+    first, (ck,) = attempt(None, 4, t0=100.0)
+    assert (first.stopped_by, ck.steps, ck.seconds) == ("interrupted", 4, 4.0)
+    rest, _ = attempt(LoopState.from_dict(ck.to_dict()), None, t0=5000.0)  # another process, another clock
+    assert (rest.steps, rest.seconds) == (10, 10.0)
+
+
+def test_earlier_attempts_of_a_visit_are_billed_and_lost_work_is_said_apart():
+    """What a resumed visit had spent: the checkpoint's reading (``spent_at``), what the previous attempt knew when
+    it started, and that attempt's seconds after the last known point up to the last write of its visit lease (a
+    kill -9 stops the renewals; SIGTERM checkpoints at the signal, so nothing is lost)."""
+    first = spend.Earlier().clock(preinfer=3.0, since=1000.0)  # attempt 1 started at t=1000, pre-inferred 3 s
+    ck = spend.spent_at(first, now=1050.0)  # its checkpoint at t=1050
+    assert ck == {"wall": 50.0, "preinfer": 3.0, "lost": 0.0, "at": 1050.0}
+    started = {"wall": 0.0, "preinfer": 0.0, "lost": 0.0, "at": 1000.0}
+    # kill -9 at t~1070: its lease was last renewed at t=1068: 18 s after the checkpoint are lost
+    e = spend.earlier_attempts(ck, started, previous_end=1068.0)
+    assert (e.wall, e.preinfer, e.lost) == (68.0, 3.0, 18.0)
+    # SIGTERM: the checkpoint is written at the signal and the lease released right after
+    assert spend.earlier_attempts(ck, started, previous_end=1050.2).lost == pytest.approx(0.2)
+    # attempt 2 (started at t=2000 knowing e) killed at t~2030 before any checkpoint of its own
+    e2 = spend.earlier_attempts(ck, {**dataclasses.asdict(e), "at": 2000.0}, previous_end=2030.0)
+    assert (e2.wall, e2.lost) == (98.0, 48.0)
+    # the first attempt of a visit: nothing before it
+    assert spend.earlier_attempts(None, None, None) == spend.Earlier()
+    # priced: pre-inference at its kind, the rest (lost seconds included) at training's
+    sp = load_config(sets=["spend.preinfer_device=a100"]).spend
+    assert spend.earlier_usd(sp, e) == pytest.approx((3.0 * 1.20 + 65.0 * 0.29) / 3600)
 
 
 def test_stop_rule_precedence():

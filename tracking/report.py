@@ -20,23 +20,8 @@ from bcdflow.core.context import open_store  # noqa: E402
 from bcdflow.core.export import export_hf, export_version  # noqa: E402
 from bcdflow.storage import runs  # noqa: E402
 from bcdflow.storage.runs import VisitRecord  # noqa: E402
+from bcdflow.tracking.tables import _fmt, md_table  # noqa: E402,F401 - here for the benchmarks' tables
 from bcdflow.tracking.tracker import Tracker  # noqa: E402
-
-def _fmt(v, fmt: str) -> str:
-    if v is None or (isinstance(v, float) and v != v):  # None or NaN
-        return "–"
-    try:
-        return format(v, fmt)
-    except (TypeError, ValueError):
-        return str(v)
-
-
-def md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """A GitHub-markdown table of ``rows`` with ``columns`` = (key, header, format)."""
-    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
-             "| " + " | ".join("---" if f == "s" else "---:" for _, _, f in columns) + " |"]
-    lines += ["| " + " | ".join(_fmt(r.get(k), f) for k, _, f in columns) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -117,12 +102,19 @@ def val_loss_axes(ax, curves: dict[str, list[dict]], x: str, target: float | Non
         ax.legend(fontsize="small")
 
 
-def compare_figure(curves: dict[str, list[dict]], target: float, path: str) -> list[list[str]]:
+def compare_figure(curves: dict[str, list[dict]], target: float, path: str,
+                   crossings: dict[str, dict] | None = None) -> list[list[str]]:
     """``bcdflow compare --plot``: validation loss of each run against steps and against spend, side by side, L*
-    marked; written to ``path`` (the format from its suffix). Returns each panel's line labels."""
+    marked, and where each run crosses it (``crossings``: run -> its interpolated ``step`` and ``spend_usd``, a
+    cross in the run's colour); written to ``path`` (the format from its suffix). Returns each panel's line
+    labels."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, x in zip(axes, ("step", "spend_usd")):
         val_loss_axes(ax, curves, x, target)
+        colors = {ln.get_label(): ln.get_color() for ln in ax.get_lines()}
+        for name, at in (crossings or {}).items():
+            ax.plot(at[x], target, "X", ms=10, color=colors.get(name, "black"), label=f"{name} reaches L*")
+        ax.legend(fontsize="small")
     labels = [[ln.get_label() for ln in ax.get_lines()] for ax in axes]
     fig.tight_layout()
     fig.savefig(path, dpi=100)

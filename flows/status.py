@@ -1,0 +1,101 @@
+"""``bcdflow status RUN`` and ``bcdflow runs``: what a store says about its runs (storage/overview.py), read without
+running anything and without importing Prefect or torch.
+
+    bcdflow status my-run [--json]     # its visits, and what it is doing now: running (whose lease), interrupted, done
+    bcdflow runs [--store URL]         # every run of a store, most recently changed first
+"""
+from __future__ import annotations
+
+import json
+
+from bcdflow.core.spend import DEFAULT_KIND
+from bcdflow.errors import BadInput
+from bcdflow.flows.store_admin import cli_store
+
+
+def existing_state(store, run_id: str):
+    """The run's current state; bad input naming the store when it has no such run."""
+    from bcdflow.storage import runs
+
+    state = runs.read_state(store, run_id)
+    if state is None:
+        raise BadInput(f"run {run_id!r} not found in store {store.url}")
+    return state
+
+
+def status_dict(store, run_id: str) -> dict:
+    """The run's committed visits, and (``live``) what it is doing now: running (its lease's owner, the visit in
+    training and its last checkpoint's step), interrupted or done (storage/overview.py)."""
+    from bcdflow.storage import overview, runs
+
+    state = existing_state(store, run_id)
+    cfg = runs.read_config(store, run_id)
+    keep = {"cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
+            "preinfer_seconds", "train_seconds", "lost_seconds", "tokens_per_s", "stopped_by", "spend_usd"}
+    live = overview.overview(store, run_id)
+    sp = cfg.get("spend") or {}
+    kind, gpus = sp.get("train_device") or DEFAULT_KIND, sp.get("train_gpus") or (cfg.get("train") or {}).get("gpus", 1)
+    return {"run_id": run_id, "version": state.version, "status": state.status, "mode": state.mode,
+            "blocks": cfg["plan"]["blocks"], "visits": [v.model_dump(include=keep) for v in state.visits],
+            "priced_as": f"{gpus}×{kind}", "default_price_kind": kind == DEFAULT_KIND,
+            "live": {k: live[k] for k in ("status", "visits_done", "visits_planned", "spend_usd", "changed",
+                                          "lease_owner", "training")}}
+
+
+def status_table(st: dict) -> str:
+    from bcdflow.storage.overview import ago, owner_text
+
+    live = st.get("live") or {}
+    lines = [f"run {st['run_id']}: version {st['version']} ({live.get('status', st['status'])}, {st['mode']})"]
+    if live.get("status") == "running":
+        lines.append(f"  lease: {owner_text(live['lease_owner'])}")
+    if tr := live.get("training"):
+        where = "not checkpointed yet" if tr["step"] is None else \
+            f"step {tr['step']}/{tr['max_steps']} at its last checkpoint ({ago(tr['checkpoint_at'])})"
+        doing = "training" if tr["lease_owner"] else "interrupted in"
+        lines.append(f"  {doing} visit {tr['visit']}: {where}")
+    if live.get("status") == "interrupted":
+        lines.append(f"  no process holds the run: continue it with bcdflow resume {st['run_id']}")
+    note = " (the default price kind: set spend.train_device to the GPU you rent)" if st["default_price_kind"] else ""
+    lines.append(f"  spend ${live.get('spend_usd', 0.0):.4f}, priced as {st['priced_as']}{note}")
+    lines.append(f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'train':>8} {'val':>8} {'secs':>7} "
+                 f"{'lost s':>7} {'spend $':>9}")
+    for v in st["visits"]:
+        lines.append(f"{v['cycle']:>5} {v['block']:>5} {v['version']:>4} {v['steps']:>6} "
+                     f"{v['train_loss']:>8.4f} {v['val_loss']:>8.4f} {v['seconds']:>7.1f} {v['lost_seconds']:>7.1f} "
+                     f"{v['spend_usd']:>9.4f}")
+    return "\n".join(lines)
+
+
+def cmd_status(args) -> int:
+    st = status_dict(cli_store(args.store, args, write=False), args.run_id)
+    print(json.dumps(st, indent=2) if args.json else status_table(st))
+    return 0
+
+
+def runs_table(rows: list[dict]) -> str:
+    from bcdflow.storage.overview import ago
+
+    head = f"{'run':<24} {'mode':<4} {'status':<16} {'ver':>4} {'visits':>7} {'val loss':>9} {'spend $':>9}  changed"
+    lines = [head]
+    for o in rows:
+        status = o["status"] + (f" ({o['training']['visit']})" if o["status"] == "running" and o["training"] else "")
+        visits = f"{o['visits_done']}/{o['visits_planned'] or '?'}"
+        val = "–" if o["val_loss"] is None else f"{o['val_loss']:.4f}"
+        lines.append(f"{o['run_id']:<24} {o['mode']:<4} {status:<16} {o['version']:>4} {visits:>7} {val:>9} "
+                     f"{o['spend_usd']:>9.4f}  {ago(o['changed'])}")
+    return "\n".join(lines)
+
+
+def cmd_runs(args) -> int:
+    """Every run of the store: mode, status (done / running / interrupted), version, visits done of planned, last
+    validation loss, spend and when it last changed."""
+    from bcdflow.storage.overview import overviews
+
+    store = cli_store(args.store, args, write=False)
+    rows = overviews(store)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(runs_table(rows) if rows else f"no runs in store {store.url}")
+    return 0
