@@ -33,6 +33,7 @@ from bcdflow.storage import activations, checkpoints, trainckpt
 from bcdflow.storage.lease import check_leases, lost_lease
 from bcdflow.storage.tokens import TokenDataset
 from bcdflow.tasks.data import batch_ranges, visit_rows
+from bcdflow.tasks.expand import adapter_group, merge, suffix_adapters
 from bcdflow.tracking.tracker import TrackTarget
 
 
@@ -62,6 +63,14 @@ class TrainResult(BaseModel):
     """Training loss lowered per step on average over the visit (models/trainer.visit_rate; None: too short)."""
     moments_file: dict | None = None
     """``bcd.moments=keep``: the optimizer state the visit ended with (a content-addressed file's entry)."""
+    suffix_files: dict[int, dict] = {}
+    """``bcd.expand``: the suffix blocks with the adapters merged in (content-addressed files' entries), by block."""
+    suffix_norms: dict[int, float] = {}
+    """``bcd.expand``: the norm of each suffix block's merged update, as stored."""
+
+    def files(self, block: int) -> dict[int, dict]:
+        """Every block file the visit of ``block`` wrote, by block: its own and the suffix blocks it changed."""
+        return {block: self.block_file, **self.suffix_files}
 
 
 class EvalResult(BaseModel):
@@ -109,16 +118,17 @@ def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> It
             yield tuple(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch)
 
 
-def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single") -> bool:
+def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single",
+                  expand: int = 0) -> bool:
     """``bcd.recompute``: on, off, or (auto) on when the planner says the visit would not fit ``train.memory_gb``
-    (default: the CUDA device's memory; unlimited on the CPU)."""
+    (default: the CUDA device's memory; unlimited on the CPU); ``expand``: the visit's adapter rank."""
     if cfg.bcd.recompute != "auto":
         return cfg.bcd.recompute in ("on", "all")
     budget = memory_budget(cfg, ctx.device)
     return needs_recompute(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,
                            cfg.train.precision, budget, optim=cfg.optim.name, preinfer=cfg.bcd.preinfer,
                            chunk_rows=cfg.train.loss_chunk_rows, weight_decay=cfg.optim.weight_decay, gpus=gpus,
-                           parallel=parallel)
+                           parallel=parallel, expand_rank=expand)
 
 
 def compile_layers(model) -> None:
@@ -217,6 +227,9 @@ class VisitSpec:
     exact: bool
     """Its evaluation on the validation rows is the new version's (one process, and the activations it starts from
     are the prefix's exact ones: no stored activations, or stored in float32)."""
+    expand: int = 0
+    """``bcd.expand``: the rank of the adapters on the layers after the block ([hi, n)); 0 = none (off, or the last
+    block)."""
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -233,13 +246,14 @@ def describe(ctx: RunContext, cycle: int, block: int, version: int, gpus: int = 
     cfg = ctx.cfg
     lo, hi = ctx.plan[block].layers
     from_acts = ctx.from_acts(block)
-    recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp")
+    expand = cfg.bcd.expand_rank if cfg.bcd.expand != "off" and hi < ctx.model_cfg.n_layer else 0
+    recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp", expand=expand)
     return VisitSpec(
         run_id=ctx.run_id, cycle=cycle, block=block, version=version, lo=lo, hi=hi, n_layer=ctx.model_cfg.n_layer,
         from_acts=from_acts, active=frozenset(ctx.trainable(block)), recompute=recompute,
         recompute_active=cfg.bcd.recompute == "all",
         streamed=tuple(ctx.frozen_layers(block)) if gpus == 1 and ctx.streams(block) else (),
-        exact=gpus == 1 and (not from_acts or cfg.bcd.act_dtype == "float32"))
+        exact=gpus == 1 and (not from_acts or cfg.bcd.act_dtype == "float32"), expand=expand)
 
 
 def prepare_model(model: torch.nn.Module, active, chunk_rows: int | None,
@@ -337,6 +351,9 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
     ctx.release_prefix()  # before the visit's model loads: the two are never held at once
     held = hold(ctx, vs)
     names, params = [n for n, _ in held.named], [p for _, p in held.named]
+    # bcd.expand: adapters on the suffix's linear maps, beside the model (a distributed holding registers its own
+    # before DDP wraps the step, so DDP reduces their gradients)
+    adapters = held.adapters if hasattr(held, "adapters") else suffix_adapters(ctx, vs, held.model)
 
     rows = visit_rows(cfg, ds.n_train, vs.cycle, block)
     if vs.from_acts:
@@ -354,15 +371,19 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
         torch.cuda.reset_peak_memory_stats(device)
     spec = cfg.optim_spec(block)
     opt = make_optimizer(params, spec)
+    if adapters is not None:
+        opt.add_param_group(adapter_group(cfg, spec, adapters))
     vkey = ctx.visit_key(vs.cycle, block)
     state = None
     ck = trainckpt.load(ctx.store, vkey, held.ckpt_device)  # unsharded: resumable on any process count
     if ck is not None and ck[0]["meta"].get("base_version") == vs.version:  # resume mid-visit
         pointer, saved, opt_state = ck
         held.set_params({n: saved[n] for n in names})
+        if adapters is not None:
+            adapters.load(saved)
         held.load_optim(opt, opt_state)
         for g in opt.param_groups:  # a continued run may have lowered optim.lr (after a divergence)
-            g["lr"] = spec.base_lr
+            g["lr"] = spec.base_lr * g.get("lr_ratio", 1.0)
         state = LoopState.from_dict(pointer["meta"]["loop"])
     elif moments is not None:  # bcd.moments=keep: where the block's last visit left its optimizer
         saved = checkpoints.load_file(ctx.store, vs.run_id, moments, f"the optimizer moments of block {block}",
@@ -374,6 +395,8 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
         # checkpoint here too. On a lapsed lease (should_stop) this is where the loop ends, with LeaseLost.
         check_leases()
         tensors, opt_state = held.params(), held.optim_state(opt)  # collectives under FSDP
+        if adapters is not None:
+            tensors = {**tensors, **adapters.tensors()}
         if held.writer:
             trainckpt.save(ctx.store, vkey, st.steps, tensors, opt_state,
                            {"loop": st.to_dict(), "base_version": vs.version, "why": why,
@@ -392,7 +415,7 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
                             cfg.stop_rule(min_rate), on_window=on_window, should_stop=held.should_stop,
                             state=state, checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
                             ckpt_seconds=cfg.checkpoint.every_seconds, clock=held.clock, progress=progress,
-                            global_step=global_step)
+                            global_step=global_step, extra=None if adapters is None else [p for _, p in adapters.named()])
     finally:
         if progress is not None:
             progress.close()
@@ -408,17 +431,22 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
             held.module.eval()
             val_loss = evaluate_model(held.eval_loss, val, cfg, device)
             eval_s = time.perf_counter() - t0
-    block_file, moments_file = {}, None
+    block_file, moments_file, suffix_files, suffix_norms = {}, None, {}, {}
     if done:
         tensors = held.block_tensors()
         opt_full = held.optim_state(opt) if cfg.bcd.moments == "keep" else None  # collectives under FSDP
         if held.writer:
             block_file = checkpoints.save_block(ctx.store, vs.run_id, tensors)
-            if opt_full is not None:
+            if opt_full is not None:  # the block's own moments only (names); the adapters' end with the visit
                 moments_file = checkpoints.save_block(ctx.store, vs.run_id, optimizer_tensors(opt_full, names))
+            if adapters is not None:
+                suffix_files, suffix_norms = merge(ctx, vs, adapters)
+    if adapters is not None:
+        adapters.detach()
     held.close()
     return TrainResult(
         steps=res.steps, first_loss=res.losses[0] if res.losses else float("nan"), train_loss=res.final_loss,
         stopped_by=res.stopped_by, seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows),
         val_points=val_points, peak_mem_bytes=peak, block_file=block_file, recompute=vs.recompute, gpus=held.world,
-        streamed=len(vs.streamed), rate=res.rate, moments_file=moments_file, val_loss=val_loss, eval_seconds=eval_s)
+        streamed=len(vs.streamed), rate=res.rate, moments_file=moments_file, val_loss=val_loss, eval_seconds=eval_s,
+        suffix_files=suffix_files, suffix_norms=suffix_norms)
