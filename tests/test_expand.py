@@ -218,3 +218,49 @@ def test_expansion_reaches_a_loss_plain_bcd_does_not_when_the_suffix_must_move()
 
     plain, expanded = train(False), train(True)
     assert plain > 5 and expanded < 0.2 * plain, (plain, expanded)
+
+
+# -- several processes, kill -9 ------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_ddp_reduces_the_adapters_gradients(tiny_cfg):
+    """Two gloo processes, each on half of every batch: the adapters (a submodule of DDP's step, not of the model)
+    get the whole batch's gradient, so the block and the merged suffix equal one process's to float rounding."""
+    sgd = ("optim.name=sgd", "optim.lr=0.1")  # gradients enter the weights linearly: rounding stays at rounding
+    one = tiny_cfg(*sgd, *LORA)
+    ds = new_run(one)
+    ctx = RunContext.of(one, "r", ds)
+    for s in plan_shards.fn(ctx, 0, 1):
+        preinfer_shard.fn(ctx, 0, 1, 0, s)
+    ref = train_block.fn(ctx, 0, 1, 0)
+    out = train_block.fn(RunContext.of(tiny_cfg(*sgd, *LORA, "train.gpus=2", "train.parallel=ddp"), "r", ds),
+                         0, 1, 0)
+    assert out.gpus == 2 and set(out.suffix_files) == set(ref.suffix_files) == {2}
+    store = Store(one.store)
+    for b, a_entry, b_entry in [(1, ref.block_file, out.block_file), (2, ref.suffix_files[2], out.suffix_files[2])]:
+        a = checkpoints.load_from_manifest(store, "r", {"blocks": {str(b): a_entry}}, [b])
+        c = checkpoints.load_from_manifest(store, "r", {"blocks": {str(b): b_entry}}, [b])
+        assert max((a[k] - c[k]).abs().max().item() for k in a) <= 1e-6, b
+    assert out.suffix_norms[2] == pytest.approx(ref.suffix_norms[2], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_an_expanded_visit_killed_mid_visit_resumes_bitwise(prefect_api_url, tmp_path):
+    """kill -9 right after the step-4 checkpoint of c0-b0 (which holds the adapters and their AdamW state): the resume
+    ends bitwise where an uninterrupted run ends, suffix blocks and records included."""
+    from bcdflow.flows.cli import main
+    from tests.test_resume import _cli, _sets
+
+    ref = str(tmp_path / "ref")
+    assert main(["train", *_sets(*LORA), "--store", ref, "--run-id", "k"]) == 0
+    store = str(tmp_path / "store")
+    killed = _cli(prefect_api_url, "train", *_sets(*LORA), "--store", store, "--run-id", "k",
+                  env={"BCDFLOW_FAILPOINTS": "train-checkpoint:2"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert runs.read_state(Store(store), "k").visits == []
+    done = _cli(prefect_api_url, "resume", "k", "--store", store)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same(finished_weights(Store(store), "k"), finished_weights(Store(ref), "k"))
+    got, want = runs.read_state(Store(store), "k").visits, runs.read_state(Store(ref), "k").visits
+    assert [v.resumed_at for v in got] == [4, 0, 0]
+    assert [v.expanded for v in got] == [v.expanded for v in want] and set(got[0].expanded) == {1, 2}
