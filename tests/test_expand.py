@@ -28,7 +28,7 @@ from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import evaluate_version, train_block
 from tests.helpers import assert_same, finished_weights
-from tests.test_invariants import new_run
+from tests.test_invariants import Spy, new_run
 from tests.test_memory import measured_vs_planned
 
 LORA = ("bcd.expand=lora", "bcd.expand_rank=4")
@@ -56,8 +56,8 @@ def layer(name: str) -> int | None:
 @pytest.mark.parametrize("block,preinfer,family", [(0, True, "tiny"), (1, True, "tiny"), (1, False, "tiny"),
                                                    (2, True, "tiny"), (0, True, "tiny-llama")],
                          ids=["block0", "middle-preinfer", "middle-no-preinfer", "last", "llama-block0"])
-def test_i1_an_expanded_visit_changes_its_block_and_the_suffixs_linear_maps_only(tiny_cfg, block, preinfer,
-                                                                                  family):
+def test_i1_an_expanded_visit_changes_its_block_and_the_suffixs_linear_maps_only(tiny_cfg, monkeypatch, block,
+                                                                                  preinfer, family):
     llama = ("model.name=tiny-llama", "model.d_model=64", "model.n_head=4") if family == "tiny-llama" else ()
     cfg = tiny_cfg(*llama, f"bcd.preinfer={str(preinfer).lower()}", *LORA)
     ds_id = new_run(cfg)
@@ -65,6 +65,7 @@ def test_i1_an_expanded_visit_changes_its_block_and_the_suffixs_linear_maps_only
     plan = block_plan(cfg, model_config(cfg, 512))
     lo, hi = plan[block].layers
     before = load_blocks(store, "r", 0)
+    spy = Spy(monkeypatch)
 
     out = expanded_visit(cfg, ds_id, block)
 
@@ -81,6 +82,10 @@ def test_i1_an_expanded_visit_changes_its_block_and_the_suffixs_linear_maps_only
     suffix = set(range(block + 1, len(plan)))
     m0, m1 = read_manifest(store, "r", 0)["blocks"], read_manifest(store, "r", 1)["blocks"]
     assert {int(k) for k in m0 if m0[k] != m1[k]} == {block} | suffix
+    (model,) = spy.models  # the frozen weights the visit held were read, never written (the merge is from the store)
+    for name, p in model.named_parameters():
+        if name not in active:
+            assert torch.equal(p.detach(), before[name]), name
     assert set(out.suffix_norms) == suffix  # the record: which blocks changed and by how much (as stored)
     for b in suffix:
         diff = sum(float(((after[n] - before[n]).float() ** 2).sum()) for n in plan[b].params)
