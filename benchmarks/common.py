@@ -179,7 +179,7 @@ class Visit:
         self.opt = make_optimizer(self.params, self.spec)
         self.adapters = None
         if expand and hi is not None and hi < layers[1]:  # the engine's adapters and optimizer group
-            self.adapters = SuffixAdapters(model, range(hi, layers[1]), expand, (0,), device).attach(model)
+            self.adapters = SuffixAdapters(model, range(hi, layers[1]), expand, 0, device).attach(model)
             self.opt.add_param_group({"params": [p for _, p in self.adapters.named()], "weight_decay": 0.0})
         self.vs = VisitSpec(run_id="benchmark", cycle=0, block=0, version=0, lo=self.start, hi=hi, n_layer=layers[1],
                             from_acts=not embed, active=frozenset(trainable), recompute=recompute,

@@ -15,6 +15,8 @@ once per corpus × model × seed whatever the settings). Per seed, against that 
 - tokens × = the same with trained tokens (= epochs: both read the same corpus); epochs to L*, full and BCD;
 - end gap = BCD's final validation loss − the baseline's at the same step (linear interpolation on its
   validation curve; past the baseline's last point, its last value, marked †);
+- gap at equal steps = BCD's validation loss after as many steps as the baseline trained (interpolated between
+  its visits) − the baseline's final;
 - GPU-time ratio = the seconds of training, pre-inference and evaluation (the visits' measured stages on this
   run's device: no orchestration, commits or store I/O) to reach L*, BCD / baseline; lower bounds as for B-F.
 
@@ -192,7 +194,9 @@ def compare(full: dict, bcd: dict, tol: float, target_from: str = "final") -> di
     figures = {k: multiplier(full["curve"], bcd["curve"], target, key) for k, key in KEYS.items()}
     epochs = {who: figures["tokens"][who] / train_tokens if train_tokens and figures["tokens"][who] is not None
               else None for who in ("full", "bcd")}  # trained tokens to L* over the corpus's training tokens
+    at_full, past = interp(bcd["curve"], full["steps"])
     return {"target": target, **figures, "epochs": epochs,
+            "gap_equal": at_full - full["final_val"] if at_full is not None and past is None else None,
             "gap": bcd["final_val"] - ref if ref is not None else None, "gap_at": at, "gap_where": where,
             "final_bcd": bcd["final_val"], "final_full": full["final_val"], "best_full": full.get("best_val"),
             "steps_bcd": bcd["steps"],
@@ -218,6 +222,7 @@ def summarize(corpus: str, model: str, setting: str, cells: list[dict]) -> dict:
     for k in KEYS:
         row[k] = spread([c[k]["value"] for c in cells], [not c[k]["reached"] for c in cells])
     row["gap"] = spread([c["gap"] for c in cells])
+    row["gap_equal"] = spread([c.get("gap_equal") for c in cells])
     row["epochs_full"] = spread([(c.get("epochs") or {}).get("full") for c in cells])
     row["epochs_bcd"] = spread([(c.get("epochs") or {}).get("bcd") for c in cells],
                                [not c["tokens"]["reached"] for c in cells])
@@ -266,7 +271,7 @@ def shown(sp: dict | None, fmt: str = ".2f", brackets: bool = True) -> str:
 
 COLUMNS = [("corpus", "corpus"), ("model", "model"), ("setting", "setting"), ("seeds", "seeds"),
            ("bf", "B-F × mean [min–max]"), ("tok", "tokens ×"), ("epochs", "epochs to L* full → BCD"),
-           ("gap", "end gap (BCD − full, same step)"),
+           ("gap_equal", "gap at the baseline's steps"), ("gap", "end gap (BCD − full, same step)"),
            ("time", "GPU-time ratio"), ("final", "final val BCD vs full"), ("steps", "steps BCD / full (BCD cap)"),
            ("ended", "visits ended by")]
 BASE_COLUMNS = [("corpus", "corpus"), ("model", "model"), ("seeds", "seeds"), ("final", "final val"),
@@ -286,6 +291,7 @@ def table_rows(res: dict) -> list[dict]:
                          "epochs": f"{shown(r.get('epochs_full'), '.1f', False)} → "
                                    f"{shown(r.get('epochs_bcd'), '.1f', False)}",
                          "gap": shown(r["gap"], "+.3f") + (f" †{r['gap_after']}" if r["gap_after"] else ""),
+                         "gap_equal": shown(r.get("gap_equal"), "+.3f"),
                          "final": f"{shown(r['final_bcd'], '.3f', False)} vs {shown(r['final_full'], '.3f', False)}",
                          "steps": f"{shown(r['steps_bcd'], '.0f', False)} / {shown(r['steps_full'], '.0f', False)}"
                                   f" (cap {shown(r['cap_steps'], '.0f', False)})",
@@ -327,7 +333,10 @@ def markdown(res: dict) -> str:
         f"Per seed: L* = the baseline's {s.get('target', 'final')} val loss + {s['tol']}. B-F × = BCD's optimizer "
         "steps to first reach L* "
         "/ the baseline's (BCD validates once per visit: rounded up to a visit); `> x` = BCD never reached L*, x = "
-        "its total steps / the baseline's (a lower bound). tokens × = the same in trained tokens. End gap = BCD's "
+        "its total steps / the baseline's (a lower bound). tokens × = the same in trained tokens; epochs to L* = "
+        "trained tokens to L* / the corpus's training tokens, baseline → BCD. Gap at the baseline's steps = BCD's val "
+        "loss after as many steps as the baseline trained (interpolated between visits) − the baseline's final. "
+        "End gap = BCD's "
         "final val loss − the baseline's at the same step (interpolated; † = BCD ran past the baseline's last "
         "point, compared there, for that many seeds). GPU-time ratio = seconds of training, pre-inference and "
         f"evaluation to L*, BCD / baseline, measured on this device ({m['machine']['device']}; orchestration, "

@@ -2,7 +2,7 @@
 the linear maps of the frozen layers after it (the suffix) train too, on the gradients the visit's backward computes
 anyway to reach the block; the visit's end merges them into those layers' weights.
 
-    adapters = SuffixAdapters(model, layers=range(hi, n), rank=8, seed=(seed, cycle, block), device=dev)
+    adapters = SuffixAdapters(model, layers=range(hi, n), rank=8, seed=1234, device=dev)
     adapters.attach(model)          # forward hooks: Linear(x) + (x @ A^T) @ B^T
     ... train adapters.parameters() beside the block ...
     deltas = adapters.deltas()      # {"h.5.attn.c_attn.weight": B @ A (fp32, host)}
@@ -12,7 +12,7 @@ Nothing of the model changes: the adapters are their own module beside it (never
 block files, plans and streamed weights keep their names and contents), applied by forward hooks on each suffix
 layer's ``nn.Linear`` modules. A layer's weight is read, never written: a streamed frozen weight stays the host
 copy's. ``B`` starts at zero, so the visit starts from the committed model exactly; ``A`` is drawn from a generator
-seeded by the visit (not the global RNG: a run without expansion draws nothing more). The adapters are fp32 master
+of its own, seeded by the caller (the visit: tasks/expand.py), not from the global RNG. The adapters are fp32 master
 weights; under bf16 autocast their matmuls run in bf16 as the layer's own does.
 
 What backward keeps for an adapter (the planner's ``expand_bytes``): the input of each adapted linear (its ``A``
@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,10 +55,10 @@ class LowRank(nn.Module):
 class SuffixAdapters(nn.Module):
     """Low-rank adapters on every linear map of ``layers`` of ``model`` (the visit's suffix)."""
 
-    def __init__(self, model: nn.Module, layers: Iterable[int], rank: int, seed: Iterable[int],
+    def __init__(self, model: nn.Module, layers: Iterable[int], rank: int, seed: int,
                  device: torch.device | str = "cpu"):
         super().__init__()
-        gen = torch.Generator().manual_seed(int(np.random.SeedSequence([*seed, 0xE4]).generate_state(1)[0]))
+        gen = torch.Generator().manual_seed(seed)  # its own: the global RNG draws nothing more than without adapters
         self.names: list[str] = []
         self.adapters = nn.ModuleDict()
         for name, mod in adapted_linears(model, layers):

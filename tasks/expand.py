@@ -12,6 +12,7 @@ back to its stored dtype and writes a new content-addressed file: copy-on-write,
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from bcdflow.core.config import RunConfig
@@ -32,7 +33,8 @@ def suffix_adapters(ctx: RunContext, vs, model: torch.nn.Module) -> SuffixAdapte
     layers = suffix_layers(vs)
     if not layers:
         return None
-    return SuffixAdapters(model, layers, vs.expand, (ctx.cfg.seed, vs.cycle, vs.block), ctx.device).attach(model)
+    seed = int(np.random.SeedSequence([ctx.cfg.seed, vs.cycle, vs.block, 0xE4]).generate_state(1)[0])
+    return SuffixAdapters(model, layers, vs.expand, seed, ctx.device).attach(model)
 
 
 def adapter_group(cfg: RunConfig, spec: OptimSpec, adapters: SuffixAdapters) -> dict:

@@ -166,11 +166,11 @@ def test_adapters_start_at_zero_and_never_enter_the_models_parameters():
     names = [n for n, _ in model.named_parameters()]
     x = torch.randint(64, (2, 8))
     ref = model(x)
-    ad = SuffixAdapters(model, range(1, 3), rank=2, seed=(0, 0, 0)).attach(model)
+    ad = SuffixAdapters(model, range(1, 3), rank=2, seed=0).attach(model)
     assert [n for n, _ in model.named_parameters()] == names  # block files, plans and streaming see nothing new
     assert len(ad.named()) == 2 * 4 * 2  # A and B of 4 linear maps in each of 2 layers
     assert torch.equal(model(x), ref)  # B = 0: the visit starts from the committed model
-    again = SuffixAdapters(model, range(1, 3), rank=2, seed=(0, 0, 0))  # seeded by the visit, not the global RNG
+    again = SuffixAdapters(model, range(1, 3), rank=2, seed=0)  # seeded by the visit, not the global RNG
     assert all(torch.equal(a, b) for a, b in zip(ad.tensors().values(), again.tensors().values()))
     with torch.no_grad():
         for _, p in ad.named():
@@ -213,7 +213,7 @@ def test_expansion_reaches_a_loss_plain_bcd_does_not_when_the_suffix_must_move()
         opt = make_optimizer(params, spec)
         extra = None
         if expand:
-            ad = SuffixAdapters(model, range(1, 3), rank=4, seed=(0, 0, 0)).attach(model)
+            ad = SuffixAdapters(model, range(1, 3), rank=4, seed=0).attach(model)
             extra = [p for _, p in ad.named()]
             opt.add_param_group({"params": extra, "weight_decay": 0.0})
         batches = ((x[i % 8 * 32:(i % 8 + 1) * 32], y[i % 8 * 32:(i % 8 + 1) * 32]) for i in range(10 ** 6))
