@@ -170,7 +170,8 @@ class Visit:
 
         named = prepare_model(model, trainable, getattr(args, "chunk_rows", None), getattr(args, "compile", False))
         frozen = [i for i in range(*layers) if not any(n.startswith(f"h.{i}.") for n in trainable)]
-        self.stream = LayerStream(model, frozen, device, getattr(args, "stream_window", 2)) if stream else None
+        self.stream = (LayerStream(model, frozen, device, getattr(args, "stream_window", 2), grad_from=self.start)
+                       if stream else None)
         model.stream = self.stream
         self.model = model
         self.trainable = set(trainable)
@@ -202,8 +203,9 @@ class Visit:
         run_steps does) plus the most the step itself holds on top of that at any moment."""
         self.opt.zero_grad(set_to_none=True)
         gc.collect()
+        slots = self.stream.slots if self.stream else []  # streamed weights: the stream's slots, made before the step
         adapters = [] if self.adapters is None else list(self.adapters.parameters())
-        state = {"weights": tensor_bytes(list(self.model.parameters()), list(self.model.buffers()), adapters),
+        state = {"weights": tensor_bytes(list(self.model.parameters()), list(self.model.buffers()), slots, adapters),
                  "grads": sum(p.numel() * p.element_size() for p in self.params),
                  "optim": tensor_bytes(self.opt.state), "input": tensor_bytes(self.batch)}
         base = state["weights"] + state["optim"] + state["input"]

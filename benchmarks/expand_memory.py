@@ -1,7 +1,8 @@
 """What landscape expansion (``bcd.expand=lora``) costs in device memory at the README's shapes, by the planner
 (models/memory.py, within 10% of the CPU tensor tracker with adapters: tests/test_expand.py): for each model, the
-recommended plan without expansion (the smallest ``bcd.blocks``, recompute, streaming that fit the card), its worst
-visit's predicted peak with adapters of each rank added, and the plan the planner recommends with them.
+recommended plan without expansion (the smallest ``bcd.blocks`` whose visits fit the card's usable budget, each held
+as models/holding.py chooses), its worst visit's predicted peak with adapters of each rank added, held the same way
+and held as the planner would hold it with them (more streaming or recompute where they no longer fit).
 
     python benchmarks/expand_memory.py                      # G-1.6B, G-5.4B, L-1.5B, L-6B; batch 2x1024, bf16, 24 GB
     python benchmarks/expand_memory.py --models L-6B --ranks 4 16 64 --gpu-gb 16
@@ -11,30 +12,37 @@ from __future__ import annotations
 import argparse
 
 from bcdflow.models import get_config, model_plan
-from bcdflow.models.memory import GB, plan_visits, recommend
+from bcdflow.models.holding import choose_holding, recommend
+from bcdflow.models.memory import GB, device_budget, visit_memory
 
 
 def row(name: str, ranks: list[int], batch: int, seq: int, gpu_gb: float) -> dict:
+    """The recommended plan without expansion, then per rank: each visit held the same way with adapters, and held
+    as the planner would hold it with them (more streaming or recompute where they no longer fit)."""
     cfg = get_config(name, vocab_size=50304)
-    base = recommend(cfg, batch, seq, "bf16", gpu_gb * GB)
-    out = {"model": name, "params": sum(e.held_params for e in plan_visits(cfg, 1, batch, seq, "bf16")),
-           "plan": base, "ranks": {}}
+    budget = device_budget(gpu_gb * GB)
+    base = recommend(cfg, batch, seq, "bf16", budget)
+    out = {"model": name, "plan": base, "budget": budget, "ranks": {}}
     if base.blocks is None:
         return out
+    plan = model_plan(cfg, base.blocks)
     for r in ranks:
-        est = plan_visits(cfg, base.blocks, batch, seq, "bf16", recompute=base.recompute, stream=base.stream,
-                          expand_rank=r)
-        worst = max(est, key=lambda e: e.peak)
-        again = recommend(cfg, batch, seq, "bf16", gpu_gb * GB, expand_rank=r)
-        out["ranks"][r] = {"worst": worst.peak, "adapters": max(e.expand_params for e in est), "rec": again}
+        same = [visit_memory(cfg, plan, b, batch, seq, "bf16", recompute=h.recompute, streamed=h.streamed,
+                             expand_rank=r) for b, h in enumerate(base.holdings)]
+        held = [choose_holding(cfg, plan, b, batch, seq, "bf16", budget.usable, timed=False, expand_rank=r)
+                for b in range(len(plan))]
+        out["ranks"][r] = {"same": max(e.peak for e in same), "adapters": max(e.expand_params for e in same),
+                           "held": max(h.estimate.peak for h in held), "fits": all(h.fits for h in held),
+                           "streamed": sum(len(h.streamed) for h in held), "recompute": sum(h.recompute for h in held)}
     return out
 
 
 def plan_text(rec) -> str:
     if rec.blocks is None:
         return "none fits"
-    return (f"bcd.blocks={rec.blocks}" + (" + recompute" if rec.recompute else "") + (" + stream" if rec.stream
-                                                                                       else ""))
+    st = sum(len(h.streamed) for h in rec.holdings)
+    rc = sum(h.recompute for h in rec.holdings)
+    return f"bcd.blocks={rec.blocks} ({rc} visits recompute, {st} layers streamed in all)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,25 +55,27 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     head = ["model", "plan without expansion", "worst visit"]
     for r in a.ranks:
-        head += [f"r={r}: adapters (worst visit)", f"r={r}: worst visit, same plan", f"r={r}: plan that fits"]
+        head += [f"r={r}: adapters", f"r={r}: worst visit, held the same", f"r={r}: worst visit, held anew"]
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head))
     for name in a.models:
         res = row(name, a.ranks, a.batch, a.seq, a.gpu_gb)
-        base = res["plan"]
+        base, usable = res["plan"], res["budget"].usable
         cells = [name, plan_text(base), f"{base.worst_peak / GB:.1f} GB" if base.blocks else "–"]
         for r in a.ranks:
             x = res["ranks"].get(r)
             if x is None:
                 cells += ["–"] * 3
                 continue
-            fits = "fits" if x["worst"] <= a.gpu_gb * GB else "does not fit"
-            cells += [f"{x['adapters'] / 1e6:.1f}M", f"{x['worst'] / GB:.1f} GB (+{(x['worst'] - base.worst_peak) / GB:.1f}"
-                      f", {fits})", plan_text(x["rec"]) + (f" ({x['rec'].worst_peak / GB:.1f} GB)" if x["rec"].blocks
-                                                           else "")]
+            cells += [f"{x['adapters'] / 1e6:.1f}M",
+                      f"{x['same'] / GB:.1f} GB (+{(x['same'] - base.worst_peak) / GB:.2f}; "
+                      f"{'fits' if x['same'] <= usable else 'does not fit'})",
+                      f"{x['held'] / GB:.1f} GB ({x['recompute']} recompute, {x['streamed']} streamed; "
+                      f"{'fits' if x['fits'] else 'does not fit'})"]
         print("| " + " | ".join(cells) + " |")
-    print(f"\nbatch {a.batch}x{a.seq}, bf16, AdamW, vocabulary 50304, {a.gpu_gb:g} GB card; planner figures "
-          "(models/memory.py), not measured on a GPU")
+    print(f"\nbatch {a.batch}x{a.seq}, bf16, AdamW, vocabulary 50304, a {a.gpu_gb:g} GB card "
+          f"({device_budget(a.gpu_gb * GB).usable / GB:.1f} GB usable); planner figures (models/memory.py, "
+          "models/holding.py), not measured on a GPU")
     return 0
 
 

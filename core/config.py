@@ -156,6 +156,9 @@ class BcdSection(_Section):
     act_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     act_compression: Literal["none", "zstd"] = "none"
     """Activations barely compress; zstd (level 1) trades CPU for bytes on a slow link."""
+    preinfer_batch_size: int | None = Field(None, ge=1)
+    """Rows per pre-inference forward (no gradients); None = the most that fit the device's budget with the
+    prefix held as it must be (models/holding.no_grad_holding), up to ``shard_rows`` (16k tokens on the CPU)."""
     preinfer_workers: int | None = Field(None, ge=1)
     """Pre-inference shard tasks run at once in this process; None = 1 on CPU (torch already uses every
     core per shard), 2 on GPU (one shard's I/O overlaps the next one's compute)."""
@@ -163,8 +166,9 @@ class BcdSection(_Section):
     """Zarr's async concurrency: object-store requests in flight per shard read/write."""
     recompute: Literal["auto", "on", "off", "all"] = "auto"
     """Recompute the frozen layers after the active block in backward instead of keeping their activations
-    (activation checkpointing; the gradients are bitwise the same). ``auto``: on for a visit the memory planner
-    says would not fit ``train.memory_gb`` otherwise; ``all``: the active block's own layers too (long sequences:
+    (activation checkpointing; the gradients are bitwise the same). ``auto``: per visit, off when it fits the device's budget as
+    it is, else whichever of recompute or streaming frozen layers (``train.offload=auto``) the planner says fits and
+    is faster (models/holding.choose_holding); ``all``: the active block's own layers too (long sequences:
     each layer keeps only its input, at the cost of a second forward of the block)."""
 
     expand: Literal["off", "lora"] = "off"
@@ -227,8 +231,10 @@ class TrainSection(_Section):
     """``bf16``: autocast, fp32 master weights and optimizer state for the active block, frozen weights stored in
     bf16 on the device (the stored block files are unchanged)."""
     memory_gb: float | None = Field(None, gt=0)
-    """Device memory a visit may use, in GB (1e9 bytes): ``bcd.recompute=auto`` and the choice between data
-    parallel and sharding use it. None = the device's total memory on CUDA, unlimited on the CPU."""
+    """The device's memory, in GB (1e9 bytes), to plan for (a 24 GB card on a bigger one): a visit may use it less the
+    CUDA context and a reserve for workspaces and fragmentation (models/memory.device_budget); ``bcd.recompute=auto``,
+    ``offload=auto`` and the choice between data parallel and sharding use it. None = the CUDA device's free memory
+    as measured (less the reserve), unlimited on the CPU."""
     gpus: int = Field(1, ge=1)
     """Processes (GPUs) that train one visit, launched with torchrun on this machine; 1 = this process. Rank 0
     writes the checkpoints and the block; a SIGTERM to any rank checkpoints once. On the CPU: gloo processes."""
@@ -237,20 +243,26 @@ class TrainSection(_Section):
     holds every weight), ``fsdp`` shards weights, gradients and optimizer state (FSDP2); ``auto``: ddp when the
     planner says a replica fits ``memory_gb``, else fsdp."""
     offload: Literal["auto", "off", "stream"] = "auto"
-    """Where a visit's frozen layers live: ``off``: on the device; ``stream``: in pinned host memory, copied to the
-    device a few layers at a time ahead of use (forward, backward and recompute; models/stream.py), so a visit
-    holds its active block, the embeddings and head, and ``stream_window`` frozen layers; ``auto``: stream when the
-    planner says the visit would not fit ``train.memory_gb`` otherwise. One process per visit (not with
+    """Where a visit's frozen layers live: ``off``: on the device; ``stream``: all in pinned host memory, copied
+    through ``stream_window`` device slots ahead of use (forward, backward and recompute; models/stream.py);
+    ``auto``: as many resident as the budget allows and only the rest streamed, per visit (and with
+    ``bcd.recompute=auto``, whichever of recompute or streaming the planner's time model says is faster). The
+    no-grad passes (pre-inference, evaluation) hold their model the same way. One process per visit (not with
     ``train.gpus`` > 1 or ``train.compile``)."""
     stream_window: int = Field(2, ge=1)
-    """Frozen layers on the device at once when streaming (the one computing and the one being copied in)."""
+    """Device slots for streamed layers (the one computing and the ones copied in ahead of it)."""
+    pcie_gbs: float = Field(25.0, gt=0)
+    """Host-to-device bandwidth the planner's time model assumes, GB/s (PCIe 4.0 x16 in practice)."""
+    tflops: float = Field(80.0, gt=0)
+    """Matmul throughput the planner's time model assumes, TFLOP/s (about half an RTX 4090's bf16 peak)."""
     compile: bool = False
     """torch.compile each layer of the visit (CUDA graphs are left to ``mode=reduce-overhead`` users: batches of a
     visit are not all the same shape)."""
     loss_chunk_rows: int | None = Field(None, ge=1)
     """Rows of the loss over the vocabulary computed at once; None = 128 MB of fp32 logits per chunk."""
     eval_batch_size: int | None = Field(None, ge=1)
-    """Rows per validation forward (no gradients: larger than ``batch_size`` is usually fine); None = batch_size."""
+    """Rows per validation forward (no gradients); None = the most that fit what a training step used (inside a
+    visit) or the device's budget (a whole-model evaluation), up to ``eval_rows`` (16k tokens on the CPU)."""
 
     @field_validator("offload", mode="before")
     @classmethod

@@ -11,9 +11,11 @@ pickles as its three inputs and is looked up again on arrival.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 from functools import cached_property
-from typing import Collection
+from typing import Collection, Iterator
 
 import psutil
 import torch
@@ -26,8 +28,9 @@ from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
 from bcdflow.models.build import param_sizes
 from bcdflow.models.config import ModelConfig, get_config
-from bcdflow.models.memory import visit_memory
-from bcdflow.models.stream import LayerStream
+from bcdflow.models.holding import Holding, choose_holding, no_grad_holding
+from bcdflow.models.memory import GB, Budget, device_budget, no_grad_memory
+from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.storage import checkpoints, layout
 from bcdflow.storage.store import Store
 from bcdflow.storage.tokens import TokenDataset
@@ -58,13 +61,24 @@ def open_store(cfg: RunConfig) -> Store:
     return Store(cfg.store, cfg.storage_options())
 
 
-def memory_budget(cfg: RunConfig, device: torch.device) -> float | None:
-    """Bytes a visit may use on ``device``: ``train.memory_gb``, else the CUDA device's total, else None."""
+def memory_budget(cfg: RunConfig, device: torch.device) -> Budget | None:
+    """What a visit may hold on ``device`` (models/memory.device_budget: the memory free once the CUDA context exists,
+    less a reserve): a card of ``train.memory_gb``, else the CUDA device as measured, else (the CPU) None."""
+    gpus = cfg.train.gpus
     if cfg.train.memory_gb is not None:
-        return cfg.train.memory_gb * 1e9
+        return device_budget(cfg.train.memory_gb * GB, gpus=gpus)
     if device.type == "cuda":
-        return float(torch.cuda.get_device_properties(device).total_memory)
+        free, total = torch.cuda.mem_get_info(device)  # creates the context first: what is free after it
+        # what this process's caching allocator holds (cached blocks, live tensors) is the visit's to use, not
+        # someone else's: mem_get_info counts it as used
+        return device_budget(total, free + torch.cuda.memory_reserved(device), gpus=gpus)
     return None
+
+
+def usable(cfg: RunConfig, device: torch.device) -> float | None:
+    """Bytes a visit may use on ``device`` (None: no limit)."""
+    b = memory_budget(cfg, device)
+    return None if b is None else b.usable
 
 
 def resolve_device(name: str) -> torch.device:
@@ -117,22 +131,59 @@ def check_model_size(cfg: RunConfig) -> None:
                        f"{have / 1e9:,.0f} GB of memory")
 
 
-def check_host_memory(cfg: RunConfig) -> None:
-    """``train.offload=stream`` keeps a visit's frozen layers in host memory: refuse, before anything is written, a
-    machine whose available memory cannot hold the largest visit's (the planner's figure from the model config)."""
-    if cfg.train.offload != "stream":
-        return
+def visit_holding(cfg: RunConfig, mcfg: ModelConfig, plan: Plan, block: int, seq: int,
+                  budget: float | None, timed: bool = True) -> Holding:
+    """How block ``block``'s visit holds its model within ``budget`` (models/holding.choose_holding with the run's
+    ``bcd.recompute``, ``train.offload`` and time-model keys)."""
+    t = cfg.train
+    return choose_holding(mcfg, plan, block, t.batch_size, seq, t.precision, budget, cfg.optim.name,
+                          recompute=cfg.bcd.recompute, offload=t.offload if t.gpus == 1 and not t.compile else "off",
+                          window=t.stream_window, pcie_gbs=t.pcie_gbs, tflops=t.tflops, preinfer=cfg.bcd.preinfer,
+                          freeze=cfg.bcd.freeze, chunk_rows=t.loss_chunk_rows, weight_decay=cfg.optim.weight_decay,
+                          timed=timed, expand_rank=cfg.bcd.expand_rank if cfg.bcd.expand != "off" else 0)
+
+
+def check_plan_fits(cfg: RunConfig) -> None:
+    """Refuse, before anything is written, a run whose visits cannot fit the device even held the leanest way it
+    allows (recompute and every frozen layer streamed, as the settings permit), naming the figures; and a host whose
+    available memory cannot hold what the streaming visits keep there (their flat host buffers, pinned as
+    allocated). Nothing to check on the CPU without ``train.memory_gb``."""
+    if cfg.train.gpus > 1:
+        return  # several processes: data parallel or sharded (tasks/train_dist.choose_parallel)
+    budget = memory_budget(cfg, resolve_device(cfg.train.device))
     mcfg = model_config(cfg)
     plan = block_plan(cfg, mcfg)
-    low = "bf16" if cfg.train.precision == "bf16" else "fp32"
-    need = max(visit_memory(mcfg, plan, b, 1, 1, low, stream=True, preinfer=cfg.bcd.preinfer,
-                            freeze=cfg.bcd.freeze).host_bytes
-               for b in range(len(plan)))
+    seq = cfg.data.seq_len
+    holds = [visit_holding(cfg, mcfg, plan, b, seq, None if budget is None else budget.usable, timed=False)
+             for b in range(len(plan))]
+    if budget is not None:
+        bad = [(b, h) for b, h in enumerate(holds) if not h.fits]
+        if bad:
+            b, h = max(bad, key=lambda x: x[1].estimate.peak)
+            raise BadInput(f"train.memory_gb: visit of block {b} needs {h.estimate.peak / GB:.1f} GB held the leanest "
+                           f"way the settings allow ({h.words()}), and the device has {budget.line()}; use more "
+                           "blocks (bcdflow plan-memory recommends a count), train.offload=auto, "
+                           "bcd.recompute=auto, a smaller train.batch_size or train.gpus=N")
+    need = max(h.estimate.host_bytes for h in holds)
+    t, cuda = cfg.train, budget is not None and cfg.train.memory_gb is None
+    if cfg.bcd.preinfer:  # pre-inference: its prefix's streamed layers and the shards' page-locked output buffers
+        workers = cfg.bcd.preinfer_workers or (2 if cuda else 1)
+        staging = workers * cfg.bcd.shard_rows * seq * mcfg.d_model * 4
+        for b in range(1, len(plan)):
+            lo = plan[b].layers[0]
+            streamed, rows = no_grad_holding(mcfg, (0, lo), True, False, seq, t.precision,
+                                             None if budget is None else budget.usable, t.batch_size,
+                                             cfg.bcd.shard_rows, offload=t.offload, window=t.stream_window,
+                                             rows=cfg.bcd.preinfer_batch_size)
+            prefix = no_grad_memory(mcfg, (0, lo), True, False, rows, seq, t.precision, streamed,
+                                    t.stream_window).host_bytes if streamed else 0
+            need = max(need, prefix + staging)
     have = psutil.virtual_memory().available
     if need > have:
-        raise BadInput(f"train.offload: stream keeps the frozen layers of a visit in host memory, {need / 1e9:.1f} GB "
-                       f"for the largest one, and this machine has {have / 1e9:.1f} GB available (use more blocks, "
-                       "train.precision=bf16, or a machine with more memory)")
+        raise BadInput(f"train.offload: the streamed frozen layers of a visit (or its pre-inference prefix and "
+                       f"output buffers) take {need / 1e9:.1f} GB of host memory (pinned, as allocated) and this "
+                       f"machine has {have / 1e9:.1f} GB available (use more blocks, train.precision=bf16, "
+                       "a smaller bcd.shard_rows, or a machine with more memory)")
 
 
 class RunContext:
@@ -142,6 +193,12 @@ class RunContext:
         self.cfg, self.run_id, self.dataset_id = cfg, run_id, dataset_id
         self._lock = threading.Lock()
         self._prefix: tuple[tuple, Decoder] | None = None
+        self._holdings: dict[int, Holding] = {}
+        self._staging: list[torch.Tensor] = []
+        self._budget: tuple[float | None] | None = None
+        self.prefix_lock = threading.Lock()
+        """Held by a pre-inference shard while it runs the kept prefix: shard tasks in threads share one prefix,
+        whose stream (and device memory sized for one batch) is not for two at once."""
 
     @classmethod
     def of(cls, cfg: RunConfig, run_id: str, dataset_id: str) -> "RunContext":
@@ -186,7 +243,8 @@ class RunContext:
         return checkpoints.read_manifest(self.store, self.run_id, version)
 
     def load_part(self, manifest: dict, layers: tuple[int, int], embed: bool, head: bool,
-                  trainable: Collection[str] | None = None, stream: Collection[int] = ()) -> Decoder:
+                  trainable: Collection[str] | None = None, stream: Collection[int] = (),
+                  grad_from: int | None = None) -> Decoder:
         """A part of the model with the weights of ``manifest``: only the tensors that part holds are read.
 
         A visit to block b with pre-inference holds layers of blocks >= b and the head (invariant I6); the
@@ -197,8 +255,9 @@ class RunContext:
         None keeps every weight fp32 (a probe that needs every gradient). Tensors are read to the host and copied
         into the part's storage one by one, so the device never holds a second copy of the weights.
 
-        ``stream``: frozen layers whose weights stay in (pinned) host memory and are copied to the device a few at a
-        time as they compute (``train.offload``; models/stream.py); the part's ``stream`` attribute holds them."""
+        ``stream``: frozen layers whose weights stay in host memory and are copied through the device's slot buffers
+        as they compute (``train.offload``; models/stream.py; ``grad_from``: the first layer a backward reaches);
+        the part's ``stream`` attribute holds them. The other layers are resident."""
         low = torch.bfloat16 if self.cfg.train.precision == "bf16" and trainable is not None else None
         where = torch.device("cpu") if stream else self.device  # streamed layers are built on the host
         model = build_model(self.model_cfg, layers=layers, embed=embed, head=head, device=where, init=False,
@@ -213,24 +272,34 @@ class RunContext:
         if stream:
             for i in stream:
                 model.h[str(i)].requires_grad_(False)
-            model.stream = LayerStream(model, stream, self.device, self.cfg.train.stream_window)
+            model.stream = LayerStream(model, stream, self.device, self.cfg.train.stream_window, grad_from=grad_from)
             model.to(self.device)
         return model
 
-    def streams(self, block: int) -> bool:
-        """Whether block ``block``'s visit streams its frozen layers from host memory (``train.offload``): ``auto``
-        streams when the planner says the visit would not fit ``train.memory_gb`` even with recompute."""
+    def budget(self) -> float | None:
+        """Bytes a visit may hold on this process's device (``usable``); None on the CPU without a set budget.
+        Measured once per process and run (the memory free to it then), so every visit, pass and resume in this
+        process plans against the same figure whatever its allocator has cached since."""
+        if self._budget is None:
+            self._budget = (usable(self.cfg, self.device),)
+        return self._budget[0]
+
+    def holding(self, block: int) -> Holding:
+        """How block ``block``'s visit holds its model on this device (recompute, streamed layers), chosen once."""
+        if block not in self._holdings:
+            self._holdings[block] = visit_holding(self.cfg, self.model_cfg, self.plan, block, self.dataset.seq_len,
+                                                  self.budget())
+        return self._holdings[block]
+
+    def no_grad_pass(self, layers: tuple[int, int], embed: bool, head: bool, limit: int,
+                     rows: int | None = None, extra: int = 0) -> tuple[tuple[int, ...], int]:
+        """(streamed layers, rows per forward) of a no-grad pass over a model part on this device: pre-inference's
+        prefix, an evaluation model (models/holding.no_grad_holding; ``rows``: a set batch; ``extra``: bytes held
+        beside it)."""
         t = self.cfg.train
-        if t.offload != "auto":
-            return t.offload == "stream"
-        budget = memory_budget(self.cfg, self.device)
-        if budget is None or t.gpus > 1 or t.compile:
-            return False
-        est = visit_memory(self.model_cfg, self.plan, block, t.batch_size, self.dataset.seq_len, t.precision,
-                           self.cfg.optim.name, recompute=True, preinfer=self.cfg.bcd.preinfer,
-                           chunk_rows=t.loss_chunk_rows, weight_decay=self.cfg.optim.weight_decay,
-                           freeze=self.cfg.bcd.freeze)
-        return est.peak > budget
+        return no_grad_holding(self.model_cfg, layers, embed, head, self.dataset.seq_len, t.precision, self.budget(),
+                               t.batch_size, limit, offload=t.offload, window=t.stream_window,
+                               chunk_rows=t.loss_chunk_rows, rows=rows, extra=extra)
 
     def trainable(self, block: int) -> set[str]:
         """The parameters block ``block``'s visit trains (``Block.trainable``: less what ``bcd.freeze`` keeps)."""
@@ -245,23 +314,59 @@ class RunContext:
         return self.plan[block].frozen_layers(self.model_cfg.n_layer, self.cfg.bcd.preinfer)
 
     def frozen_prefix(self, version: int, block: int) -> Decoder:
-        """Embeddings and layers before ``block`` of ``version``, in eval mode without grads; kept for the
-        next shard of the same visit (pre-inference shard tasks run in threads and share it)."""
+        """Embeddings and layers before ``block`` of ``version``, in eval mode without grads, held as its no-grad
+        pass allows (``preinfer_rows``); kept for the next shard of the same visit (pre-inference shard tasks run in
+        threads and share it)."""
         key = (version, block)
         with self._lock:
             if self._prefix is None or self._prefix[0] != key:
-                self._prefix = None  # free the previous visit's prefix before loading this one
+                self.release_prefix(locked=True)  # free the previous visit's prefix before loading this one
                 lo = self.plan[block].layers[0]
+                streamed, _ = self._prefix_pass(block)
                 model = self.load_part(self.manifest(version), (0, lo), embed=True, head=False, trainable=(),
-                                       stream=range(lo) if self.streams(block) else ())
+                                       stream=streamed)
                 self._prefix = (key, model.eval().requires_grad_(False))
             return self._prefix[1]
 
-    def release_prefix(self) -> None:
-        """Forget the kept prefix: training the visit does not need it, and on the one-machine default (shards
-        and training in one process) it would otherwise hold the prefix's weights through the whole visit."""
+    def _prefix_pass(self, block: int) -> tuple[tuple[int, ...], int]:
+        lo = self.plan[block].layers[0]
+        return self.no_grad_pass((0, lo), True, False, self.cfg.bcd.shard_rows, self.cfg.bcd.preinfer_batch_size)
+
+    def preinfer_rows(self, block: int) -> int:
+        """Rows per pre-inference forward of block ``block``'s prefix (``bcd.preinfer_batch_size``, else the most
+        that fit the device, up to a shard)."""
+        return self._prefix_pass(block)[1]
+
+    @contextlib.contextmanager
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Iterator[torch.Tensor]:
+        """A host tensor of ``shape`` for device-to-host copies (page-locked exactly, on CUDA, so the copies are
+        asynchronous), its buffer kept for the next shard of the visit (one per shard task in flight) and dropped
+        with the prefix."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         with self._lock:
+            fit = [b for b in self._staging if b.numel() >= nbytes]
+            buf = min(fit, key=lambda b: b.numel()) if fit else None
+            if buf is not None:
+                self._staging.remove(buf)
+        if buf is None:
+            buf = host_buffer(nbytes, pin=self.device.type == "cuda", device=self.device)
+        try:
+            yield buf[:nbytes].view(dtype).view(shape)
+        finally:
+            if self.device.type == "cuda":  # copies into it may still land (an exception mid-shard)
+                torch.cuda.current_stream(self.device).synchronize()
+            with self._lock:
+                self._staging.append(buf)
+
+    def release_prefix(self, locked: bool = False) -> None:
+        """Forget the kept prefix (its device slots and host buffers freed at once): training the visit does not
+        need it, and on the one-machine default (shards and training in one process) it would otherwise hold the
+        prefix's weights through the whole visit."""
+        with contextlib.nullcontext() if locked else self._lock:
+            if self._prefix is not None and self._prefix[1].stream is not None:
+                self._prefix[1].stream.close()
             self._prefix = None
+            self._staging.clear()
 
     # -- store keys -----------------------------------------------------------------------------------
     def visit_key(self, cycle: int, block: int) -> str:

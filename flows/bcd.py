@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, check_gpus, check_host_memory, open_store
+from bcdflow.core.context import RunContext, check_gpus, check_plan_fits, open_store
 from bcdflow.flows import artifacts
 from bcdflow.flows.params import RunParams, new_run_id
 from bcdflow.flows.fleet import dispatch_visit
@@ -86,7 +86,7 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     store.probe()  # one clear line (no retries) when the store cannot be used, before anything is written
     if not cfg.fleet.visit_pool:  # visits train here; with a pool, on the workers' devices
         check_gpus(cfg)
-        check_host_memory(cfg)
+        check_plan_fits(cfg)
     dataset_id = prepare_data(cfg, store)  # shared and content-addressed: needs no lease (bad data: no run)
     lease = Lease(store, layout.run_key(run_id), f"run {run_id!r}", ttl=cfg.fleet.lease_seconds,
                   owner=this_process(flow_run.get_id()))

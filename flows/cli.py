@@ -160,13 +160,13 @@ def _check_run_id(run_id: str | None) -> None:
 def _preflight(cfg) -> None:
     """Checks that need the machine, the file system or the store, done before any flow starts (nothing
     written on failure)."""
-    from bcdflow.core.context import check_gpus, check_host_memory, check_model_size
+    from bcdflow.core.context import check_gpus, check_model_size, check_plan_fits
     from bcdflow.storage.corpus import check_text_files
     from bcdflow.tasks.data import data_files
 
     if not cfg.fleet.visit_pool:  # with a pool, visits train on the workers' devices
         check_gpus(cfg)  # the device, and train.gpus against this machine
-        check_host_memory(cfg)  # train.offload=stream: the pinned frozen weights
+        check_plan_fits(cfg)  # the visits fit the device; the host holds what they stream
     if cfg.fleet.preinfer == "dask":
         try:
             import prefect_dask  # noqa: F401

@@ -1,8 +1,14 @@
-"""``bcdflow plan-memory -c run.yaml --gpu-gb 24``: the predicted peak memory of every visit of a run and of full
-training, from the model config alone (models/memory.py: a meta-device model, no weights, no store), and the
-smallest ``bcd.blocks`` (with ``bcd.recompute`` and ``train.offload``) whose every visit fits the GPU. With the frozen
-layers streamed from host memory it also says the pinned host memory, the bytes copied per step and their time at a
-stated PCIe bandwidth against the step's matmul time at a stated throughput (how much of the copy compute hides).
+"""``bcdflow plan-memory -c run.yaml --gpu-gb 24``: how every visit of a run would hold its model on a card of that
+size and what that costs, from the model config alone (models/memory.py, models/holding.py: a meta-device model,
+no weights, no store), and the smallest ``bcd.blocks`` whose every visit fits.
+
+The budget is the card less the CUDA context and a stated reserve (workspaces, fragmentation: models/memory.py
+``device_budget``). Each visit is held as a run would hold it (``bcd.recompute``, ``train.offload``: with ``auto``,
+the frozen layers that fit stay resident and only the rest stream, and recompute is used where it is the faster way
+to fit); the table says which layers the visit trains and which it holds, how many of those stay resident, the
+pinned host memory and bytes copied per step of what streams, and the predicted step time resident and as held
+(a per-phase pipeline of compute at ``train.tflops`` and copies at ``train.pcie_gbs``) with the tokens per step
+from which the copies hide.
 
     bcdflow plan-memory --set model.name=L-6B --set train.batch_size=2 --set data.seq_len=1024 \\
         --set train.precision=bf16 --gpu-gb 24
@@ -21,93 +27,123 @@ NAMES = {"grads_total": "grads"}
 
 def add_parser(sub, common) -> None:
     sp = sub.add_parser("plan-memory", parents=[common],
-                        help="predicted peak memory per visit and for full training; the bcd.blocks that fits")
+                        help="how each visit holds its model on a card, its peak and step time; the blocks that fit")
     sp.add_argument("-c", "--config", help="YAML config file (as for train)")
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
-    sp.add_argument("--gpu-gb", type=float, default=24.0, help="GPU memory to fit, GB (1e9 bytes; default 24)")
-    sp.add_argument("--pcie-gbs", type=float, default=25.0,
-                    help="host-to-device bandwidth for streamed layers, GB/s (default 25: PCIe 4.0 x16 in practice)")
-    sp.add_argument("--tflops", type=float, default=80.0,
-                    help="matmul throughput a step reaches, TFLOP/s (default 80: half an RTX 4090's bf16 peak)")
-    sp.add_argument("--json", action="store_true", help="the table and the recommendation as JSON")
+    sp.add_argument("--gpu-gb", type=float, default=24.0,
+                    help="the card's memory, GB (1e9 bytes; default 24); the context and a reserve come off it")
+    sp.add_argument("--pcie-gbs", type=float, default=None,
+                    help="host-to-device bandwidth for streamed layers, GB/s (default: train.pcie_gbs, 25)")
+    sp.add_argument("--tflops", type=float, default=None,
+                    help="matmul throughput a step reaches, TFLOP/s (default: train.tflops, 80)")
+    sp.add_argument("--json", action="store_true", help="the tables and the recommendation as JSON")
     sp.set_defaults(fn=cmd_plan_memory)
 
 
-def plan(cfg, gpu_gb: float, pcie_gbs: float = 25.0, tflops: float = 80.0) -> dict:
-    """Every visit of ``cfg``'s plan with and without recompute, resident and streamed, full training, and the
-    recommendation."""
+def _visit_row(h, plan_, b: int) -> dict:
+    e, t = h.estimate, h.time
+    lo, hi = plan_[b].layers
+    return dict(e.to_dict(), block=b, trains=[lo, hi], holds=list(e.layers), recompute=h.recompute,
+                streamed=list(h.streamed), resident_layers=e.frozen_layers - len(h.streamed), fits=h.fits,
+                holding=h.words(), step_resident_s=t.resident_s, step_s=t.streamed_s, overhead=t.overhead,
+                copy_fwd_bytes=t.copy_fwd_bytes, copy_bwd_bytes=t.copy_bwd_bytes,
+                hides_at_tokens=t.hides_at_tokens)
+
+
+def plan(cfg, gpu_gb: float) -> dict:
+    """Every visit at the config's ``bcd.blocks`` as the run would hold it on a ``gpu_gb`` card, full training, and
+    the recommendation with its own visits."""
     from bcdflow.models import model_plan
-    from bcdflow.models.memory import GB, plan_visits, recommend, step_flops, visit_memory
+    from bcdflow.models.holding import plan_holdings, recommend
+    from bcdflow.models.memory import GB, device_budget, visit_memory
 
     mcfg = model_config(cfg)
     t = cfg.train
     B, T, p, opt = t.batch_size, cfg.data.seq_len, t.precision, cfg.optim.name
-    kw = {"chunk_rows": t.loss_chunk_rows, "weight_decay": cfg.optim.weight_decay}
+    budget = device_budget(gpu_gb * GB, gpus=t.gpus)
     freeze = tuple(cfg.bcd.freeze)
-    common = dict(split=cfg.bcd.split, preinfer=cfg.bcd.preinfer, freeze=freeze, **kw)
-    visits = plan_visits(mcfg, cfg.bcd.blocks, B, T, p, opt, False, **common)
-    redo = plan_visits(mcfg, cfg.bcd.blocks, B, T, p, opt, True, **common)
-    window = t.stream_window
-    stream = plan_visits(mcfg, cfg.bcd.blocks, B, T, p, opt, False, stream=True, window=window, **common)
-    plan_ = model_plan(mcfg, cfg.bcd.blocks, split=cfg.bcd.split, freeze=freeze)
-    full = visit_memory(mcfg, None, None, B, T, p, opt, **kw)
-    rec = recommend(mcfg, B, T, p, gpu_gb * GB, opt, cfg.bcd.split, cfg.bcd.preinfer, window=window, freeze=freeze,
-                    **kw)
+    offload = t.offload if t.gpus == 1 and not t.compile else "off"
+    kw = dict(recompute=cfg.bcd.recompute, offload=offload, window=t.stream_window, preinfer=cfg.bcd.preinfer,
+              pcie_gbs=t.pcie_gbs, tflops=t.tflops, chunk_rows=t.loss_chunk_rows, weight_decay=cfg.optim.weight_decay)
+    full = visit_memory(mcfg, None, None, B, T, p, opt, chunk_rows=t.loss_chunk_rows,
+                        weight_decay=cfg.optim.weight_decay)
 
-    def streamed(e, b: int) -> dict:
-        copy_s = e.copy_bytes / (pcie_gbs * 1e9)
-        compute_s = step_flops(mcfg, plan_, b, B, T, cfg.bcd.preinfer, freeze) / (tflops * 1e12)
-        return {"stream_peak": e.peak, "host_bytes": e.host_bytes, "copy_bytes": e.copy_bytes, "copy_s": copy_s,
-                "compute_s": compute_s, "hidden": min(1.0, compute_s / copy_s) if copy_s else 1.0}
+    def visits(blocks: int) -> list[dict]:
+        plan_ = model_plan(mcfg, blocks, split=cfg.bcd.split, freeze=freeze)
+        hs = plan_holdings(mcfg, blocks, B, T, p, budget.usable, opt, cfg.bcd.split, freeze, **kw)
+        return [_visit_row(h, plan_, b) for b, h in enumerate(hs)]
 
+    rec_kw = {k: v for k, v in kw.items() if k != "chunk_rows"}
+    rec = recommend(mcfg, B, T, p, budget, opt, cfg.bcd.split, freeze=freeze, shard_rows=cfg.bcd.shard_rows,
+                    chunk_rows=t.loss_chunk_rows, **rec_kw)
     if rec.blocks is None and not freeze:  # what freezing the big-vocabulary parts would make fit (a trade-off)
-        alt = recommend(mcfg, B, T, p, gpu_gb * GB, opt, cfg.bcd.split, cfg.bcd.preinfer, window=window,
-                        freeze=("embeddings", "head"), **kw)
+        alt = recommend(mcfg, B, T, p, budget, opt, cfg.bcd.split, freeze=("embeddings", "head"),
+                        shard_rows=cfg.bcd.shard_rows, chunk_rows=t.loss_chunk_rows, **rec_kw)
         if alt.blocks is not None:
-            rec.hint = (f"with bcd.freeze=[embeddings,head] (no longer full-parameter): bcd.blocks={alt.blocks} "
-                        f"bcd.recompute={'on' if alt.recompute else 'off'}"
-                        f"{' train.offload=stream' if alt.stream else ''} fits (worst visit {alt.worst_peak / GB:.1f} GB)")
+            rec.hint = (f"with bcd.freeze=[embeddings,head] (no longer full-parameter): bcd.blocks={alt.blocks} fits "
+                        f"(worst visit {alt.worst_peak / GB:.1f} GB)")
     out = {"model": mcfg.to_dict(), "batch": B, "seq_len": T, "precision": p, "optim": opt, "gpu_gb": gpu_gb,
-           "blocks": cfg.bcd.blocks, "full": full.to_dict(),
-           "pcie_gbs": pcie_gbs, "tflops": tflops, "stream_window": window,
-           "visits": [dict(v.to_dict(), recompute_peak=r.peak, **streamed(s, b))
-                      for b, (v, r, s) in enumerate(zip(visits, redo, stream))],
-           "recommendation": {"blocks": rec.blocks, "recompute": rec.recompute, "offload": "stream" if rec.stream
-                              else "off", "host_bytes": rec.host_bytes, "worst_peak": rec.worst_peak,
-                              "line": rec.line(gpu_gb * GB) + (f"; {rec.hint}" if rec.hint else "")}}
+           "budget": {"card": budget.card, "free": budget.free, "reserve": budget.reserve, "usable": budget.usable,
+                      "line": budget.line()},
+           "blocks": cfg.bcd.blocks, "full": dict(full.to_dict(), fits=full.peak <= budget.usable),
+           "pcie_gbs": t.pcie_gbs, "tflops": t.tflops, "stream_window": t.stream_window,
+           "recompute": cfg.bcd.recompute, "offload": offload, "visits": visits(cfg.bcd.blocks),
+           "recommendation": {"blocks": rec.blocks, "host_bytes": rec.host_bytes, "worst_peak": rec.worst_peak,
+                              "line": rec.line() + (f"; {rec.hint}" if rec.hint else ""), "visits": []}}
+    if rec.blocks is not None:
+        plan_ = model_plan(mcfg, rec.blocks, split=cfg.bcd.split, freeze=freeze)
+        out["recommendation"]["visits"] = [_visit_row(h, plan_, b) for b, h in enumerate(rec.holdings)]
     if t.gpus > 1:  # per process, the batch split over the GPUs
+        from bcdflow.models.memory import plan_visits
         out["per_gpu"] = {mode: max(e.peak for e in plan_visits(mcfg, cfg.bcd.blocks, B, T, p, opt, False,
-                                                                 gpus=t.gpus, parallel=mode, **common))
+                                                                 gpus=t.gpus, parallel=mode, split=cfg.bcd.split,
+                                                                 preinfer=cfg.bcd.preinfer, freeze=freeze))
                           for mode in ("ddp", "fsdp")}
     return out
 
 
-def table(res: dict) -> str:
+def _table(rows: list[dict], full: dict | None, cap: float) -> list[str]:
     gb = 1e9
-    head = (f"{'visit':<9}{'layers':>8}{'trainable':>11}" + "".join(f"{NAMES.get(c, c):>12}" for c in COLS)
-            + f"{'peak':>9}{'recompute':>11}{'streamed':>10}{'host':>7}{'copy':>7}{'hidden':>8}  fits {res['gpu_gb']:g} GB")
+    head = (f"{'visit':<9}{'trains':>8}{'holds':>8}{'trainable':>11}" + "".join(f"{NAMES.get(c, c):>12}" for c in COLS)
+            + f"{'peak':>8}  {'holding':<40}{'host':>6}{'copy':>6}{'step s':>8}{'held s':>8}{'over':>6}"
+            f"{'hides at':>10}  fits")
+    lines = [head, "-" * len(head)]
+    for r in ([full] if full else []) + rows:
+        lo, hi = r.get("trains") or r["layers"]
+        hl, hh = r["layers"]
+        if "holding" not in r:  # full training: one row, resident
+            tail = f"  {'all resident (full AdamW)':<40}{'-':>6}{'-':>6}{'-':>8}{'-':>8}{'-':>6}{'-':>10}"
+        else:
+            hides = f"{r['hides_at_tokens']:,}" if r["hides_at_tokens"] else "-"
+            tail = (f"  {r['holding']:<40}{r['host_bytes'] / gb:>6.1f}"
+                    f"{(r['copy_fwd_bytes'] + r['copy_bwd_bytes']) / gb:>6.1f}{r['step_resident_s']:>8.3f}"
+                    f"{r['step_s']:>8.3f}{r['overhead']:>6.0%}{hides:>10}")
+        lines.append(f"{r['name']:<9}{f'{lo}-{hi}':>8}{f'{hl}-{hh}':>8}{r['trainable_params'] / 1e6:>10.0f}M"
+                     + "".join(f"{r[c] / gb:>12.2f}" for c in COLS) + f"{r['peak'] / gb:>8.2f}" + tail
+                     + f"  {'yes' if r['peak'] <= cap else 'no'}")
+    return lines
+
+
+def table(res: dict) -> str:
+    b = res["budget"]
+    cap = b["usable"]
     lines = [f"{res['model']['family']} {res['model']['n_layer']} layers, d={res['model']['d_model']}, "
              f"vocab={res['model']['vocab_size']}; batch {res['batch']}x{res['seq_len']}, {res['precision']}, "
-             f"{res['optim']}, bcd.blocks={res['blocks']}. Predicted GB of one training step: weights, gradients and "
-             "optimizer state of the visit; activations and logits alive at its peak; the peak itself, with the "
-             f"frozen suffix recomputed, and with the frozen layers streamed from host memory (window "
-             f"{res['stream_window']}; pinned host GB, GB copied per step, and the share of the copy time at "
-             f"{res['pcie_gbs']:g} GB/s hidden behind the step's matmuls at {res['tflops']:g} TFLOP/s)", head,
-             "-" * len(head)]
-    cap = res["gpu_gb"] * gb
-    for r in [res["full"], *res["visits"]]:
-        lo, hi = r["layers"]
-        redo, st = r.get("recompute_peak"), r.get("stream_peak")
-        fits = ("yes" if r["peak"] <= cap else "with recompute" if redo and redo <= cap else
-                "streamed" if st and st <= cap else "no")
-        tail = (f"{st / gb:>10.2f}{r['host_bytes'] / gb:>7.1f}{r['copy_bytes'] / gb:>7.1f}{r['hidden']:>8.0%}"
-                if st is not None else f"{'-':>10}{'-':>7}{'-':>7}{'-':>8}")
-        lines.append(f"{r['name']:<9}{f'{lo}-{hi}':>8}{r['trainable_params'] / 1e6:>10.0f}M"
-                     + "".join(f"{r[c] / gb:>12.2f}" for c in COLS) + f"{r['peak'] / gb:>9.2f}"
-                     + (f"{redo / gb:>11.2f}" if redo is not None else f"{'-':>11}") + tail + f"  {fits}")
+             f"{res['optim']}. A {res['gpu_gb']:g} GB card: {b['line']}.",
+             f"Each visit as the run holds it (bcd.recompute={res['recompute']}, train.offload={res['offload']}, "
+             f"{res['stream_window']} stream slots): the layers it trains and holds, predicted GB of one training step "
+             f"at its peak, how it holds its frozen layers, the pinned host GB and GB copied per step of those that "
+             f"stream, the step's seconds all resident and as held (compute at {res['tflops']:g} TFLOP/s, copies at "
+             f"{res['pcie_gbs']:g} GB/s), the overhead, and the tokens per step from which the copies hide.", "",
+             f"bcd.blocks={res['blocks']} (this config):"]
+    lines += _table(res["visits"], res["full"], cap)
+    rec = res["recommendation"]
+    if rec["blocks"] is not None and rec["blocks"] != res["blocks"]:
+        lines += ["", f"bcd.blocks={rec['blocks']} (recommended):"]
+        lines += _table(rec["visits"], None, cap)
     if "per_gpu" in res:
-        lines.append("per GPU, worst visit: " + ", ".join(f"{m} {v / gb:.2f}" for m, v in res["per_gpu"].items()))
-    lines.append(res["recommendation"]["line"])
+        lines.append("per GPU, worst visit: " + ", ".join(f"{m} {v / 1e9:.2f}" for m, v in res["per_gpu"].items()))
+    lines += ["", rec["line"]]
     return "\n".join(lines)
 
 
@@ -116,8 +152,12 @@ def cmd_plan_memory(args) -> int:
 
     if not args.gpu_gb > 0:
         raise BadInput(f"--gpu-gb: must be a positive number of GB, got {args.gpu_gb:g}")
-    if not args.pcie_gbs > 0 or not args.tflops > 0:
-        raise BadInput(f"--pcie-gbs/--tflops: must be positive, got {args.pcie_gbs:g} and {args.tflops:g}")
-    res = plan(load_config(args.config, args.set), args.gpu_gb, args.pcie_gbs, args.tflops)
+    for flag, v in (("--pcie-gbs", args.pcie_gbs), ("--tflops", args.tflops)):
+        if v is not None and not v > 0:
+            raise BadInput(f"{flag}: must be positive, got {v:g}")
+    sets = list(args.set or [])
+    sets += [f"train.pcie_gbs={args.pcie_gbs}"] if args.pcie_gbs else []
+    sets += [f"train.tflops={args.tflops}"] if args.tflops else []
+    res = plan(load_config(args.config, sets), args.gpu_gb)
     print(json.dumps(res, indent=2) if args.json else table(res))
     return 0

@@ -147,7 +147,7 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
         first_loss=tr.first_loss, train_loss=tr.train_loss, val_loss=ev.val_loss, val_ppl=ev.val_ppl, rate=tr.rate,
         moments=tr.moments_file, expanded=tr.suffix_norms,
         val_points=[(state.steps + s, v) for s, v in tr.val_points], tokens_per_s=tr.tokens / max(tr.seconds, 1e-9),
-        peak_mem_bytes=tr.peak_mem_bytes, preinfer_seconds=preinfer_s, train_seconds=tr.seconds,
+        peak_mem_bytes=tr.peak_mem_bytes, peak_reserved_bytes=tr.peak_reserved_bytes, preinfer_seconds=preinfer_s, train_seconds=tr.seconds,
         eval_seconds=ev.seconds, seconds=seconds, **cost, cum_spend_usd=state.spend_usd + cost["spend_usd"])
     lease.check()  # still ours: nobody took this visit over while it trained
     commit_visit(cfg, run_id, record, tr.block_file, fence, tr.suffix_files)

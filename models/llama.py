@@ -70,7 +70,15 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
+        gqa = self.n_kv != self.n_head
+        if gqa and q.dtype == torch.float32:
+            # on CUDA flash attention needs bf16/fp16 and the memory-efficient kernel takes no GQA: fp32 with
+            # enable_gqa would fall to the math kernel and its (B, nh, T, T) scores. Repeating K/V (what GQA means)
+            # keeps it on the efficient kernel, at (B, nh, T, hd) per layer instead (models/memory.py counts it); the
+            # CPU takes the same path, so the planner's CPU checks see what a GPU holds
+            k, v = (t.repeat_interleave(self.n_head // self.n_kv, dim=1) for t in (k, v))
+            gqa = False
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).contiguous().view(B, T, C))
 
 

@@ -37,12 +37,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Collection, Iterable, Sequence
 
 from bcdflow.models.base import loss_chunk_rows
 from bcdflow.models.build import model_plan, param_shapes
 from bcdflow.models.config import ModelConfig
 from bcdflow.models.plan import Plan
+from bcdflow.models.stream import Schedule, SlotPlan, layer_bytes
 
 GB = 1e9
 PARTS = ("weights", "grads", "optim", "activations", "logits", "input", "temporaries")
@@ -67,12 +68,17 @@ class Estimate:
     """Every trainable gradient (``grads`` is what exists at the peak: in forward only the head's)."""
     recompute: bool = False
     streamed_layers: int = 0
-    """Frozen layers kept in host memory and copied in ``window`` at a time (``train.offload=stream``)."""
+    """Frozen layers kept in host memory and copied through ``window`` device slots (``train.offload``)."""
+    streamed: tuple[int, ...] = ()
+    frozen_layers: int = 0
+    """Frozen layers the visit holds (resident = ``frozen_layers - streamed_layers``)."""
+    layer_sizes: dict = field(default_factory=dict)
+    """Frozen layer -> (its weights' bytes on the device, its flat buffer's bytes when streamed)."""
     host_bytes: int = 0
     """Pinned host memory the streamed layers' weights take."""
     copy_bytes: int = 0
-    """Bytes copied host -> device per step: each streamed layer in for the forward and, on the gradient path, again
-    for the backward (an upper bound: the window keeps the top layer between the two)."""
+    """Bytes copied host -> device per step, in the steady state of the stream's slot plan (models/stream.SlotPlan:
+    a layer still in a slot from its last use is not copied again)."""
     phase: str = ""
     """Where the peak falls: ``forward`` (the forward's end: the loss chunk), ``backward layer i`` or ``optimizer``."""
     expand_params: int = 0
@@ -125,6 +131,8 @@ def _layer_act(st: Step, kind: str) -> int:
     attention log-sum-exp (4 B per head)."""
     c = st.cfg
     C, F, K, s, r = c.d_model, c.ffn_dim, c.kv_heads * c.head_dim, st.s, 4
+    if s == 4:  # fp32 attention repeats grouped K/V to the query heads (models/llama.py): it keeps them C wide
+        K = C
     if kind == "recompute":
         return r * C
     stats = (16 if c.family == "gpt" else 8) + 4 * c.n_head
@@ -171,12 +179,38 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return dict(_shape_cache(cfg))
 
 
+def stream_uses(streamed: Sequence[int], grad_from: int | None, window: int, train: bool = True
+                ) -> list[tuple[int, bool, list[int]]]:
+    """One steady-state step of the stream's slot plan (models/stream.py): each use of a streamed layer in order as
+    (layer, in the backward, layers copied at that use), from the second of two simulated steps (the first fills
+    the slots)."""
+    sched, slots = Schedule(streamed, grad_from), SlotPlan(min(window, len(streamed)) or 1)
+    seq = sched.seq(train)
+    out = []
+    for rnd in range(2):
+        for p, i in enumerate(seq):
+            copies = [u for u, _ in slots.use(seq, p, i)]
+            if rnd:
+                out.append((i, p >= len(sched.fwd), copies))
+    return out
+
+
+def stream_traffic(streamed: Sequence[int], grad_from: int | None, window: int, sizes: dict[int, int]
+                   ) -> tuple[int, int]:
+    """Bytes copied host -> device in one steady-state training step: (forward, backward)."""
+    fwd = bwd = 0
+    for _, backward, copies in stream_uses(streamed, grad_from, window):
+        b = sum(sizes[u] for u in copies)
+        fwd, bwd = (fwd, bwd + b) if backward else (fwd + b, bwd)
+    return fwd, bwd
+
+
 def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int, seq: int,
                  precision: str = "fp32", optim: str = "adamw", recompute: bool = False, preinfer: bool = True,
                  chunk_rows: int | None = None, weight_decay: float = 1e-5, gpus: int = 1,
                  parallel: str = "single", shapes: dict | None = None, stream: bool = False,
                  window: int = 2, freeze: Sequence[str] = (), recompute_active: bool = False,
-                 expand_rank: int = 0) -> Estimate:
+                 streamed: Collection[int] | None = None, expand_rank: int = 0) -> Estimate:
     """Peak bytes of one step of block ``block``'s visit (``plan`` and ``block`` None: full training, every
     parameter trainable, the whole model held, fp32 master weights throughout).
 
@@ -184,7 +218,8 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     layers >= b; off, it holds the whole model and runs the prefix under no_grad. ``parallel``: ``ddp`` splits the
     batch over ``gpus`` processes (each holds every weight, gradient and moment of the visit); ``fsdp`` also
     shards weights, gradients and moments, and gathers one layer's weights at a time (two with prefetch).
-    ``stream``: the frozen layers held stay in host memory and at most ``window`` of them are on the device.
+    ``stream``: the frozen layers held stay in host memory and the device holds ``window`` slot buffers for them
+    (models/stream.py); ``streamed``: only these frozen layers do (partial residency: the rest stay on the device).
     ``freeze``: parameters no visit trains (``bcd.freeze``). ``recompute_active`` (``bcd.recompute=all``): the
     active block's layers keep only their input too, and run their forward again one at a time in backward.
     ``expand_rank`` (``bcd.expand``): low-rank adapters of that rank on every linear map of the layers after the
@@ -222,18 +257,25 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     shard = gpus if parallel == "fsdp" else 1
     weights = sum(wbytes(k) for k in held_names)
     layer_train_names = {_layer_of(k) for k in trainable if _layer_of(k) is not None}
-    streamed = [i for i in range(held_lo, n) if i not in layer_train_names] if stream and not full else []
+    frozen_held = [i for i in range(held_lo, n) if i not in layer_train_names] if not full else []
+    if streamed is None:
+        streamed = frozen_held if stream else []
+    elif not set(streamed) <= set(frozen_held):
+        raise ValueError(f"streamed layers {sorted(set(streamed) - set(frozen_held))} are not frozen layers held")
+    streamed = sorted(streamed)
     held_by_layer: dict[int | None, list[str]] = {}
     for k in held_names:
         held_by_layer.setdefault(_layer_of(k), []).append(k)
-    per_layer = {i: sum(wbytes(k) for k in held_by_layer.get(i, ())) for i in streamed}
-    host_bytes = sum(per_layer.values())
-    copy_bytes = sum(b * (2 if i >= lo else 1) for i, b in per_layer.items())  # the prefix [0, lo): forward only
-    if streamed:
-        weights += min(window, len(streamed)) * max(per_layer.values()) - host_bytes
+    sizes = {i: (sum(wbytes(k) for k in held_by_layer.get(i, ())),  # (bytes, flat bytes as the stream allocates)
+                 layer_bytes(wbytes(k) for k in held_by_layer.get(i, ()))) for i in frozen_held}
+    flat = {i: sizes[i][1] for i in streamed}
+    host_bytes = sum(flat.values())
+    copy_bytes = sum(stream_traffic(streamed, lo, window, flat))
+    if streamed:  # the streamed layers' weights leave the device; ``window`` slots of the largest take their place
+        weights += min(window, len(streamed)) * max(flat.values()) - sum(sizes[i][0] for i in streamed)
     if parallel == "fsdp":  # sharded, plus the largest layer gathered twice (current and prefetched)
-        layer_bytes = max((sum(wbytes(k) for k in held_by_layer.get(i, ())) for i in range(held_lo, n)), default=0)
-        weights = weights // shard + 2 * layer_bytes
+        largest = max((sum(wbytes(k) for k in held_by_layer.get(i, ())) for i in range(held_lo, n)), default=0)
+        weights = weights // shard + 2 * largest
     grads = 4 * train_numel // shard
     moments = {"adamw": 2, "sgd": 1}[optim]
     opt = 4 * moments * train_numel // shard
@@ -318,6 +360,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
                     held_params=sum(_numel(shapes[k]) for k in held_names), weights=weights, optim=opt, input=inp,
                     peak=best, grads_total=grads, recompute=recompute and not full and hi < n,
                     streamed_layers=len(streamed), host_bytes=host_bytes, copy_bytes=copy_bytes,
+                    streamed=tuple(streamed), frozen_layers=len(frozen_held), layer_sizes=sizes,
                     expand_params=expand_params,
                     **{k: parts[k] for k in ("activations", "logits", "grads", "temporaries", "phase")})
 
@@ -332,74 +375,126 @@ def plan_visits(cfg: ModelConfig, blocks: int, batch: int, seq: int, precision: 
             for b in range(len(plan))]
 
 
-@dataclass
-class Recommendation:
-    blocks: int | None
-    recompute: bool
-    worst_peak: int | None
-    full_peak: int
-    full_fits: bool
-    stream: bool = False
-    host_bytes: int = 0
-    """Pinned host memory the worst visit's streamed layers need (``stream``)."""
-    hint: str = ""
-
-    def line(self, gpu_bytes: float) -> str:
-        cap = f"{gpu_bytes / GB:g} GB"
-        if self.blocks is None:
-            return (f"no bcd.blocks fits {cap}: even one layer per block with recompute needs more (use more GPUs: "
-                    "train.gpus=N shards the visit, or a smaller train.batch_size)")
-        full = ("full training fits too" if self.full_fits else
-                f"full AdamW training does not fit ({self.full_peak / GB:.1f} GB)")
-        offload = (f" train.offload=stream ({self.host_bytes / GB:.1f} GB of pinned host memory)" if self.stream
-                   else "")
-        return (f"recommended: bcd.blocks={self.blocks} bcd.recompute={'on' if self.recompute else 'off'}{offload} "
-                f"(worst visit {self.worst_peak / GB:.1f} GB of {cap}; {full})")
+# -- the device budget ------------------------------------------------------------------------------------------
+CONTEXT_BYTES = int(0.5 * GB)
+"""What the CUDA context takes before the first tensor (0.3-0.6 GB with recent drivers and lazy module loading):
+counted when the budget starts from a card's size; a measured budget starts from what is free once it exists."""
+WORKSPACE_BYTES = int(0.5 * GB)
+"""What the planner does not see that is not fragmentation: kernel modules loaded lazily after the context exists
+(cuBLAS, cuBLASLt, attention: a few hundred MB), cuBLAS/cuBLASLt workspaces per stream and thread (the compute stream,
+autograd's backward thread, each pre-inference worker: up to 32 MiB each on Hopper, 4-8 MiB on Ada), attention
+scratch and the caching allocator's small-block pools."""
+FRAGMENTATION = 0.08
+"""Share of the free memory kept back for the caching allocator's block rounding and fragmentation (5-15% is typical
+of training; the streamed weights' slots are allocated once and do not fragment)."""
+NCCL_BYTES = int(0.5 * GB)
+"""NCCL's buffers and communicator per process, with several processes on one visit."""
 
 
-def recommend(cfg: ModelConfig, batch: int, seq: int, precision: str, gpu_bytes: float, optim: str = "adamw",
-              split: str = "params", preinfer: bool = True, stream: bool = True, window: int = 2,
-              **kw) -> Recommendation:
-    """The smallest block count whose every visit fits ``gpu_bytes``: resident without recompute when that fits at
-    this count, else with recompute (a forward of the frozen suffix), else (``stream``) with the frozen layers
-    streamed from host memory (PCIe copies), with and without recompute. More blocks cost more visits."""
-    full = visit_memory(cfg, None, None, batch, seq, precision, optim,
-                        **{k: v for k, v in kw.items() if k != "freeze"})  # full training trains everything
-    ways = [(False, False), (True, False)] + ([(False, True), (True, True)] if stream else [])
-    for m in range(1, cfg.n_layer + 1):
-        for recompute, streamed in ways:
-            est = plan_visits(cfg, m, batch, seq, precision, optim, recompute, split, preinfer, stream=streamed,
-                              window=window, **kw)
-            worst = max(e.peak for e in est)
-            if worst <= gpu_bytes:
-                return Recommendation(m, recompute, worst, full.peak, full.peak <= gpu_bytes, streamed,
-                                      max(e.host_bytes for e in est))
-    return Recommendation(None, True, None, full.peak, full.peak <= gpu_bytes)
+@dataclass(frozen=True)
+class Budget:
+    """What a visit may hold on one device: the memory free once the CUDA context exists, less a reserve for what
+    the planner does not model (workspaces, fragmentation, NCCL)."""
+    card: int
+    """The device's memory (``train.memory_gb`` or the CUDA device's total)."""
+    free: int
+    """Free once the context exists: measured on the device, or ``card - CONTEXT_BYTES``."""
+    reserve: int
+
+    @property
+    def usable(self) -> int:
+        return self.free - self.reserve
+
+    def line(self) -> str:
+        return (f"{self.usable / GB:.1f} GB usable of {self.card / GB:g} GB ({(self.card - self.free) / GB:.1f} GB "
+                f"CUDA context, {self.reserve / GB:.1f} GB reserve: workspaces and {FRAGMENTATION:.0%} for "
+                "fragmentation)")
 
 
-def step_flops(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int, seq: int,
-               preinfer: bool = True, freeze: Sequence[str] = ()) -> float:
-    """Matmul FLOPs of one step of a visit (``plan``/``block`` None: full training): forward 2 N P over the
-    weights it runs, input gradients 2 N P over those on the gradient path, weight gradients 2 N P over the
-    trainable ones (attention scores and the embedding lookup not counted): what a streamed copy hides behind."""
-    shapes = _shapes(cfg)
-    n, N = cfg.n_layer, batch * seq
-    lo, hi = (0, n) if block is None else plan[block].layers
-    trainable = set(shapes) if block is None else plan[block].trainable(freeze, cfg.tied)
-    start = lo if block is not None and plan[block].reads_activations(preinfer) else 0
-    mats = {k: _numel(v) for k, v in shapes.items() if len(v) >= 2 and not k.startswith(("wte.", "wpe."))}
-    head = cfg.vocab_size * cfg.d_model  # the (tied or not) head's matmul
-    run = sum(v for k, v in mats.items() if (_layer_of(k) or 0) >= start or _layer_of(k) is None) + head * cfg.tied
-    grad_path = sum(v for k, v in mats.items() if (_layer_of(k) is None or _layer_of(k) >= lo)) + head * cfg.tied
-    train = sum(v for k, v in mats.items() if k in trainable) + (head if cfg.tied and "wte.weight" in trainable
-                                                                 else 0)
-    return 2.0 * N * (run + grad_path + train)
+def device_budget(card: float, free: float | None = None, gpus: int = 1) -> Budget:
+    """The budget of a card of ``card`` bytes (``free``: measured after the context exists)."""
+    free = card - CONTEXT_BYTES if free is None else free
+    reserve = WORKSPACE_BYTES + FRAGMENTATION * free + (NCCL_BYTES if gpus > 1 else 0)
+    return Budget(int(card), int(free), int(reserve))
 
 
-def needs_recompute(cfg: ModelConfig, plan: Plan, block: int, batch: int, seq: int, precision: str,
-                    budget_bytes: float | None, **kw) -> bool:
-    """``bcd.recompute=auto``: recompute the frozen suffix when the visit as it is would not fit the budget."""
-    if budget_bytes is None:
-        return False
-    return visit_memory(cfg, plan, block, batch, seq, precision, **kw).peak > budget_bytes
+# -- no-grad passes: pre-inference and evaluation ----------------------------------------------------------------
+NO_BUDGET_TOKENS = 16384
+"""Tokens per no-grad forward where no device budget bounds it (the CPU)."""
 
+
+def _infer_token_bytes(cfg: ModelConfig, s: int) -> int:
+    """Bytes per token alive at the peak of one layer's no-grad forward: the fp32 residual in and out and the norm's
+    fp32 output (12 C), its cast for the projections, and the MLP's widest moment (LLaMA: silu(w1 x), w3 x and their
+    product, 3 F; GPT-2: c_fc's output and its gelu, 2 F) in the compute dtype."""
+    C, F = cfg.d_model, cfg.ffn_dim
+    return 12 * C + s * (C + (3 if cfg.family == "llama" else 2) * F)
+
+
+def no_grad_memory(cfg: ModelConfig, layers: tuple[int, int], embed: bool, head: bool, rows: int, seq: int,
+                   precision: str = "fp32", streamed: Collection[int] = (), window: int = 2,
+                   chunk_rows: int | None = None, shapes: dict | None = None) -> Estimate:
+    """Peak bytes of a no-grad forward of a model part (``RunContext.load_part`` with every weight frozen: the
+    pre-inference prefix ``(0, lo)`` with ``embed``, an evaluation model with ``head``) over ``rows`` rows; its
+    ``streamed`` layers in ``window`` slots. Nothing is saved for a backward, so the peak is the weights, the
+    input and one layer's (or the loss chunk's) temporaries."""
+    shapes = shapes or _shapes(cfg)
+    lo, hi = layers
+    s = 2 if precision == "bf16" else 4
+
+    def part(name: str) -> bool:
+        i = _layer_of(name)
+        if i is not None:
+            return lo <= i < hi
+        if name.startswith(("wte.", "wpe.")):
+            return embed or (name.startswith("wte.") and head and cfg.tied)
+        return head
+
+    def wbytes(name: str) -> int:
+        return _numel(shapes[name]) * (2 if precision == "bf16" and len(shapes[name]) >= 2 else 4)
+
+    names = [k for k in shapes if part(k)]
+    by_layer: dict[int, list[str]] = {}
+    for k in names:
+        if (i := _layer_of(k)) is not None:
+            by_layer.setdefault(i, []).append(k)
+    streamed = sorted(streamed)
+    flat = {i: layer_bytes(wbytes(k) for k in by_layer.get(i, ())) for i in streamed}
+    weights = sum(wbytes(k) for k in names)
+    if streamed:
+        weights += min(window, len(streamed)) * max(flat.values()) - sum(wbytes(k) for i in streamed
+                                                                           for k in by_layer.get(i, ()))
+    if cfg.family == "llama":
+        weights += 2 * 4 * cfg.n_ctx * cfg.head_dim // 2  # RoPE tables
+    N, C, V = rows * seq, cfg.d_model, cfg.vocab_size
+    inp = N * 16 if embed else N * (4 * C + 8)
+    layer = N * _infer_token_bytes(cfg, s) if hi > lo else 0
+    chunk = 0
+    if head:  # the loss over the vocabulary, a chunk of rows at a time (no input gradient without a backward)
+        r = min(N, loss_chunk_rows(V, chunk_rows))
+        chunk = N * 4 * C + r * V * (6 if precision == "bf16" else 4)
+    act = max(layer, chunk)
+    return Estimate(name=f"no-grad {lo}-{hi}", layers=layers, trainable_params=0,
+                    held_params=sum(_numel(shapes[k]) for k in names), weights=weights, input=inp, activations=act,
+                    peak=weights + inp + act, streamed_layers=len(streamed), streamed=tuple(streamed),
+                    host_bytes=sum(flat.values()), frozen_layers=hi - lo, phase="forward")
+
+
+def no_grad_rows(cfg: ModelConfig, layers: tuple[int, int], embed: bool, head: bool, seq: int, precision: str,
+                 room: float | None, limit: int, streamed: Collection[int] = (), window: int = 2,
+                 chunk_rows: int | None = None) -> int:
+    """Rows per no-grad forward: the most, up to ``limit``, whose peak (:func:`no_grad_memory`) fits ``room`` bytes;
+    without a budget (the CPU) :data:`NO_BUDGET_TOKENS` tokens; at least one row."""
+    if room is None:
+        return max(1, min(limit, NO_BUDGET_TOKENS // seq))
+
+    def peak(r: int) -> int:
+        return no_grad_memory(cfg, layers, embed, head, r, seq, precision, streamed, window, chunk_rows).peak
+
+    lo_r, hi_r = 1, max(1, limit)
+    if peak(hi_r) <= room:
+        return hi_r
+    while lo_r < hi_r:  # the peak grows with the rows: the largest that fits
+        mid = (lo_r + hi_r + 1) // 2
+        lo_r, hi_r = (mid, hi_r) if peak(mid) <= room else (lo_r, mid - 1)
+    return lo_r

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
+from datetime import timedelta
 from typing import Callable, Iterable
 
 import torch
@@ -135,17 +137,48 @@ def load_sharded(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
                 p.copy_(t)
 
 
+class Gathered:
+    """Whole tensors of sharded ones alive at once on their device, counted by finalizers (the FSDP checkpoint's
+    invariant: at most one beyond the shards, docs/DESIGN.md §10; tests read ``peak``)."""
+    live = peak = 0
+
+    @classmethod
+    def track(cls, t: torch.Tensor) -> torch.Tensor:
+        cls.live += 1
+        cls.peak = max(cls.peak, cls.live)
+        weakref.finalize(t.untyped_storage(), cls._freed)
+        return t
+
+    @classmethod
+    def _freed(cls) -> None:
+        cls.live -= 1
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a (possibly sharded) tensor as a new host tensor: a sharded one is gathered on its device,
+    copied out and its device copy freed before the next is gathered, so a checkpoint of a sharded visit never
+    holds more than one whole tensor on the device (every process calls it: a collective)."""
+    if not is_sharded(t):
+        return t.detach().to("cpu", copy=True).contiguous()
+    whole = Gathered.track(t.full_tensor())
+    out = torch.empty(whole.shape, dtype=whole.dtype, device="cpu")
+    out.copy_(whole)
+    del whole
+    return out
+
+
 def full_params(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Whole tensors of the given parameters on the host (gathered from the shards: every process calls it)."""
-    return {n: full(p.detach()).to("cpu").contiguous() for n, p in named}
+    """Whole tensors of the given parameters on the host, one gathered at a time (every process calls it)."""
+    return {n: to_host(p.detach()) for n, p in named}
 
 
 def full_optim_state(opt: torch.optim.Optimizer) -> dict:
-    """``opt.state_dict()`` with every sharded state tensor gathered whole: the one-process format (a collective)."""
+    """``opt.state_dict()`` with every state tensor whole on the host, one gathered at a time: the one-process format
+    (a collective). A block's AdamW moments (5.9 GB for Llama-3-8B's last block) never sit whole on the device."""
     sd = opt.state_dict()
     # sorted: each gather is a collective, so every process must gather the same tensors in the same order (the
     # entries of a state loaded from a checkpoint need not be in the order the process's own steps made them)
-    return {"state": {k: {n: full(v) if isinstance(v, torch.Tensor) else v for n, v in sorted(st.items())}
+    return {"state": {k: {n: to_host(v) if isinstance(v, torch.Tensor) else v for n, v in sorted(st.items())}
                       for k, st in sorted(sd["state"].items())},
             "param_groups": sd["param_groups"]}
 
@@ -175,7 +208,9 @@ class StopSync:
     def __init__(self, requested: Callable[[], bool]):
         self.requested = requested
         self.rank = world()[0]
-        self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        # on the host, with a long timeout: the processes also wait here (``barrier``) while rank 0 writes a
+        # multi-GB checkpoint to the store, which may outlast NCCL's 10-minute collective timeout
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
         self.t0 = time.perf_counter()
         self.now = 0.0
 

@@ -16,6 +16,11 @@ block 0's peak). The gradients are bitwise those without recompute (the same ker
 """
 from __future__ import annotations
 
+import contextlib
+import math
+from contextlib import contextmanager
+from typing import Callable, Collection
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -58,3 +63,74 @@ def visit_loss(model: Decoder, x: torch.Tensor, targets: torch.Tensor, lo: int, 
         again = recompute_active if i < hi else recompute
         h = checkpoint(layer, h, extra, use_reentrant=False) if again else layer(h, extra)
     return model.loss(h, targets, reduction)
+
+
+def block_grad_norms(model: Decoder, x: torch.Tensor, targets: torch.Tensor, owner: Callable[[str], int],
+                     blocks: Collection[int]) -> dict[int, float]:
+    """Gradient norm of each of ``blocks``'s parameters (``owner``: parameter name -> block) for the whole model's
+    loss on (x, targets), computed one layer at a time, so no more than one layer's gradients ever exist: a no-grad
+    forward keeps each layer's (B, T, C) input on the host, then the backward goes down the layers, each layer's
+    forward run again from its input with its weights requiring grad (a streamed layer's in its slot,
+    ``model.stream.pointed``). The values are those of one backward through the whole model (a tied embedding's two
+    gradients are added before the norm); only the embeddings and the head, which never stream, require grad, and
+    only for their own step."""
+    named = dict(model.named_parameters())
+    sq = {b: 0.0 for b in blocks}
+    stream = getattr(model, "stream", None)
+
+    def add(names: list[str], grads) -> None:
+        for k, g in zip(names, grads):
+            if owner(k) in sq:
+                sq[owner(k)] += float(g.float().pow(2).sum())
+
+    with torch.no_grad():
+        h = model.embed(x)
+        extra = model._layer_extra(x.size(1), h.device)
+        ins = []  # each layer's (B, T, C) input, on the host: the device holds one layer's worth at a time
+        for i in range(model.cfg.n_layer):
+            ins.append(h.to("cpu"))
+            h = model.h[str(i)](h, extra)
+    head = [k for k in named if k.startswith(("ln_f.", "lm_head."))] + (["wte.weight"] if model.cfg.tied else [])
+    head = [k for k in head if owner(k) in sq]
+    tied = None
+    with torch.enable_grad():
+        h = h.detach().requires_grad_()
+        with _requiring_grad([named[k] for k in head]) as ps:
+            g, *grads = torch.autograd.grad(model.loss(h, targets), [h, *ps])
+        if model.cfg.tied and "wte.weight" in head:
+            tied = grads.pop(head.index("wte.weight"))  # completed by the embedding's gradient below
+            head.remove("wte.weight")
+        add(head, grads)
+        for i in reversed(range(model.cfg.n_layer)):
+            layer = model.h[str(i)]
+            prefix = f"h.{i}."
+            want = any(owner(prefix + k) in sq for k, _ in layer.named_parameters())
+            names = [k for k, _ in layer.named_parameters()]
+            held = (stream.pointed(i, backward=True) if stream is not None and i in stream.layout else
+                    contextlib.nullcontext())
+            with held, _requiring_grad(list(layer.parameters()) if want else []) as ps:
+                inp = ins[i].to(h.device).requires_grad_()
+                out = layer.forward(inp, extra)  # not through the stream's hooks: the layer stays pointed
+                g, *grads = torch.autograd.grad(out, [inp, *ps], g)
+            add([prefix + k for k in names] if want else [], grads)
+            ins[i] = None
+        emb = [k for k in named if k.startswith(("wte.", "wpe.")) and owner(k) in sq]
+        if emb:
+            with _requiring_grad([named[k] for k in emb]) as ps:
+                grads = list(torch.autograd.grad(model.embed(x), ps, g))
+            if tied is not None:
+                grads[emb.index("wte.weight")] = grads[emb.index("wte.weight")] + tied
+            add(emb, grads)
+    return {b: math.sqrt(v) for b, v in sq.items()}
+
+
+@contextmanager
+def _requiring_grad(params: list[torch.nn.Parameter]):
+    """Resident parameters (embeddings, head) requiring grad for one ``autograd.grad``, then frozen again."""
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        yield params
+    finally:
+        for p in params:
+            p.requires_grad_(False)

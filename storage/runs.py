@@ -75,6 +75,8 @@ class VisitRecord(_Record):
     tokens_per_s: float
     peak_mem_bytes: int | None = None
     """Peak CUDA memory allocated by the training stage; None on the CPU."""
+    peak_reserved_bytes: int | None = None
+    """Peak CUDA memory the caching allocator reserved in the training stage (what the card held); None on the CPU."""
     preinfer_seconds: float = 0.0
     train_seconds: float = 0.0
     eval_seconds: float = 0.0

@@ -23,9 +23,9 @@ from pydantic import BaseModel
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.core import failpoints, preempt
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, memory_budget
+from bcdflow.core.context import RunContext
 from bcdflow.models.errors import Diverged
-from bcdflow.models.memory import needs_recompute
+from bcdflow.models.memory import no_grad_memory, no_grad_rows, visit_memory
 from bcdflow.models.plan import block_tensors
 from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
 from bcdflow.models.visit import autocast, prefix_hidden, visit_loss
@@ -49,6 +49,11 @@ class TrainResult(BaseModel):
     rows: int
     val_points: list[tuple[int, float]]
     peak_mem_bytes: int | None
+    """Peak device bytes allocated during the loop (CUDA)."""
+    peak_reserved_bytes: int | None = None
+    """Peak device bytes the caching allocator reserved (what the card held; CUDA)."""
+    alloc_retries: int | None = None
+    """Allocations that failed until the allocator freed its cache (CUDA; a fitting plan has none)."""
     block_file: dict
     recompute: bool = False
     """Whether the frozen suffix was recomputed in backward (bcd.recompute, or auto and the planner said so)."""
@@ -71,6 +76,16 @@ class TrainResult(BaseModel):
     def files(self, block: int) -> dict[int, dict]:
         """Every block file the visit of ``block`` wrote, by block: its own and the suffix blocks it changed."""
         return {block: self.block_file, **self.suffix_files}
+
+
+def device_peak(device: torch.device) -> tuple[int, int, int] | None:
+    """(peak allocated, peak reserved, allocation retries) of the CUDA caching allocator since its last reset; None
+    on the CPU. Reserved is what the card had to hold; a retry is an allocation that failed until the allocator
+    freed its cache (a synchronising, slow path): a visit that fits its plan has none."""
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device),
+            int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)))
 
 
 class EvalResult(BaseModel):
@@ -107,9 +122,21 @@ def counted(fetch: Callable) -> Callable:
     return fetch_counted
 
 
+def pinned(fetch: Callable, device: torch.device) -> Callable:
+    """``fetch`` whose tensors are page-locked (CUDA), in the reading thread: the copy to the device is then
+    asynchronous on the compute stream; from pageable memory it would be a staged, synchronous one."""
+    if device.type != "cuda":
+        return fetch
+
+    def fetch_pinned(a: int, b: int):
+        return tuple(t.pin_memory() if isinstance(t, torch.Tensor) and not t.is_pinned() else t for t in fetch(a, b))
+    return fetch_pinned
+
+
 def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> Iterator:
     """Read batch k+1 from the store while batch k trains (tensors of a batch go to the device, other items as
     they are)."""
+    fetch = pinned(fetch, torch.device(device))
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(fetch, *next(ranges))
         while True:
@@ -120,15 +147,18 @@ def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> It
 
 def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single",
                   expand: int = 0) -> bool:
-    """``bcd.recompute``: on, off, or (auto) on when the planner says the visit would not fit ``train.memory_gb``
-    (default: the CUDA device's memory; unlimited on the CPU); ``expand``: the visit's adapter rank."""
+    """``bcd.recompute``: on, off, or (auto) as the visit's holding chooses on one process (models/holding.py); on
+    several, on when a replica would not fit the budget without it (``expand``: the visit's adapter rank)."""
     if cfg.bcd.recompute != "auto":
         return cfg.bcd.recompute in ("on", "all")
-    budget = memory_budget(cfg, ctx.device)
-    return needs_recompute(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,
-                           cfg.train.precision, budget, optim=cfg.optim.name, preinfer=cfg.bcd.preinfer,
-                           chunk_rows=cfg.train.loss_chunk_rows, weight_decay=cfg.optim.weight_decay, gpus=gpus,
-                           parallel=parallel, expand_rank=expand)
+    if gpus == 1:
+        return ctx.holding(block).recompute
+    budget = ctx.budget()
+    return budget is not None and visit_memory(
+        ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len, cfg.train.precision,
+        cfg.optim.name, preinfer=cfg.bcd.preinfer, chunk_rows=cfg.train.loss_chunk_rows,
+        weight_decay=cfg.optim.weight_decay, gpus=gpus, parallel=parallel, freeze=cfg.bcd.freeze,
+        expand_rank=expand).peak > budget
 
 
 def compile_layers(model) -> None:
@@ -144,27 +174,41 @@ def diverged_message(cfg: RunConfig, run_id: str, cycle: int, block: int, e: Div
             f"bcdflow train --run-id {run_id} --set optim.lr=... (and the run's other settings)")
 
 
-def val_batches(ds: TokenDataset, cfg: RunConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first ``train.eval_rows`` validation rows as (B, T) inputs and targets, in evaluation batches."""
+def val_batches(ds: TokenDataset, cfg: RunConfig, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``train.eval_rows`` validation rows as (B, T) inputs and targets, in batches of ``rows``."""
     inputs, targets = ds.val_pairs(cfg.train.eval_rows)
-    rows = cfg.train.eval_batch_size or cfg.train.batch_size
     return list(zip(inputs.split(rows), targets.split(rows)))
 
 
-def visit_val_batches(cfg: RunConfig, ctx: RunContext, version: int, block: int) -> list[tuple[torch.Tensor,
-                                                                                              torch.Tensor]]:
+def visit_eval_rows(ctx: RunContext, vs: "VisitSpec") -> int:
+    """Rows per validation forward inside a visit: ``train.eval_batch_size``, else the most whose no-grad pass fits
+    in what a training step holds beyond the visit's weights, optimizer state and input (free between steps), or
+    (no budget: the CPU) 16k tokens; up to ``train.eval_rows``."""
+    t = ctx.cfg.train
+    if t.eval_batch_size:
+        return t.eval_batch_size
+    room = None
+    if ctx.budget() is not None:  # a step's input and temporaries, free between steps; the pass adds its weights
+        est = ctx.holding(vs.block).estimate
+        room = est.input + est.activations + est.logits + est.temporaries + no_grad_memory(
+            ctx.model_cfg, vs.layers, vs.embed, True, 1, ctx.dataset.seq_len, t.precision, vs.streamed,
+            t.stream_window, t.loss_chunk_rows).weights
+    return no_grad_rows(ctx.model_cfg, vs.layers, vs.embed, True, ctx.dataset.seq_len, t.precision, room, t.eval_rows,
+                        vs.streamed, t.stream_window, t.loss_chunk_rows)
+
+
+def visit_val_batches(cfg: RunConfig, ctx: RunContext, vs: "VisitSpec") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """What a visit validates on within itself (``bcd.eval_every``): the validation batches or, for a visit
     trained from stored activations (whose model starts at its block), the frozen prefix's hidden states of them,
     computed once (the prefix is frozen for the whole visit) and rounded as the stored activations are; kept in
     CPU memory (eval_rows × T × d_model × the activation dtype's bytes)."""
-    batches = val_batches(ctx.dataset, cfg)
-    if not ctx.from_acts(block):
+    batches = val_batches(ctx.dataset, cfg, visit_eval_rows(ctx, vs))
+    if not vs.from_acts:
         return batches
-    lo = ctx.plan[block].layers[0]
-    prefix = ctx.frozen_prefix(version, block)  # pre-inference's, where this process ran it
+    prefix = ctx.frozen_prefix(vs.version, vs.block)  # pre-inference's, where this process ran it
     dtype = getattr(torch, cfg.bcd.act_dtype)
     with torch.inference_mode(), autocast(ctx.device, cfg.train.precision):
-        return [(prefix_hidden(prefix, x.to(ctx.device), lo).to("cpu", dtype), y) for x, y in batches]
+        return [(prefix_hidden(prefix, x.to(ctx.device), vs.lo).to("cpu", dtype), y) for x, y in batches]
 
 
 @torch.no_grad()
@@ -172,16 +216,16 @@ def evaluate_model(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                    batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: RunConfig, device) -> float:
     """Token-weighted mean validation loss over ``batches`` (``loss_of(x, y)``: a batch's mean loss); with a loss
     mask (supervised formats) over the trained (completion) tokens only."""
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     for x, y in batches:
-        n = int((y != IGNORE_INDEX).sum())
+        n = int((y != IGNORE_INDEX).sum())  # counted on the host, where the batch is
         if n == 0:  # a batch without a trained token has no loss (cross-entropy of nothing is NaN)
             continue
         with autocast(device, cfg.train.precision):
             loss = loss_of(x.to(device).float() if x.is_floating_point() else x.to(device), y.to(device))
-        total += float(loss) * n
+        total += loss.detach().double() * n  # summed on the device: one host sync for the whole pass
         count += n
-    return total / count if count else float("nan")
+    return float(total) / count if count else float("nan")
 
 
 def optimizer_tensors(state: dict, names: list[str]) -> dict[str, torch.Tensor]:
@@ -252,7 +296,7 @@ def describe(ctx: RunContext, cycle: int, block: int, version: int, gpus: int = 
         run_id=ctx.run_id, cycle=cycle, block=block, version=version, lo=lo, hi=hi, n_layer=ctx.model_cfg.n_layer,
         from_acts=from_acts, active=frozenset(ctx.trainable(block)), recompute=recompute,
         recompute_active=cfg.bcd.recompute == "all",
-        streamed=tuple(ctx.frozen_layers(block)) if gpus == 1 and ctx.streams(block) else (),
+        streamed=ctx.holding(block).streamed if gpus == 1 else (),
         exact=gpus == 1 and (not from_acts or cfg.bcd.act_dtype == "float32"), expand=expand)
 
 
@@ -294,7 +338,8 @@ class Resident:
         self.ctx, self.vs, self.device = ctx, vs, ctx.device
         cfg = ctx.cfg
         self.model = ctx.load_part(ctx.manifest(vs.version), vs.layers, embed=vs.embed, head=True,
-                                   trainable=vs.active, stream=vs.streamed)  # bf16: frozen matrices in bf16 (I6)
+                                   trainable=vs.active, stream=vs.streamed,
+                                   grad_from=vs.lo)  # bf16: frozen matrices in bf16 (I6)
         self.named = prepare_model(self.model, vs.active, cfg.train.loss_chunk_rows, cfg.train.compile)
         self.module = self.model  # what evaluation switches to eval mode and back
         self.loss = visit_step_loss(self.model, vs, self.device, cfg.train.precision)
@@ -328,12 +373,12 @@ class Resident:
     def barrier(self) -> None:
         pass
 
-    def peak(self) -> int | None:
-        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+    def peak(self) -> tuple[int, int, int] | None:
+        return device_peak(self.device)
 
     def close(self) -> None:
         if self.model.stream:
-            self.model.stream.release()
+            self.model.stream.close()
 
 
 def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None = None, progress=None,
@@ -347,9 +392,20 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
     cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
     # the validation rows as this visit's model sees them (the prefix's states where it starts at its block): the
     # new version's validation loss is this model's on them, so the visit needs no reload of the whole model
-    val = visit_val_batches(cfg, ctx, vs.version, block) if cfg.bcd.eval_every or vs.exact else []
+    val = visit_val_batches(cfg, ctx, vs) if cfg.bcd.eval_every or vs.exact else []
     ctx.release_prefix()  # before the visit's model loads: the two are never held at once
     held = hold(ctx, vs)
+    try:
+        return _train_held(ctx, vs, held, val, track=track, progress=progress, global_step=global_step,
+                           min_rate=min_rate, moments=moments)
+    finally:
+        held.close()  # its device slots and page-locked buffers go whatever ends the visit
+
+
+def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: TrackTarget | None, progress,
+                global_step: int, min_rate: float | None, moments: dict | None) -> TrainResult:
+    """The body of :func:`run_visit` once its model is held."""
+    cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
     names, params = [n for n, _ in held.named], [p for _, p in held.named]
     # bcd.expand: adapters on the suffix's linear maps, beside the model (a distributed holding registers its own
     # before DDP wraps the step, so DDP reduces their gradients)
@@ -367,8 +423,9 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
     on_window = window_logger(track, cfg.bcd.eval_every, held.module,  # every process evaluates: collectives
                               lambda: evaluate_model(held.eval_loss, val, cfg, device), val_points)
 
-    if device.type == "cuda":
+    if device.type == "cuda":  # the loop's own peaks and retries (the loaded model counts in both)
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
     spec = cfg.optim_spec(block)
     opt = make_optimizer(params, spec)
     if adapters is not None:
@@ -443,10 +500,10 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
                 suffix_files, suffix_norms = merge(ctx, vs, adapters)
     if adapters is not None:
         adapters.detach()
-    held.close()
     return TrainResult(
         steps=res.steps, first_loss=res.losses[0] if res.losses else float("nan"), train_loss=res.final_loss,
         stopped_by=res.stopped_by, seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows),
-        val_points=val_points, peak_mem_bytes=peak, block_file=block_file, recompute=vs.recompute, gpus=held.world,
+        val_points=val_points, peak_mem_bytes=peak and peak[0], peak_reserved_bytes=peak and peak[1],
+        alloc_retries=peak and peak[2], block_file=block_file, recompute=vs.recompute, gpus=held.world,
         streamed=len(vs.streamed), rate=res.rate, moments_file=moments_file, val_loss=val_loss, eval_seconds=eval_s,
         suffix_files=suffix_files, suffix_norms=suffix_norms)

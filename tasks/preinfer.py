@@ -33,20 +33,30 @@ def plan_shards(ctx: RunContext, cycle: int, block: int) -> list[int]:
 
 @task(name="preinfer-shard", task_run_name="shard-{shard}", **retrying())
 def preinfer_shard(ctx: RunContext, cycle: int, block: int, version: int, shard: int) -> dict:
-    """Compute and write one shard: the frozen prefix over the shard's rows, batch by batch."""
+    """Compute and write one shard: the frozen prefix over the shard's rows, batch by batch at the prefix's no-grad
+    batch (``RunContext.preinfer_rows``), its states copied asynchronously into a page-locked host buffer."""
     cfg = ctx.cfg
     lo = shard * cfg.bcd.shard_rows
     rows = visit_rows(cfg, ctx.dataset.n_train, cycle, block)[lo:lo + cfg.bcd.shard_rows]
     prefix = ctx.frozen_prefix(version, block)
     inputs, targets = ctx.dataset.train_pairs(rows)  # (n, T) each; masked targets are -100
     layer = ctx.plan[block].layers[0]
-    with torch.inference_mode(), autocast(ctx.device, cfg.train.precision):
-        hidden = [prefix_hidden(prefix, x.to(ctx.device), layer).float().cpu()  # (B, T, C)
-                  for x in inputs.split(cfg.train.batch_size)]
-    failpoints.hit("preinfer-computed")
-    # the targets go with the activations, mask included: the visit trains from this group alone
-    marker = activations.write_shard(ctx.store, ctx.acts_key(cycle, block), shard, torch.cat(hidden),
-                                     targets.int())
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        inputs = inputs.pin_memory()  # (n, T) int64: a few MB; the copies below are then asynchronous
+    step = ctx.preinfer_rows(block)  # the no-grad batch: the most rows that fit the device, not the training batch
+    with ctx.staging((len(rows), ctx.dataset.seq_len, ctx.model_cfg.d_model)) as hidden:  # (n, T, C) on the host
+        # one shard computes at a time: shard tasks share the prefix (its stream, a batch's worth of memory); the
+        # other writes its shard to the store meanwhile
+        with ctx.prefix_lock, torch.inference_mode(), autocast(ctx.device, cfg.train.precision):
+            for a in range(0, len(rows), step):  # each batch's states copied out without a host sync
+                x = inputs[a:a + step].to(ctx.device, non_blocking=True)
+                hidden[a:a + step].copy_(prefix_hidden(prefix, x, layer).float(), non_blocking=True)
+            if cuda:
+                torch.cuda.current_stream(ctx.device).synchronize()  # once per shard: the states are on the host
+        failpoints.hit("preinfer-computed")
+        # the targets go with the activations, mask included: the visit trains from this group alone
+        marker = activations.write_shard(ctx.store, ctx.acts_key(cycle, block), shard, hidden, targets.int())
     failpoints.hit("preinfer-shard")
     return marker
 

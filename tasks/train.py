@@ -12,13 +12,14 @@ import math
 import time
 
 import numpy as np
-import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from bcdflow.core.context import RunContext
 from bcdflow.errors import BadInput
 from bcdflow.models.errors import Diverged
+from bcdflow.models.holding import probe_bytes
+from bcdflow.models.visit import autocast, block_grad_norms
 from bcdflow.tasks import preemption
 from bcdflow.tasks.data import sample_rows
 from bcdflow.tasks.engine import (EvalResult, Resident, TrainResult, describe, diverged_message, evaluate_model,
@@ -55,26 +56,44 @@ def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: Tr
 
 @task(name="evaluate", **retrying(2))
 def evaluate_version(ctx: RunContext, base_version: int, changed: dict[int, dict] | None = None) -> EvalResult:
-    """Validation loss and perplexity of version ``base_version`` with ``changed`` blocks replaced."""
+    """Validation loss and perplexity of version ``base_version`` with ``changed`` blocks replaced, the whole model
+    held within a visit's device budget (its layers resident where they fit, the rest streamed: the evaluation
+    after a visit on several GPUs loads no more than one of them holds) at its no-grad batch."""
     cfg = ctx.cfg
     manifest = ctx.manifest(base_version)
     manifest = {**manifest, "blocks": {**manifest["blocks"], **{str(b): f for b, f in (changed or {}).items()}}}
-    model = ctx.load_part(manifest, (0, ctx.model_cfg.n_layer), True, True, trainable=()).eval()  # bf16: all bf16
+    n = ctx.model_cfg.n_layer
+    streamed, rows = ctx.no_grad_pass((0, n), True, True, cfg.train.eval_rows, cfg.train.eval_batch_size)
+    model = ctx.load_part(manifest, (0, n), True, True, trainable=(), stream=streamed).eval()  # bf16: all bf16
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
     t0 = time.perf_counter()
-    loss = evaluate_model(model, val_batches(ctx.dataset, cfg), cfg, ctx.device)
+    try:
+        loss = evaluate_model(model, val_batches(ctx.dataset, cfg, rows), cfg, ctx.device)
+    finally:
+        if model.stream is not None:
+            model.stream.close()
     return EvalResult(val_loss=loss, val_ppl=math.exp(min(loss, 50)), seconds=time.perf_counter() - t0)
 
 
 @task(name="choose-block", cache_policy=NO_CACHE)
 def choose_block(ctx: RunContext, version: int, cycle: int, candidates: list[int]) -> int:
-    """The candidate block with the largest gradient norm on a probe batch (docs/DESIGN.md §2, order greedy)."""
+    """The candidate block with the largest gradient norm on a probe batch (docs/DESIGN.md §2, order greedy): the
+    whole model held frozen as an evaluation holds it (streamed where it does not fit), the gradients taken one layer
+    at a time (models/visit.block_grad_norms), never every gradient of the model at once."""
     cfg = ctx.cfg
-    model = ctx.load_part(ctx.manifest(version), (0, ctx.model_cfg.n_layer), True, True)
+    n, B = ctx.model_cfg.n_layer, cfg.train.batch_size
+    extra = probe_bytes(ctx.model_cfg, B, ctx.dataset.seq_len, cfg.train.precision)  # one layer's backward at a time
+    streamed, _ = ctx.no_grad_pass((0, n), True, True, B, B, extra=extra)
+    model = ctx.load_part(ctx.manifest(version), (0, n), True, True, trainable=(), stream=streamed,
+                          grad_from=0).eval()
+    model.loss_chunk_rows = cfg.train.loss_chunk_rows
     probe = sample_rows(ctx.dataset.n_train, 1.0, cfg.seed, cycle, 10_000 + version)[: cfg.train.batch_size]
     x, y = ctx.dataset.train_pairs(np.sort(probe))
-    model(x.to(ctx.device), y.to(ctx.device)).backward()
-    grads = dict(model.named_parameters())
-    norms = {b: float(torch.sqrt(sum((grads[n].grad.float() ** 2).sum() for n in ctx.trainable(b))))
-             for b in candidates}
+    try:
+        with autocast(ctx.device, cfg.train.precision):
+            trains = {k: b for b in candidates for k in ctx.trainable(b)}  # bcd.freeze's parameters count nothing
+            norms = block_grad_norms(model, x.to(ctx.device), y.to(ctx.device), trains.get, candidates)
+    finally:
+        if model.stream is not None:
+            model.stream.close()
     return max(candidates, key=lambda b: (norms[b], -b))

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from bcdflow.core import preempt
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, check_gpus, memory_budget
+from bcdflow.core.context import RunContext, check_gpus
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.models import build_model
 from bcdflow.models import parallel as par
@@ -46,7 +46,8 @@ from bcdflow.storage import checkpoints
 from bcdflow.storage.lease import lost_lease
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.tasks import preemption
-from bcdflow.tasks.engine import TrainResult, VisitSpec, describe, diverged_message, prepare_model, run_visit
+from bcdflow.tasks.engine import (TrainResult, VisitSpec, describe, device_peak, diverged_message, prepare_model,
+                                  run_visit)
 from bcdflow.tasks.expand import suffix_adapters
 from bcdflow.tasks.progress import visit_progress
 from bcdflow.tracking.tracker import TrackTarget
@@ -183,15 +184,15 @@ def choose_parallel(cfg: RunConfig, ctx: RunContext, block: int, world: int, rec
     fits ``train.memory_gb``; else fsdp, which a visit with adapters (``expand``: their rank) cannot take."""
     if cfg.train.parallel != "auto":
         return cfg.train.parallel
-    budget = memory_budget(cfg, ctx.device)
+    budget = ctx.budget()  # with NCCL's buffers in the reserve
     if budget is None:
         return "ddp"
     est = visit_memory(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,
                        cfg.train.precision, cfg.optim.name, recompute, cfg.bcd.preinfer,
                        chunk_rows=cfg.train.loss_chunk_rows, weight_decay=cfg.optim.weight_decay, gpus=world,
-                       parallel="ddp", expand_rank=expand)
+                       parallel="ddp", freeze=cfg.bcd.freeze, expand_rank=expand)
     if est.peak > budget and expand:
-        raise ConfigError(f"bcd.expand: a replica of block {block}'s visit does not fit train.memory_gb "
+        raise ConfigError(f"bcd.expand: a replica of block {block}'s visit does not fit the device "
                           f"({est.peak / 1e9:.1f} GB predicted) and FSDP does not shard the adapters; set "
                           "bcd.expand=off, or more blocks, or bcd.recompute=on")
     return "ddp" if est.peak <= budget else "fsdp"
@@ -272,13 +273,14 @@ class Distributed:
         return par.full_params([(n, p) for n, p in self.model.named_parameters() if n in owned])
 
     def barrier(self):
-        dist.barrier()
+        dist.barrier(group=self.sync.group)  # the host group: rank 0 may be writing a checkpoint for minutes
 
     def peak(self):
-        cuda = self.device.type == "cuda"
-        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device) if cuda else 0], dtype=torch.float64)
+        """The largest (allocated, reserved, retries) of any process (CUDA), from one all-reduce on the host group."""
+        mine = device_peak(self.device)
+        peak = torch.tensor(mine or (0, 0, 0), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.sync.group)
-        return int(peak.item()) if cuda else None
+        return tuple(int(v) for v in peak.tolist()) if mine is not None else None
 
     def close(self):
         pass

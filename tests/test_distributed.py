@@ -21,7 +21,7 @@ from bcdflow.core.context import RunContext
 from bcdflow.storage import checkpoints
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
-from bcdflow.tasks.train import train_block
+from bcdflow.tasks.train import evaluate_version, train_block
 from tests.test_invariants import new_run
 
 pytestmark = pytest.mark.slow
@@ -66,6 +66,10 @@ def test_two_processes_give_the_one_process_weights(tiny_cfg, mode, block, famil
     assert (out.gpus, out.steps, out.tokens, out.stopped_by) == (2, ref.steps, ref.tokens, "max_steps")
     assert abs(out.train_loss - ref.train_loss) <= 1e-6
     assert max_diff(block_of(one, block, ref.block_file), block_of(one, block, out.block_file)) <= 1e-6
+    # the evaluation that follows a visit on several processes (the whole model, held within one device's budget)
+    # gives the one-process visit's own validation loss
+    whole = evaluate_version.fn(RunContext.of(two, "r", ds), 0, {block: out.block_file}).val_loss
+    assert ref.val_loss is not None and abs(whole - ref.val_loss) <= 1e-5, (whole, ref.val_loss)
 
 
 def test_masked_targets_and_a_ragged_batch_keep_the_global_mean(tiny_cfg):

@@ -202,7 +202,7 @@ def test_masked_loss_and_evaluation_count_completion_tokens_only(tmp_path, tok_d
     with torch.no_grad():
         assert abs(float(model(x, y)) - by_hand) < 1e-5  # the training loss (one batch)
     cfg = tiny_cfg("train.batch_size=3", f"train.eval_rows={ds.n_val}")  # uneven batches: token weighting
-    assert abs(evaluate_model(model, val_batches(ds, cfg), cfg, torch.device("cpu")) - by_hand) < 1e-5
+    assert abs(evaluate_model(model, val_batches(ds, cfg, 3), cfg, torch.device("cpu")) - by_hand) < 1e-5
     every = torch.from_numpy(ds.val_rows()[:, 1:]).long()
     assert abs(F.cross_entropy(logits.flatten(0, 1), every.flatten()).item() - by_hand) > 1e-3
 
