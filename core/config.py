@@ -183,6 +183,11 @@ class BcdSection(_Section):
     """The adapters' learning rate (warmed up and decayed as the block's); None = the block's own (``optim.lr`` ×
     its ``bcd.lr_scales`` entry)."""
 
+    @field_validator("expand", mode="before")
+    @classmethod
+    def _expand_off(cls, v):
+        return "off" if v is False else v  # YAML reads off as false
+
     @field_validator("recompute", mode="before")
     @classmethod
     def _on_off(cls, v):

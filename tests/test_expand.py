@@ -157,6 +157,7 @@ def test_config_refuses_what_the_adapters_cannot_run_with():
     with pytest.raises(ConfigError, match=r"bcd\.expand_rank"):
         load_config(sets=["bcd.expand_rank=0"])
     load_config(sets=["bcd.expand=lora", "train.gpus=2", "train.parallel=auto"])  # auto takes ddp
+    assert load_config(sets=["bcd.expand=off"]).bcd.expand == "off"  # YAML reads off as false
 
 
 def test_adapters_start_at_zero_and_never_enter_the_models_parameters():
@@ -269,3 +270,17 @@ def test_an_expanded_visit_killed_mid_visit_resumes_bitwise(prefect_api_url, tmp
     got, want = runs.read_state(Store(store), "k").visits, runs.read_state(Store(ref), "k").visits
     assert [v.resumed_at for v in got] == [4, 0, 0]
     assert [v.expanded for v in got] == [v.expanded for v in want] and set(got[0].expanded) == {1, 2}
+
+
+def test_plan_memory_counts_the_adapters(capsys):
+    """``bcdflow plan-memory`` with ``bcd.expand=lora``: Llama-3-8B's shape on a 24 GB card needs one block more
+    (9, not 8) once every visit also holds rank-16 adapters and what their backward keeps."""
+    from bcdflow.flows.cli import main
+
+    base = ["plan-memory", "--set", "model.from_hf=benchmarks/shapes/llama-3-8b", "--set", "train.batch_size=2",
+            "--set", "data.seq_len=1024", "--set", "train.precision=bf16", "--gpu-gb", "24"]
+    lines = {}
+    for expand in ("off", "lora"):
+        assert main([*base, "--set", f"bcd.expand={expand}", "--set", "bcd.expand_rank=16"]) == 0
+        lines[expand] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("recommended:")]
+    assert "bcd.blocks=8 " in lines["off"][0] and "bcd.blocks=9 " in lines["lora"][0], lines
