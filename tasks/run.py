@@ -17,7 +17,7 @@ import torch
 from prefect import task
 
 from bcdflow.core import failpoints, hf
-from bcdflow.core.config import RunConfig
+from bcdflow.core.config import RunConfig, with_former_defaults
 from bcdflow.core.context import RunContext, open_store
 from bcdflow.models import build_model
 from bcdflow.models.errors import ConfigError
@@ -69,7 +69,7 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
         resolved["hf"] = hf.record(ck, mcfg)
     state = runs.read_state(store, run_id)
     if state is not None:
-        old = _normalized(runs.read_config(store, run_id))
+        old = _normalized(with_former_defaults(runs.read_config(store, run_id)))
         old.setdefault("format", 1)
         diff = [k for k in IDENTITY if _pick(old, k) != _pick(resolved, k)]
         if "format" in diff:

@@ -284,3 +284,16 @@ def test_plan_memory_counts_the_adapters(capsys):
         assert main([*base, "--set", f"bcd.expand={expand}", "--set", "bcd.expand_rank=16"]) == 0
         lines[expand] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("recommended:")]
     assert "bcd.blocks=8 " in lines["off"][0] and "bcd.blocks=9 " in lines["lora"][0], lines
+
+
+def test_a_run_stored_before_lora_was_the_default_continues_without_it(tiny_cfg):
+    """A stored config without ``bcd.expand`` was trained with expansion off: its resume and its identity check read
+    it so (a mid-visit checkpoint of such a run holds no adapters), while a new run gets the default."""
+    from bcdflow.core.config import RunConfig, with_former_defaults
+    from bcdflow.tasks.run import _normalized
+
+    assert RunConfig().bcd.expand == "lora" and RunConfig().bcd.expand_rank == 16
+    stored = tiny_cfg().model_dump(exclude={"store"})
+    del stored["bcd"]["expand"]
+    assert _normalized(with_former_defaults(stored))["bcd"]["expand"] == "off"
+    assert with_former_defaults({**stored, "bcd": {**stored["bcd"], "expand": "lora"}})["bcd"]["expand"] == "lora"
