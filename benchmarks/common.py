@@ -27,6 +27,7 @@ from bcdflow.core.config import RunConfig
 from bcdflow.core.context import block_plan, model_config
 from bcdflow.models import build_model, get_config
 from bcdflow.models.build import frozen_in, param_sizes
+from bcdflow.models.expand import SuffixAdapters
 from bcdflow.models.gpt import GPT
 from bcdflow.models.llama import LLaMA
 from bcdflow.models.stream import LayerStream
@@ -79,8 +80,8 @@ def tensor_bytes(*trees) -> int:
     return sum(seen.values())
 
 
-def one_step(loss_fn, params, batch, opt, spec) -> None:
-    run_steps(loss_fn, params, itertools.repeat(batch), opt, spec, StopRule(max_steps=1))
+def one_step(loss_fn, params, batch, opt, spec, extra=None) -> None:
+    run_steps(loss_fn, params, itertools.repeat(batch), opt, spec, StopRule(max_steps=1), extra=extra)
 
 
 def layer_matmul_params(model) -> dict[int, int]:
@@ -144,11 +145,12 @@ class Visit:
     suffix is recomputed in backward with ``recompute``). ``args`` needs ``optim`` and ``precision``; with bf16
     the frozen weight matrices are stored in bf16 as the product stores them (``args.frozen_fp32`` keeps the old
     fp32 storage for a side-by-side). The loss is the product's: ``models.visit.visit_loss``. ``stream``: the frozen
-    layers held stream from host memory as ``train.offload=stream`` streams them (models/stream.py).
+    layers held stream from host memory as ``train.offload=stream`` streams them (models/stream.py). ``expand``:
+    ``bcd.expand=lora`` adapters of that rank on the layers after ``hi`` (models/expand.py), trained beside the block.
     """
 
     def __init__(self, name, cfg, master, device, args, layers, embed, trainable, batch, start=None, hi=None,
-                 recompute=False, stream=False):
+                 recompute=False, stream=False, expand=0):
         self.name, self.layers, self.embed, self.device, self.batch = name, layers, embed, device, batch
         self.start = layers[0] if start is None else start
         self.hi, self.recompute = hi, recompute
@@ -176,6 +178,10 @@ class Visit:
         self.params = [p for _, p in named]
         self.spec = OptimSpec(args.optim)
         self.opt = make_optimizer(self.params, self.spec)
+        self.adapters = None
+        if expand and hi is not None and hi < layers[1]:  # the engine's adapters and optimizer group
+            self.adapters = SuffixAdapters(model, range(hi, layers[1]), expand, 0, device).attach(model)
+            self.opt.add_param_group({"params": [p for _, p in self.adapters.named()], "weight_decay": 0.0})
         self.vs = VisitSpec(run_id="benchmark", cycle=0, block=0, version=0, lo=self.start, hi=hi, n_layer=layers[1],
                             from_acts=not embed, active=frozenset(trainable), recompute=recompute,
                             recompute_active=False, streamed=tuple(frozen) if stream else (), exact=False)
@@ -186,7 +192,8 @@ class Visit:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        one_step(self.loss_fn, self.params, self.batch, self.opt, self.spec)
+        one_step(self.loss_fn, self.params, self.batch, self.opt, self.spec,
+                 extra=None if self.adapters is None else list(self.adapters.parameters()))
         sync()
         if timed:
             self.times.append(time.perf_counter() - t0)
@@ -197,7 +204,8 @@ class Visit:
         self.opt.zero_grad(set_to_none=True)
         gc.collect()
         slots = self.stream.slots if self.stream else []  # streamed weights: the stream's slots, made before the step
-        state = {"weights": tensor_bytes(list(self.model.parameters()), list(self.model.buffers()), slots),
+        adapters = [] if self.adapters is None else list(self.adapters.parameters())
+        state = {"weights": tensor_bytes(list(self.model.parameters()), list(self.model.buffers()), slots, adapters),
                  "grads": sum(p.numel() * p.element_size() for p in self.params),
                  "optim": tensor_bytes(self.opt.state), "input": tensor_bytes(self.batch)}
         base = state["weights"] + state["optim"] + state["input"]
@@ -383,19 +391,21 @@ class Workload:
                 self._prefix[lo] = prefix_batch(self.cfg, self.master, self.device, self.args.precision, self.x, lo)
         return self._prefix[lo]
 
-    def visit(self, name: str, blk, preinfer: bool = True, recompute: bool = False, stream: bool = False) -> Visit:
+    def visit(self, name: str, blk, preinfer: bool = True, recompute: bool = False, stream: bool = False,
+              expand: int = 0) -> Visit:
         """Block ``blk``'s visit as tasks/train.py runs it: with pre-inference, layers >= lo fed the prefix's
-        hidden states; without, the whole model with the prefix under no_grad every step."""
+        hidden states; without, the whole model with the prefix under no_grad every step. ``expand``: the rank of
+        ``bcd.expand=lora`` adapters on the layers after it."""
         (lo, hi), n = blk.layers, self.cfg.n_layer
         if self.isolated:
             blocks = len(self.plan_of(blk))
             return Remote(self, name, "visit", blocks=blocks, block=blk.index, preinfer=preinfer,
-                          recompute=recompute, stream=stream)
+                          recompute=recompute, stream=stream, expand=expand)
         if blk.reads_activations(preinfer):
             return Visit(name, self.cfg, self.master, self.device, self.args, (lo, n), False, set(blk.params),
-                         (self.hidden(lo), self.y), hi=hi, recompute=recompute, stream=stream)
+                         (self.hidden(lo), self.y), hi=hi, recompute=recompute, stream=stream, expand=expand)
         return Visit(name, self.cfg, self.master, self.device, self.args, (0, n), True, set(blk.params),
-                     (self.x, self.y), start=lo, hi=hi, recompute=recompute, stream=stream)
+                     (self.x, self.y), start=lo, hi=hi, recompute=recompute, stream=stream, expand=expand)
 
     def prefix(self, lo: int) -> Timed:
         """The pre-inference forward of the frozen prefix, layers [0, lo), over one batch (``tasks/preinfer.py``)."""

@@ -5,7 +5,7 @@ report the suite's figures (benchmarks/suite.py: B-F multiplier to L* = the full
 + tol, equal-step gap, CPU-time ratio).
 
     python -m benchmarks finetune --out benchmarks/out/finetune            # ~40 min on 2 CPU cores
-    python -m benchmarks finetune --seeds 0 --settings keep-adaptive       # one seed, the default BCD setting
+    python -m benchmarks finetune --seeds 0 --settings lora-r16            # one seed, the default BCD setting
     python -m benchmarks finetune --base-corpus docsrc --base-steps 6000   # a base that knows Python (~13 min)
     python -m benchmarks finetune --target best --bytes 1000000 --ft-steps 1500   # several epochs: L* from the best
 
@@ -107,7 +107,7 @@ def add_parser(sub) -> None:
     ap.add_argument("--model", default=None, help="a model of the profile's suite (default: its first)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--settings", nargs="+", default=None,
-                    help="BCD settings of the profile's suite (default: keep-adaptive, the product's defaults)")
+                    help="BCD settings of the profile's suite (default: lora-r16, the product's defaults)")
     ap.add_argument("--tasks", nargs="+", default=["text", "sft"], choices=["text", "sft"])
     ap.add_argument("--lr", type=float, default=2e-3,
                     help="fine-tuning learning rate, full and BCD alike (the full fine-tunes end lower at 2e-3 "
@@ -132,7 +132,7 @@ def main(args, argv: list[str]) -> int:
     prof = profile(args.profile)
     s = prof["suite"]
     args.model = args.model or next(iter(s["models"]))
-    args.settings = args.settings or [k for k in s["settings"] if k == "keep-adaptive"] or [next(iter(s["settings"]))]
+    args.settings = args.settings or [k for k in s["settings"] if k == "lora-r16"] or [next(iter(s["settings"]))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cdir = Path(args.corpus_dir) if args.corpus_dir else out / "corpora"

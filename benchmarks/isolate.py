@@ -90,7 +90,8 @@ def _child(workload: type, c: dict, device: str, optim: str, kind: str, name: st
         v = w.full()
     else:
         v = w.visit(name, w.plan(spec["blocks"])[spec["block"]], preinfer=spec["preinfer"],
-                    recompute=spec.get("recompute", False), stream=spec.get("stream", False))
+                    recompute=spec.get("recompute", False), stream=spec.get("stream", False),
+                    expand=spec.get("expand", 0))
     return fn(w, v, **kw)
 
 

@@ -26,6 +26,9 @@ a 600-step baseline (still falling: L* is where it got, not a converged loss) an
 first visit reaching L* (``stop_at_target``), so the suite costs what reaching L* costs; validation on the
 first 512 rows of the held-out tail (files are interleaved, so they span many sources). The
 ``full`` size reuses quick's.
+
+``paper`` is the same for ``python -m benchmarks suite --regime paper``: the paper's protocol (§4.2.3) beside
+ours, a small corpus trained for many epochs with L* from the baseline's best validation loss (``target: best``).
 """
 from __future__ import annotations
 
@@ -42,10 +45,33 @@ _SUITE_QUICK = {
     # BCD stops at the first visit that reaches the baseline's final loss + tol (stop_at_target); 10 cycles is a cap
     "bcd": ["bcd.blocks=3", "bcd.max_steps=80", "bcd.cycles=10", "stop.patience_cycles=0"],
     "stop_at_target": True,
-    "settings": {"reset-fixed": ["bcd.budget=fixed", "bcd.moments=reset"],
+    "settings": {"reset-fixed": ["bcd.budget=fixed", "bcd.moments=reset", "bcd.expand=off"],
                  # adaptive visits are shorter: twice the cycles give it about the same step cap (~2400)
-                 "keep-adaptive": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20"]},
+                 "keep-adaptive": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=off"],
+                 # landscape expansion (bcd.expand) on top of keep-adaptive: adapters of rank r on the suffix (lora-r16:
+                 # the product's defaults since issue 25)
+                 "lora-r4": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=lora",
+                             "bcd.expand_rank=4"],
+                 "lora-r16": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=lora",
+                              "bcd.expand_rank=16"],
+                 "lora-r64": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=lora",
+                              "bcd.expand_rank=64"],
+                 "lora-r16-lr-half": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=lora",
+                                      "bcd.expand_rank=16", "bcd.expand_lr=1e-3"],
+                 "lora-r4-lr5x": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=lora",
+                                  "bcd.expand_rank=4", "bcd.expand_lr=1e-2"]},
     "tol": 0.02,
+}
+
+# the paper's own protocol (§4.2.3: epochs to the same performance, models trained to convergence), beside ours: a
+# small corpus (about 115k training tokens) the baseline reads for ~19 epochs, past its best validation loss; L* =
+# that best (the early-stopping point) + tol; BCD stops at the first visit that reaches it
+_PAPER_QUICK = {
+    **_SUITE_QUICK,
+    "corpora": {"docs": 400_000},
+    "models": {"l4-d64": _SUITE_QUICK["models"]["l4-d64"]},
+    "full": ["train.steps=2000"],
+    "target": "best",
 }
 
 # paper §4.2.1: AdamW 1e-4, SGD 0.1 (momentum 0.9, weight decay 1e-5). AdamW at 1e-4 barely moves a
@@ -65,6 +91,7 @@ PROFILES: dict[str, dict] = {
                   "bcd_cycles": {"adamw": 20, "sgd": 20},
                   "variant_cycles": 12, "tol": 0.02},
         "suite": _SUITE_QUICK,
+        "paper": _PAPER_QUICK,
     },
     "quick": {
         "compute": {"model": "gpt2-124m", "overrides": {"d_model": 192, "n_head": 3, "vocab_size": 12576},
@@ -81,6 +108,7 @@ PROFILES: dict[str, dict] = {
                   "bcd_cycles": {"adamw": 6, "sgd": 4},
                   "variant_cycles": 4, "tol": 0.02},
         "suite": _SUITE_QUICK,
+        "paper": _PAPER_QUICK,
     },
     "tiny": {
         "compute": {"model": "tiny", "overrides": {"d_model": 32, "n_head": 2, "vocab_size": 320},
@@ -110,6 +138,8 @@ PROFILES: dict[str, dict] = {
                   "tol": 0.02},
     },
 }
+
+PROFILES["tiny"]["paper"] = {**PROFILES["tiny"]["suite"], "target": "best"}  # the smoke test of the paper regime
 
 
 def profile(name: str) -> dict:

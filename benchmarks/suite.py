@@ -7,13 +7,16 @@ full-parameter baseline (``full_train`` to its step cap) and one BCD run (``bcd_
 all through the real flows (``benchmarks.runs.RunBook``: a run is keyed by its config, so the baseline runs
 once per corpus × model × seed whatever the settings). Per seed, against that seed's baseline:
 
-- L* = the baseline's final validation loss + ``tol``;
+- L* = the baseline's final validation loss + ``tol`` (``--regime paper``: its best, the early-stopping point of a
+  baseline trained for many epochs on a small corpus: the paper's protocol, §4.2.3);
 - B-F × = BCD's optimizer steps to first reach L* / the baseline's (``runs.first_reach``). BCD validates
   once per visit, so its count is rounded up to a visit. Not reached: ``> x``, x = BCD's total steps /
   the baseline's (a lower bound);
-- tokens × = the same with trained tokens;
+- tokens × = the same with trained tokens (= epochs: both read the same corpus); epochs to L*, full and BCD;
 - end gap = BCD's final validation loss − the baseline's at the same step (linear interpolation on its
   validation curve; past the baseline's last point, its last value, marked †);
+- gap at equal steps = BCD's validation loss after as many steps as the baseline trained (interpolated between
+  its visits) − the baseline's final;
 - GPU-time ratio = the seconds of training, pre-inference and evaluation (the visits' measured stages on this
   run's device: no orchestration, commits or store I/O) to reach L*, BCD / baseline; lower bounds as for B-F.
 
@@ -21,6 +24,7 @@ Then mean and [min–max] over seeds. Writes ``suite.md``, ``suite.json`` and ``
 loss against steps) to ``--out`` after every corpus × model × seed, so a long suite keeps what it finished.
 
     python -m benchmarks suite --quick --out /tmp/suite
+    python -m benchmarks suite --quick --regime paper --out /tmp/paper   # epochs to the baseline's best
     python -m benchmarks suite --quick --corpora docs --models tiny --seeds 0 --settings default \\
         --set optim.warmup_steps=50
 """
@@ -51,6 +55,9 @@ def add_parser(sub) -> None:
     ap = sub.add_parser("suite", help="BCD vs full training on local corpora: suite.md, suite.json, plots",
                         description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU-sized (the full size reuses it)")
+    ap.add_argument("--regime", default="ours", choices=("ours", "paper"),
+                    help="ours: corpora not overfit, L* from the baseline's final loss; paper: a small corpus for many "
+                         "epochs, L* from the baseline's best (the paper's protocol)")
     ap.add_argument("--tiny", action="store_true", help="smoke size: one corpus, seed and model, ~10 steps")
     ap.add_argument("--out", default="benchmarks/out", help="output directory (default benchmarks/out)")
     ap.add_argument("--corpus-dir", help="where corpora are built and reused (default OUT/corpora)")
@@ -137,11 +144,12 @@ def seed_runs(bk: RunBook, s: dict, corpus: str, model: str, files: list[str], s
     full = bk.get(f"{tag}/full", "full", s["optim"], run_sets(s, model, files, seed, "full"))
     out = {"full": run_row(full) | {"dataset": full["dataset"]}, "settings": {}}
     for k in s["settings"]:
+        target_from = s.get("target", "final")
         bcd = bk.get(f"{tag}/{k}", "bcd", s["optim"],
-                     run_sets(s, model, files, seed, "bcd", k, target=full["final_val"] + s["tol"]))
+                     run_sets(s, model, files, seed, "bcd", k, target=full[f"{target_from}_val"] + s["tol"]))
         b = load_config(sets=bcd["sets"]).bcd
         cap = b.cycles * bcd["n_blocks"] * b.max_steps  # what the run may train at most
-        out["settings"][k] = {**compare(full, bcd, s["tol"]), "cap_steps": cap, "run": run_row(bcd)}
+        out["settings"][k] = {**compare(full, bcd, s["tol"], target_from), "cap_steps": cap, "run": run_row(bcd)}
     return out
 
 
@@ -181,7 +189,14 @@ def compare(full: dict, bcd: dict, tol: float, target_from: str = "final") -> di
     target = full[f"{target_from}_val"] + tol
     at = bcd["steps"]
     ref, where = interp(full["curve"], at)
-    return {"target": target, **{k: multiplier(full["curve"], bcd["curve"], target, key) for k, key in KEYS.items()},
+    ds = full.get("dataset") or {}
+    train_tokens = (ds.get("n_train") or 0) * (ds.get("seq_len") or 0)
+    figures = {k: multiplier(full["curve"], bcd["curve"], target, key) for k, key in KEYS.items()}
+    epochs = {who: figures["tokens"][who] / train_tokens if train_tokens and figures["tokens"][who] is not None
+              else None for who in ("full", "bcd")}  # trained tokens to L* over the corpus's training tokens
+    at_full, past = interp(bcd["curve"], full["steps"])
+    return {"target": target, **figures, "epochs": epochs,
+            "gap_equal": at_full - full["final_val"] if at_full is not None and past is None else None,
             "gap": bcd["final_val"] - ref if ref is not None else None, "gap_at": at, "gap_where": where,
             "final_bcd": bcd["final_val"], "final_full": full["final_val"], "best_full": full.get("best_val"),
             "steps_bcd": bcd["steps"],
@@ -207,6 +222,10 @@ def summarize(corpus: str, model: str, setting: str, cells: list[dict]) -> dict:
     for k in KEYS:
         row[k] = spread([c[k]["value"] for c in cells], [not c[k]["reached"] for c in cells])
     row["gap"] = spread([c["gap"] for c in cells])
+    row["gap_equal"] = spread([c.get("gap_equal") for c in cells])
+    row["epochs_full"] = spread([(c.get("epochs") or {}).get("full") for c in cells])
+    row["epochs_bcd"] = spread([(c.get("epochs") or {}).get("bcd") for c in cells],
+                               [not c["tokens"]["reached"] for c in cells])
     row["gap_after"] = sum(c["gap_where"] == "after" for c in cells)
     for k in ("final_bcd", "final_full", "steps_bcd", "steps_full", "cap_steps"):
         row[k] = spread([c[k] for c in cells])
@@ -251,7 +270,8 @@ def shown(sp: dict | None, fmt: str = ".2f", brackets: bool = True) -> str:
 
 
 COLUMNS = [("corpus", "corpus"), ("model", "model"), ("setting", "setting"), ("seeds", "seeds"),
-           ("bf", "B-F × mean [min–max]"), ("tok", "tokens ×"), ("gap", "end gap (BCD − full, same step)"),
+           ("bf", "B-F × mean [min–max]"), ("tok", "tokens ×"), ("epochs", "epochs to L* full → BCD"),
+           ("gap_equal", "gap at the baseline's steps"), ("gap", "end gap (BCD − full, same step)"),
            ("time", "GPU-time ratio"), ("final", "final val BCD vs full"), ("steps", "steps BCD / full (BCD cap)"),
            ("ended", "visits ended by")]
 BASE_COLUMNS = [("corpus", "corpus"), ("model", "model"), ("seeds", "seeds"), ("final", "final val"),
@@ -268,7 +288,10 @@ def table_rows(res: dict) -> list[dict]:
                 continue
             rows.append({"corpus": r["corpus"], "model": r["model"], "setting": r["setting"], "seeds": r["seeds"],
                          "bf": shown(r["steps"]), "tok": shown(r["tokens"]), "time": shown(r["time"]),
+                         "epochs": f"{shown(r.get('epochs_full'), '.1f', False)} → "
+                                   f"{shown(r.get('epochs_bcd'), '.1f', False)}",
                          "gap": shown(r["gap"], "+.3f") + (f" †{r['gap_after']}" if r["gap_after"] else ""),
+                         "gap_equal": shown(r.get("gap_equal"), "+.3f"),
                          "final": f"{shown(r['final_bcd'], '.3f', False)} vs {shown(r['final_full'], '.3f', False)}",
                          "steps": f"{shown(r['steps_bcd'], '.0f', False)} / {shown(r['steps_full'], '.0f', False)}"
                                   f" (cap {shown(r['cap_steps'], '.0f', False)})",
@@ -298,16 +321,22 @@ def markdown(res: dict) -> str:
                      + (f" ({', '.join(i['missing'])} not installed)" if i["missing"] else "")
                      for c, i in res["corpora"].items())
     lines = [
-        f"# BCD vs full-parameter training on local corpora ({m['profile']})", "",
+        f"# BCD vs full-parameter training on local corpora ({m['profile']}"
+        + (", the paper's protocol: L* from the baseline's best, many epochs" if s.get("target") == "best" else "")
+        + ")", "",
         f"`{m['command']}` on {dev} ({m['machine']['device']}), torch {m['machine']['torch']}, flows at "
         f"{m['flow_threads']} thread(s), {m['started']}, {m['seconds']:.0f} s.", "",
         f"Corpora (benchmarks/corpora.py): {corp}. Every run: `{' '.join(s['sets'])}` (optimizer {s['optim']}); "
         f"baseline `{' '.join(s['full'])}`; BCD `{' '.join(s['bcd'])}`; settings {settings}"
         + (f"; command line `{' '.join(s['extra'])}`" if s["extra"] else "") + ". Models: "
         + "; ".join(f"{k}: `{' '.join(v)}`" for k, v in s["models"].items()) + ".", "",
-        f"Per seed: L* = the baseline's final val loss + {s['tol']}. B-F × = BCD's optimizer steps to first reach L* "
+        f"Per seed: L* = the baseline's {s.get('target', 'final')} val loss + {s['tol']}. B-F × = BCD's optimizer "
+        "steps to first reach L* "
         "/ the baseline's (BCD validates once per visit: rounded up to a visit); `> x` = BCD never reached L*, x = "
-        "its total steps / the baseline's (a lower bound). tokens × = the same in trained tokens. End gap = BCD's "
+        "its total steps / the baseline's (a lower bound). tokens × = the same in trained tokens; epochs to L* = "
+        "trained tokens to L* / the corpus's training tokens, baseline → BCD. Gap at the baseline's steps = BCD's val "
+        "loss after as many steps as the baseline trained (interpolated between visits) − the baseline's final. "
+        "End gap = BCD's "
         "final val loss − the baseline's at the same step (interpolated; † = BCD ran past the baseline's last "
         "point, compared there, for that many seeds). GPU-time ratio = seconds of training, pre-inference and "
         f"evaluation to L*, BCD / baseline, measured on this device ({m['machine']['device']}; orchestration, "
@@ -372,7 +401,7 @@ def main(args, argv: list[str]) -> int:
     prof = profile(size)
     t0 = time.perf_counter()
     try:
-        s = select(prof["suite"], args)
+        s = select(prof["suite" if args.regime == "ours" else "paper"], args)
         device = resolve_device(args.device)
     except BadInput as e:
         print(f"error: {e}")
@@ -387,7 +416,7 @@ def main(args, argv: list[str]) -> int:
     print(f"bcdflow suite ({size}): {n_runs} runs — corpora {', '.join(s['corpora'])}; models "
           f"{', '.join(s['models'])}; seeds {', '.join(map(str, s['seeds']))}; settings {', '.join(s['settings'])} "
           f"on {info['gpu'] or info['cpu']} ({device}), flows at {flow_threads} thread(s)", flush=True)
-    bk = book(size, prof, flow_threads, section="suite")
+    bk = book(size, prof, flow_threads, section="suite" if args.regime == "ours" else "paper")
     try:
         files = prepare(bk, s, corpus_dir)
     except BadInput as e:

@@ -140,7 +140,7 @@ def visit_holding(cfg: RunConfig, mcfg: ModelConfig, plan: Plan, block: int, seq
                           recompute=cfg.bcd.recompute, offload=t.offload if t.gpus == 1 and not t.compile else "off",
                           window=t.stream_window, pcie_gbs=t.pcie_gbs, tflops=t.tflops, preinfer=cfg.bcd.preinfer,
                           freeze=cfg.bcd.freeze, chunk_rows=t.loss_chunk_rows, weight_decay=cfg.optim.weight_decay,
-                          timed=timed)
+                          timed=timed, expand_rank=cfg.bcd.expand_rank if cfg.bcd.expand != "off" else 0)
 
 
 def check_plan_fits(cfg: RunConfig) -> None:

@@ -229,7 +229,8 @@ def full_config(cfg: RunConfig) -> RunConfig:
     bcd = cfg.bcd.model_copy(update={"blocks": 1, "boundaries": None, "cycles": 1, "sample_rate": 1.0,
                                      "preinfer": False, "max_steps": cfg.train.steps,
                                      "eval_every": baseline_eval_every(cfg.train), "patience": cfg.train.patience,
-                                     "budget": "fixed", "lr_scales": None, "moments": "reset"})
+                                     "budget": "fixed", "lr_scales": None, "moments": "reset",
+                                     "expand": "off"})
     return cfg.model_copy(update={"bcd": bcd})
 
 

@@ -322,7 +322,7 @@ def cmd_baseline(args) -> int:
 def cmd_resume(args) -> int:
     """Continue a run from its stored config: committed visits are skipped, complete shards reused, an
     interrupted visit continues from its last checkpoint, the MLflow run is continued."""
-    from bcdflow.core.config import RunConfig, parse_config
+    from bcdflow.core.config import RunConfig, parse_config, with_former_defaults
     from bcdflow.storage import runs
 
     store = _store(args.store, args)
@@ -331,7 +331,7 @@ def cmd_resume(args) -> int:
     if state.status == "done":
         print(_finished(state, args.store))
         return 0
-    stored = runs.read_config(store, args.run_id)
+    stored = with_former_defaults(runs.read_config(store, args.run_id))  # a run continues as it was trained
     raw = {k: v for k, v in stored.items() if k in RunConfig.model_fields}
     cfg = parse_config({**raw, "store": args.store})
     check_prefect_api()

@@ -64,7 +64,8 @@ def plan(cfg, gpu_gb: float) -> dict:
     freeze = tuple(cfg.bcd.freeze)
     offload = t.offload if t.gpus == 1 and not t.compile else "off"
     kw = dict(recompute=cfg.bcd.recompute, offload=offload, window=t.stream_window, preinfer=cfg.bcd.preinfer,
-              pcie_gbs=t.pcie_gbs, tflops=t.tflops, chunk_rows=t.loss_chunk_rows, weight_decay=cfg.optim.weight_decay)
+              pcie_gbs=t.pcie_gbs, tflops=t.tflops, chunk_rows=t.loss_chunk_rows, weight_decay=cfg.optim.weight_decay,
+              expand_rank=cfg.bcd.expand_rank if cfg.bcd.expand != "off" else 0)
     full = visit_memory(mcfg, None, None, B, T, p, opt, chunk_rows=t.loss_chunk_rows,
                         weight_decay=cfg.optim.weight_decay)
 

@@ -145,7 +145,7 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
                      min_rate=rate_to_beat(state.visits, block), moments=moments if cfg.bcd.moments == "keep" else None,
                      spent=earlier.clock(preinfer_s, since))
     if tr.val_loss is None:  # the visit could not validate the new version itself: the whole model, from the store
-        ev = evaluate_version(ctx, version, {block: tr.block_file})
+        ev = evaluate_version(ctx, version, tr.files(block))
     else:
         ev = EvalResult(val_loss=tr.val_loss, val_ppl=math.exp(min(tr.val_loss, 50)), seconds=tr.eval_seconds)
     seconds = earlier.wall + time.perf_counter() - t0
@@ -156,13 +156,13 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
         cycle=cycle, block=block, version=version + 1, steps=tr.steps, step_end=state.steps + tr.steps,
         resumed_at=tr.resumed_at, stopped_by=tr.stopped_by, rows=tr.rows, tokens=tr.tokens,
         first_loss=tr.first_loss, train_loss=tr.train_loss, val_loss=ev.val_loss, val_ppl=ev.val_ppl, rate=tr.rate,
-        moments=tr.moments_file,
+        moments=tr.moments_file, expanded=tr.suffix_norms,
         val_points=[(state.steps + s, v) for s, v in tr.val_points], tokens_per_s=tr.tokens / max(tr.seconds, 1e-9),
         peak_mem_bytes=tr.peak_mem_bytes, peak_reserved_bytes=tr.peak_reserved_bytes, preinfer_seconds=preinfer_s,
         train_seconds=tr.seconds, eval_seconds=ev.seconds, seconds=seconds, lost_seconds=earlier.lost, **cost,
         cum_spend_usd=state.spend_usd + cost["spend_usd"])
     lease.check()  # still ours: nobody took this visit over while it trained
-    commit_visit(cfg, run_id, record, tr.block_file, fence)
+    commit_visit(cfg, run_id, record, tr.block_file, fence, tr.suffix_files)
     # curves: the validation loss at the global step, on the visit's run and the parent's; per-visit figures as
     # series over versions on the parent; the visit's own single values as its run summary
     curve = {"val_loss": record.val_loss, "val_ppl": record.val_ppl}

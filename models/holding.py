@@ -332,12 +332,12 @@ def recommend(cfg: ModelConfig, batch: int, seq: int, precision: str, budget: Bu
               offload: str = "auto", window: int = 2, shard_rows: int = 256, **kw) -> Recommendation:
     """The smallest block count whose every visit fits ``budget.usable``, each visit held as :func:`choose_holding`
     chooses with these ``recompute``/``offload`` settings (more blocks cost more visits). ``kw``: pcie_gbs,
-    tflops, chunk_rows, weight_decay."""
+    tflops, chunk_rows, weight_decay, expand_rank (``bcd.expand``'s adapters)."""
     full = visit_memory(cfg, None, None, batch, seq, precision, optim, chunk_rows=kw.get("chunk_rows"),
                         weight_decay=kw.get("weight_decay", 1e-5))
     settings = {k: v for k, v in (("bcd.recompute", recompute), ("train.offload", offload)) if v != "auto"}
     shapes = _shapes(cfg)
-    mem_kw = {k: v for k, v in kw.items() if k in ("chunk_rows", "weight_decay")}
+    mem_kw = {k: v for k, v in kw.items() if k in ("chunk_rows", "weight_decay", "expand_rank")}
     for m in range(1, cfg.n_layer + 1):
         plan = model_plan(cfg, m, split=split, freeze=freeze)
         order = sorted(range(len(plan)), key=lambda b: (b not in (0, len(plan) - 1), b))  # the big ones first

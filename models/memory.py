@@ -81,6 +81,8 @@ class Estimate:
     a layer still in a slot from its last use is not copied again)."""
     phase: str = ""
     """Where the peak falls: ``forward`` (the forward's end: the loss chunk), ``backward layer i`` or ``optimizer``."""
+    expand_params: int = 0
+    """``bcd.expand``: the suffix adapters' parameters (fp32, with gradients and optimizer state)."""
 
     def parts(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in PARTS}
@@ -145,6 +147,22 @@ def _layer_act(st: Step, kind: str) -> int:
     return 4 * r * C + s * (3 * C + reads + 2 * K + 4 * F) + stats
 
 
+def expand_bytes(st: Step, shapes: dict[str, tuple[int, ...]], layer: int, rank: int) -> tuple[int, int]:
+    """``bcd.expand``'s cost on one adapted layer (models/expand.py): its adapter parameters (r × (in + out) per
+    linear map) and the bytes per token its backward keeps for them: each adapted map's input (a frozen map keeps
+    none; the ``A`` gradient needs it) and its rank-r product (for ``B``'s).
+
+    Inputs: GPT-2 ln_1's and ln_2's outputs, the attention output, the GELU output: s(3C + F). LLaMA: in fp32 the
+    two norm outputs (each shared by the maps that read it), the attention output and the SwiGLU product, 4(3C + F);
+    under bf16 autocast each map casts its fp32 norm input apart (wq, wk, wv; w1, w3), 2(6C + F)."""
+    c = st.cfg
+    mats = [v for k, v in shapes.items() if _layer_of(k) == layer and len(v) == 2]
+    params = sum(rank * (o + i) for o, i in mats)
+    C, F, s = c.d_model, c.ffn_dim, st.s
+    inputs = s * (3 * C + F) if c.family == "gpt" else (4 * (3 * C + F) if s == 4 else 2 * (6 * C + F))
+    return params, inputs + s * rank * len(mats)
+
+
 def _layer_backward_temp(st: Step) -> int:
     """Bytes per token alive beyond the saved activations while a layer runs backward: the gradients of the MLP's
     hidden activations (two of them, width F, in the compute dtype) and of the residual stream."""
@@ -192,7 +210,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
                  chunk_rows: int | None = None, weight_decay: float = 1e-5, gpus: int = 1,
                  parallel: str = "single", shapes: dict | None = None, stream: bool = False,
                  window: int = 2, freeze: Sequence[str] = (), recompute_active: bool = False,
-                 streamed: Collection[int] | None = None) -> Estimate:
+                 streamed: Collection[int] | None = None, expand_rank: int = 0) -> Estimate:
     """Peak bytes of one step of block ``block``'s visit (``plan`` and ``block`` None: full training, every
     parameter trainable, the whole model held, fp32 master weights throughout).
 
@@ -203,7 +221,9 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     ``stream``: the frozen layers held stay in host memory and the device holds ``window`` slot buffers for them
     (models/stream.py); ``streamed``: only these frozen layers do (partial residency: the rest stay on the device).
     ``freeze``: parameters no visit trains (``bcd.freeze``). ``recompute_active`` (``bcd.recompute=all``): the
-    active block's layers keep only their input too, and run their forward again one at a time in backward."""
+    active block's layers keep only their input too, and run their forward again one at a time in backward.
+    ``expand_rank`` (``bcd.expand``): low-rank adapters of that rank on every linear map of the layers after the
+    block, with their gradients, optimizer state and what their backward keeps (:func:`expand_bytes`)."""
     st = Step(cfg, batch, seq, precision, optim, weight_decay, chunk_rows, gpus, parallel)
     shapes = shapes or _shapes(cfg)
     n = cfg.n_layer
@@ -259,6 +279,12 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     grads = 4 * train_numel // shard
     moments = {"adamw": 2, "sgd": 1}[optim]
     opt = 4 * moments * train_numel // shard
+    # bcd.expand: per adapted layer (after the block) its adapter parameters and saved bytes per token
+    adapted = {i: expand_bytes(st, shapes, i, expand_rank) for i in range(hi, n)} if expand_rank and not full else {}
+    expand_params = sum(p for p, _ in adapted.values())
+    weights += 4 * expand_params
+    opt += 4 * moments * expand_params
+    grads += 4 * expand_params
     N = st.tokens
     C, V, s = cfg.d_model, cfg.vocab_size, st.s
     inp = N * (4 * C + 8) if from_acts else N * 16  # fp32 hidden states + long targets, or long ids + targets
@@ -281,7 +307,10 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
             mats = sum(_numel(shapes[k]) for k in trainable if _layer_of(k) == i and len(shapes[k]) >= 2)
             a += 2 * mats // shard
             cast += 2 * mats // shard
-        acts.append((i, a, 4 * layer_train[i] // shard))
+        if i in adapted:  # its gradients come in its backward; a recomputed layer makes its saved part again there
+            p, tok = adapted[i]
+            a += 0 if kind == "recompute" else N * tok + 2 * p * (precision == "bf16")  # + bf16 casts of A, B
+        acts.append((i, a, 4 * (layer_train[i] + (adapted[i][0] if i in adapted else 0)) // shard))
     head_name = "wte.weight" if cfg.tied else "lm_head.weight"
     head_trainable = head_name in trainable
     head_numel = V * C
@@ -314,6 +343,8 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     running_act -= ln_f
     for i, a, g in reversed(acts):
         redo = N * _layer_act(st, "frozen") if recompute and not layer_train[i] and i >= hi else 0
+        if redo and i in adapted:
+            redo += N * adapted[i][1] + 2 * adapted[i][0] * (precision == "bf16")
         if recompute_active and layer_train[i]:  # the layer's own activations, back for its backward
             redo = N * _layer_act(st, "trainable")
         at(f"backward layer {i}", running_act, 0, running_grads, back_t + redo)
@@ -330,6 +361,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
                     peak=best, grads_total=grads, recompute=recompute and not full and hi < n,
                     streamed_layers=len(streamed), host_bytes=host_bytes, copy_bytes=copy_bytes,
                     streamed=tuple(streamed), frozen_layers=len(frozen_held), layer_sizes=sizes,
+                    expand_params=expand_params,
                     **{k: parts[k] for k in ("activations", "logits", "grads", "temporaries", "phase")})
 
 

@@ -167,7 +167,8 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
               should_stop: Callable[[], bool] | None = None, state: LoopState | None = None,
               checkpoint: Callable[[LoopState, str], None] | None = None, ckpt_steps: int = 0,
               ckpt_seconds: float = 0.0, clock: Callable[[], float] | None = None,
-              progress: Callable[[int, int, float | None], None] | None = None, global_step: int = 0) -> LoopResult:
+              progress: Callable[[int, int, float | None], None] | None = None, global_step: int = 0,
+              extra: list[torch.nn.Parameter] | None = None) -> LoopResult:
     """Train ``params`` with ``optimizer`` on ``batches`` until the stop rule fires.
 
     ``loss_fn(batch)`` runs the forward pass and returns a scalar loss. Losses (and gradient norms) are
@@ -184,7 +185,8 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
     ``loss`` None) and after every step, with the last synced window's mean loss, or before the first window the
     last step's loss as a 0-dim tensor: a live display, which must throttle itself (reading that tensor syncs a GPU,
     so it reads it only when it draws).
-    ``global_step``: the run's steps before this loop's first (the learning-rate schedule's clock).
+    ``global_step``: the run's steps before this loop's first (the learning-rate schedule's clock). ``extra``: more
+    parameters ``optimizer`` trains (``bcd.expand``'s adapters), their gradients clipped apart from ``params``'.
     """
     clock = clock or time.perf_counter
     st = state or LoopState()
@@ -211,17 +213,14 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
     while res.steps < stop.max_steps:
         batch = next(it)
         if spec.scheduled:
-            for g in optimizer.param_groups:
-                g["lr"] = spec.lr_at(res.steps, global_step + res.steps)
+            for g in optimizer.param_groups:  # a group's lr_ratio: its rate over the block's (the adapters')
+                g["lr"] = spec.lr_at(res.steps, global_step + res.steps) * g.get("lr_ratio", 1.0)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(batch)
         loss.backward()
-        if spec.grad_clip:
-            norm = torch.nn.utils.clip_grad_norm_(params, spec.grad_clip, foreach=True)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
-        if hasattr(norm, "full_tensor"):  # FSDP2 (a DTensor): the sharded gradients' norm, reduced over processes
-            norm = norm.full_tensor()
+        norm = _clipped(params, spec.grad_clip)
+        if extra:  # clipped on their own: the block's step is the one it takes without them
+            norm = torch.stack([norm, _clipped(extra, spec.grad_clip).to(norm.device)]).norm()
         pending.append(loss.detach())
         del loss  # the graph goes before the optimizer step: recompute keeps its re-run layers' tensors in it
         optimizer.step()
@@ -259,6 +258,17 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
         res.losses.extend(synced())
     res.seconds = before + clock() - t0
     return res
+
+
+def _clipped(params: list[torch.nn.Parameter], clip: float) -> torch.Tensor:
+    """The gradients' total norm, clipped to ``clip`` first (0: not clipped)."""
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+    if hasattr(norm, "full_tensor"):  # FSDP2 (a DTensor): the sharded gradients' norm, reduced over processes
+        norm = norm.full_tensor()
+    return norm
 
 
 def _tokens(batch) -> int:

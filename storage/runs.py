@@ -67,6 +67,9 @@ class VisitRecord(_Record):
     moments: dict | None = None
     """``bcd.moments=keep``: the optimizer state the visit ended with (file, sha256, bytes), the next visit of
     the block starts from."""
+    expanded: dict[int, float] = {}
+    """``bcd.expand``: the suffix blocks the visit changed besides its own (its adapters merged in), each with the
+    norm of its update as stored; empty: only its block changed."""
     val_points: list[tuple[int, float]] = []
     """(global step, validation loss) within the visit (the baseline validates every ``train.eval_every``)."""
     tokens_per_s: float

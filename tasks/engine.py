@@ -34,6 +34,7 @@ from bcdflow.storage import activations, checkpoints, trainckpt
 from bcdflow.storage.lease import check_leases, lost_lease
 from bcdflow.storage.tokens import TokenDataset
 from bcdflow.tasks.data import batch_ranges, visit_rows
+from bcdflow.tasks.expand import adapter_group, merge, suffix_adapters
 from bcdflow.tracking.tracker import TrackTarget
 
 
@@ -68,6 +69,14 @@ class TrainResult(BaseModel):
     """Training loss lowered per step on average over the visit (models/trainer.visit_rate; None: too short)."""
     moments_file: dict | None = None
     """``bcd.moments=keep``: the optimizer state the visit ended with (a content-addressed file's entry)."""
+    suffix_files: dict[int, dict] = {}
+    """``bcd.expand``: the suffix blocks with the adapters merged in (content-addressed files' entries), by block."""
+    suffix_norms: dict[int, float] = {}
+    """``bcd.expand``: the norm of each suffix block's merged update, as stored."""
+
+    def files(self, block: int) -> dict[int, dict]:
+        """Every block file the visit of ``block`` wrote, by block: its own and the suffix blocks it changed."""
+        return {block: self.block_file, **self.suffix_files}
 
 
 def device_peak(device: torch.device) -> tuple[int, int, int] | None:
@@ -137,9 +146,10 @@ def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> It
             yield tuple(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch)
 
 
-def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single") -> bool:
+def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single",
+                  expand: int = 0) -> bool:
     """``bcd.recompute``: on, off, or (auto) as the visit's holding chooses on one process (models/holding.py); on
-    several, on when a replica would not fit the budget without it."""
+    several, on when a replica would not fit the budget without it (``expand``: the visit's adapter rank)."""
     if cfg.bcd.recompute != "auto":
         return cfg.bcd.recompute in ("on", "all")
     if gpus == 1:
@@ -148,7 +158,8 @@ def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, pa
     return budget is not None and visit_memory(
         ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len, cfg.train.precision,
         cfg.optim.name, preinfer=cfg.bcd.preinfer, chunk_rows=cfg.train.loss_chunk_rows,
-        weight_decay=cfg.optim.weight_decay, gpus=gpus, parallel=parallel, freeze=cfg.bcd.freeze).peak > budget
+        weight_decay=cfg.optim.weight_decay, gpus=gpus, parallel=parallel, freeze=cfg.bcd.freeze,
+        expand_rank=expand).peak > budget
 
 
 def compile_layers(model) -> None:
@@ -261,6 +272,9 @@ class VisitSpec:
     exact: bool
     """Its evaluation on the validation rows is the new version's (one process, and the activations it starts from
     are the prefix's exact ones: no stored activations, or stored in float32)."""
+    expand: int = 0
+    """``bcd.expand``: the rank of the adapters on the layers after the block ([hi, n)); 0 = none (off, or the last
+    block)."""
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -277,13 +291,14 @@ def describe(ctx: RunContext, cycle: int, block: int, version: int, gpus: int = 
     cfg = ctx.cfg
     lo, hi = ctx.plan[block].layers
     from_acts = ctx.from_acts(block)
-    recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp")
+    expand = cfg.bcd.expand_rank if cfg.bcd.expand != "off" and hi < ctx.model_cfg.n_layer else 0
+    recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp", expand=expand)
     return VisitSpec(
         run_id=ctx.run_id, cycle=cycle, block=block, version=version, lo=lo, hi=hi, n_layer=ctx.model_cfg.n_layer,
         from_acts=from_acts, active=frozenset(ctx.trainable(block)), recompute=recompute,
         recompute_active=cfg.bcd.recompute == "all",
         streamed=ctx.holding(block).streamed if gpus == 1 else (),
-        exact=gpus == 1 and (not from_acts or cfg.bcd.act_dtype == "float32"))
+        exact=gpus == 1 and (not from_acts or cfg.bcd.act_dtype == "float32"), expand=expand)
 
 
 def prepare_model(model: torch.nn.Module, active, chunk_rows: int | None,
@@ -396,6 +411,9 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: Track
     """The body of :func:`run_visit` once its model is held."""
     cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
     names, params = [n for n, _ in held.named], [p for _, p in held.named]
+    # bcd.expand: adapters on the suffix's linear maps, beside the model (a distributed holding registers its own
+    # before DDP wraps the step, so DDP reduces their gradients)
+    adapters = held.adapters if hasattr(held, "adapters") else suffix_adapters(ctx, vs, held.model)
 
     rows = visit_rows(cfg, ds.n_train, vs.cycle, block)
     if vs.from_acts:
@@ -414,6 +432,8 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: Track
         torch.cuda.reset_accumulated_memory_stats(device)
     spec = cfg.optim_spec(block)
     opt = make_optimizer(params, spec)
+    if adapters is not None:
+        opt.add_param_group(adapter_group(cfg, spec, adapters))
     vkey = ctx.visit_key(vs.cycle, block)
     state = None
     # unsharded: resumable on any process count; a damaged one is skipped for the one before it or the visit's start
@@ -421,9 +441,11 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: Track
     if ck is not None:  # resume mid-visit
         pointer, saved, opt_state = ck
         held.set_params({n: saved[n] for n in names})
+        if adapters is not None:
+            adapters.load(saved)
         held.load_optim(opt, opt_state)
         for g in opt.param_groups:  # a continued run may have lowered optim.lr (after a divergence)
-            g["lr"] = spec.base_lr
+            g["lr"] = spec.base_lr * g.get("lr_ratio", 1.0)
         state = LoopState.from_dict(pointer["meta"]["loop"])
     elif moments is not None:  # bcd.moments=keep: where the block's last visit left its optimizer
         saved = checkpoints.load_file(ctx.store, vs.run_id, moments, f"the optimizer moments of block {block}",
@@ -435,6 +457,8 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: Track
         # checkpoint here too. On a lapsed lease (should_stop) this is where the loop ends, with LeaseLost.
         check_leases()
         tensors, opt_state = held.params(), held.optim_state(opt)  # collectives under FSDP
+        if adapters is not None:
+            tensors = {**tensors, **adapters.tensors()}
         if held.writer:
             trainckpt.save(ctx.store, vkey, st.steps, tensors, opt_state,
                            {"loop": st.to_dict(), "base_version": vs.version, "why": why,
@@ -454,7 +478,7 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: Track
                             cfg.stop_rule(min_rate), on_window=on_window, should_stop=held.should_stop,
                             state=state, checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
                             ckpt_seconds=cfg.checkpoint.every_seconds, clock=held.clock, progress=progress,
-                            global_step=global_step)
+                            global_step=global_step, extra=None if adapters is None else [p for _, p in adapters.named()])
     finally:
         if progress is not None:
             progress.close()
@@ -470,17 +494,22 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: Track
             held.module.eval()
             val_loss = evaluate_model(held.eval_loss, val, cfg, device)
             eval_s = time.perf_counter() - t0
-    block_file, moments_file = {}, None
+    block_file, moments_file, suffix_files, suffix_norms = {}, None, {}, {}
     if done:
         tensors = held.block_tensors()
         opt_full = held.optim_state(opt) if cfg.bcd.moments == "keep" else None  # collectives under FSDP
         if held.writer:
             block_file = checkpoints.save_block(ctx.store, vs.run_id, tensors)
-            if opt_full is not None:
+            if opt_full is not None:  # the block's own moments only (names); the adapters' end with the visit
                 moments_file = checkpoints.save_block(ctx.store, vs.run_id, optimizer_tensors(opt_full, names))
+            if adapters is not None:
+                suffix_files, suffix_norms = merge(ctx, vs, adapters)
+    if adapters is not None:
+        adapters.detach()
     return TrainResult(
         steps=res.steps, first_loss=res.losses[0] if res.losses else float("nan"), train_loss=res.final_loss,
         stopped_by=res.stopped_by, seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows),
         val_points=val_points, peak_mem_bytes=peak and peak[0], peak_reserved_bytes=peak and peak[1],
         alloc_retries=peak and peak[2], block_file=block_file, recompute=vs.recompute, gpus=held.world,
-        streamed=len(vs.streamed), rate=res.rate, moments_file=moments_file, val_loss=val_loss, eval_seconds=eval_s)
+        streamed=len(vs.streamed), rate=res.rate, moments_file=moments_file, val_loss=val_loss, eval_seconds=eval_s,
+        suffix_files=suffix_files, suffix_norms=suffix_norms)

@@ -17,7 +17,7 @@ import torch
 from prefect import task
 
 from bcdflow.core import failpoints, hf
-from bcdflow.core.config import RunConfig
+from bcdflow.core.config import RunConfig, with_former_defaults
 from bcdflow.core.context import RunContext, open_store
 from bcdflow.models import build_model
 from bcdflow.models.errors import ConfigError
@@ -32,6 +32,7 @@ from bcdflow.tasks.retry import retrying
 # a run that diverged continues with a lower learning rate (the stored config then records the new one).
 IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.split", "bcd.freeze", "bcd.order",
             "bcd.sample_rate", "bcd.preinfer", "bcd.max_steps", "bcd.patience", "bcd.min_delta", "bcd.window",
+            "bcd.expand", "bcd.expand_rank",
             "optim.name", "optim.weight_decay", "optim.momentum", "optim.grad_clip", "optim.warmup_steps",
             "train.batch_size", "seed", "mode", "format", "hf.fingerprint", "dataset")
 # the layout of a run's stored config and weights; 2: LLaMA rotates q/k by halves (the Hugging Face convention)
@@ -68,7 +69,7 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
         resolved["hf"] = hf.record(ck, mcfg)
     state = runs.read_state(store, run_id)
     if state is not None:
-        old = _normalized(runs.read_config(store, run_id))
+        old = _normalized(with_former_defaults(runs.read_config(store, run_id)))
         old.setdefault("format", 1)
         diff = [k for k in IDENTITY if _pick(old, k) != _pick(resolved, k)]
         if "format" in diff:
@@ -112,9 +113,10 @@ def initial_block(mcfg, plan, b: int, seed: int) -> dict[str, torch.Tensor]:
 
 @task(name="commit", **retrying())
 def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: dict,
-                 fence: dict[str, int] | None = None) -> RunState:
+                 fence: dict[str, int] | None = None, suffix_files: dict[int, dict] | None = None) -> RunState:
     """Publish version ``record.version`` = the version before it with ``record.block`` replaced by
-    ``block_file``, then create the run's next state with the record (the commit point, docs/DESIGN.md §2.5).
+    ``block_file`` (and, ``bcd.expand``, the suffix blocks by ``suffix_files``), then create the run's next state
+    with the record (the commit point, docs/DESIGN.md §2.5).
 
     ``fence``: the lease epochs this visit holds (``run``, ``visit c{c}-b{b}``); a state fenced by a later holder
     means this process lost its lease, and it changes nothing (LeaseLost). A retry that finds its own record
@@ -130,7 +132,8 @@ def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: d
         raise runs.RunStateError(f"visit c{record.cycle}-b{record.block} was trained on version {record.version - 1}, "
                                  f"but run {run_id!r} is at version {state.version}: another process committed")
     failpoints.hit("commit-checked")  # the window a paused process sits in: the state create below fences it
-    checkpoints.commit_version(store, run_id, record.version - 1, record.version, {record.block: block_file})
+    checkpoints.commit_version(store, run_id, record.version - 1, record.version,
+                               {**(suffix_files or {}), record.block: block_file})
     state = runs.append_visit(store, run_id, record, fence, base=state,
                               drop=tuple(k for k in fence if k.startswith("visit ")))
     failpoints.hit("after-commit")  # committed; the visit's working objects not yet dropped (flows/visit.visit)

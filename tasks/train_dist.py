@@ -40,7 +40,7 @@ from bcdflow.core.context import RunContext, check_gpus
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.models import build_model
 from bcdflow.models import parallel as par
-from bcdflow.models.errors import Diverged
+from bcdflow.models.errors import ConfigError, Diverged
 from bcdflow.models.memory import visit_memory
 from bcdflow.storage import checkpoints
 from bcdflow.storage.lease import lost_lease
@@ -48,6 +48,7 @@ from bcdflow.constants import IGNORE_INDEX
 from bcdflow.tasks import preemption
 from bcdflow.tasks.engine import (TrainResult, VisitSpec, describe, device_peak, diverged_message, prepare_model,
                                   run_visit)
+from bcdflow.tasks.expand import suffix_adapters
 from bcdflow.tasks.progress import visit_progress
 from bcdflow.tracking.tracker import TrackTarget
 
@@ -178,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def choose_parallel(cfg: RunConfig, ctx: RunContext, block: int, world: int, recompute: bool) -> str:
+def choose_parallel(cfg: RunConfig, ctx: RunContext, block: int, world: int, recompute: bool,
+                    expand: int = 0) -> str:
     """``train.parallel``, or (auto) ddp when the planner says one replica of the visit, with its 1/N of the batch,
-    fits ``train.memory_gb``; else fsdp."""
+    fits ``train.memory_gb``; else fsdp, which a visit with adapters (``expand``: their rank) cannot take."""
     if cfg.train.parallel != "auto":
         return cfg.train.parallel
     budget = ctx.budget()  # with NCCL's buffers in the reserve
@@ -189,7 +191,11 @@ def choose_parallel(cfg: RunConfig, ctx: RunContext, block: int, world: int, rec
     est = visit_memory(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,
                        cfg.train.precision, cfg.optim.name, recompute, cfg.bcd.preinfer,
                        chunk_rows=cfg.train.loss_chunk_rows, weight_decay=cfg.optim.weight_decay, gpus=world,
-                       parallel="ddp", freeze=cfg.bcd.freeze)
+                       parallel="ddp", freeze=cfg.bcd.freeze, expand_rank=expand)
+    if est.peak > budget and expand:
+        raise ConfigError(f"bcd.expand: a replica of block {block}'s visit does not fit the device "
+                          f"({est.peak / 1e9:.1f} GB predicted) and FSDP does not shard the adapters; set "
+                          "bcd.expand=off, or more blocks, or bcd.recompute=on")
     return "ddp" if est.peak <= budget else "fsdp"
 
 
@@ -204,7 +210,7 @@ class Distributed:
         self.ctx, self.vs, self.device = ctx, vs, device
         self.rank, self.world = par.world()
         self.writer = self.rank == 0
-        self.mode = choose_parallel(cfg, ctx, vs.block, self.world, vs.recompute)
+        self.mode = choose_parallel(cfg, ctx, vs.block, self.world, vs.recompute, vs.expand)
         low = cfg.train.precision == "bf16"
         if self.mode == "ddp":
             model = ctx.load_part(ctx.manifest(vs.version), vs.layers, embed=vs.embed, head=True, trainable=vs.active)
@@ -214,6 +220,10 @@ class Distributed:
         self.named = prepare_model(model, vs.active, cfg.train.loss_chunk_rows, cfg.train.compile)
         step = par.VisitStep(model, vs.lo, vs.hi, vs.from_acts, vs.recompute, cfg.train.precision)
         step.recompute_active = vs.recompute_active
+        # bcd.expand: the adapters, a submodule of the step (not of the model), so DDP all-reduces their gradients
+        self.adapters = suffix_adapters(ctx, vs, model) if self.mode == "ddp" else None
+        if self.adapters is not None:
+            step.expand = self.adapters
         if self.mode == "ddp":
             mod = par.wrap_ddp(step, device)
         else:

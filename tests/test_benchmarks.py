@@ -235,6 +235,22 @@ def test_suite_tiny_end_to_end(tmp_path, monkeypatch, prefect_server, capsys):
     assert "B-F × mean [min–max]" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_suite_paper_regime_takes_l_star_from_the_baselines_best(tmp_path, monkeypatch, prefect_server):
+    """``--regime paper`` (the paper's protocol, §4.2.3): L* = the baseline's best validation loss + tol, and the
+    epochs each side read to reach it are reported."""
+    monkeypatch.delenv("BCDFLOW_BENCH_SIZE", raising=False)
+    rc = main(["suite", "--tiny", "--regime", "paper", "--settings", "default", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "suite.json").read_text())
+    assert rc == 0 and not data["errors"] and data["suite"]["target"] == "best"
+    seed = data["groups"][0]["seeds"]["0"]
+    cell = seed["settings"]["default"]
+    assert cell["target"] == seed["full"]["best_val"] + data["suite"]["tol"]
+    n = seed["full"]["dataset"]["n_train"] * seed["full"]["dataset"]["seq_len"]
+    assert cell["epochs"]["full"] == cell["tokens"]["full"] / n
+    assert "L* from the baseline's best" in (tmp_path / "suite.md").read_text()
+
+
 def test_streaming_benchmark_runs_the_engine_on_every_holding(tmp_path):
     """benchmarks/streaming.py on the CPU: every visit of a tiny LLaMA plan, resident, fully streamed and as the
     planner holds it for a card, through the engine's preparation and loss; the streamed weights live in the

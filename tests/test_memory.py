@@ -22,7 +22,7 @@ CASES = [("gpt2-124m", {}), ("L-1.5B", {"n_kv_head": 2, "d_ff": 352})]
 
 
 def measured_vs_planned(model, over, precision, recompute, preinfer=True, optim="adamw", B=4, T=64, rows=64,
-                        stream=False):
+                        stream=False, expand=0):
     c = {"model": model, "overrides": {**SHAPE, **over}, "batch_size": B, "seq_len": T, "precision": precision}
     w = Workload(c, torch.device("cpu"), optim=optim)
     w.args.chunk_rows = rows
@@ -32,11 +32,12 @@ def measured_vs_planned(model, over, precision, recompute, preinfer=True, optim=
         if blk is None and stream:
             continue  # full training streams nothing
         v = w.full() if blk is None else w.visit(f"b{blk.index}", blk, preinfer=preinfer, recompute=recompute,
-                                                   stream=stream)
+                                                   stream=stream, expand=expand)
         v.step(timed=False)  # a first step: the optimizer state exists, as in every later step
         measured = v.peak()["peak_bytes"]
         est = visit_memory(w.cfg, None if blk is None else plan, None if blk is None else blk.index, B, T,
-                           precision, optim, recompute, preinfer, chunk_rows=rows, stream=stream)
+                           precision, optim, recompute, preinfer, chunk_rows=rows, stream=stream,
+                           expand_rank=expand if blk is not None else 0)
         out.append((est.name, measured, est.peak))
         del v
         gc.collect()

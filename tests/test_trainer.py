@@ -101,6 +101,34 @@ def test_cosine_schedule_decays_over_the_run_across_loops():
     assert OptimSpec("adamw", lr=2.0, lr_scale=0.5).base_lr == 1.0
 
 
+def test_cosine_decays_over_the_planned_steps_the_baseline_and_bcd_share():
+    """Issue 25: ``optim.decay_steps`` (default ``train.steps``) is the one clock of both modes, not BCD's cap of
+    cycles x blocks x max_steps: a BCD run that stops at a target decays as the baseline does."""
+    from bcdflow.core.config import load_config
+    from bcdflow.flows.bcd import full_config
+
+    cfg = load_config(sets=["optim.schedule=cosine", "train.steps=600", "bcd.cycles=20", "bcd.max_steps=80"])
+    assert cfg.optim_spec(0).total_steps == full_config(cfg).optim_spec().total_steps == 600
+    cfg = load_config(sets=["optim.schedule=cosine", "optim.decay_steps=1500", "bcd.cycles=20"])
+    assert cfg.optim_spec(1).total_steps == full_config(cfg).optim_spec().total_steps == 1500
+
+
+def test_a_param_groups_lr_ratio_follows_the_schedule():
+    """A second parameter group (``bcd.expand``'s adapters) keeps its rate's ratio to the block's through warmup."""
+    w, a = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    spec = OptimSpec("adamw", lr=0.1, warmup_steps=2)
+    opt = make_optimizer([w], spec)
+    opt.add_param_group({"params": [a], "lr": 0.5, "lr_ratio": 5.0})
+    seen = []
+
+    def loss_fn(_):
+        seen.extend(g["lr"] for g in opt.param_groups)
+        return (w ** 2).sum() + (a ** 2).sum()
+
+    run_steps(loss_fn, [w], itertools.repeat(torch.zeros(1)), opt, spec, StopRule(max_steps=3, window=3), extra=[a])
+    assert seen == pytest.approx([0.05, 0.25, 0.1, 0.5, 0.1, 0.5])
+
+
 def test_warmup_ramps_the_learning_rate_linearly():
     w = torch.nn.Parameter(torch.ones(2))
     spec = OptimSpec("adamw", lr=0.1, warmup_steps=4)
