@@ -140,10 +140,11 @@ def load_sharded(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 class Gathered:
     """Whole tensors of sharded ones alive at once on their device, counted by finalizers (the FSDP checkpoint's
     invariant: at most one beyond the shards, docs/DESIGN.md §10; tests read ``peak``)."""
-    live = peak = 0
+    live = peak = count = 0
 
     @classmethod
     def track(cls, t: torch.Tensor) -> torch.Tensor:
+        cls.count += 1
         cls.live += 1
         cls.peak = max(cls.peak, cls.live)
         weakref.finalize(t.untyped_storage(), cls._freed)

@@ -36,12 +36,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.ones(4, 64)).sum().backward()
     opt.step()
-    par.Gathered.peak = par.Gathered.live = 0
+    par.Gathered.peak = par.Gathered.live = par.Gathered.count = 0
     params = par.full_params(model.named_parameters())
     state = par.full_optim_state(opt)
     moments = sum(isinstance(v, torch.Tensor) and v.dim() > 0 for st in state["state"].values() for v in st.values())
     if rank == 0:
-        torch.save({"peak": par.Gathered.peak, "live": par.Gathered.live, "moments": moments,
+        torch.save({"gathered": par.Gathered.count, "peak": par.Gathered.peak, "live": par.Gathered.live, "moments": moments,
                     "shapes": {k: tuple(v.shape) for k, v in params.items()},
                     "ref": {k: tuple(v.shape) for k, v in ref.items()},
                     "host": all(v.device.type == "cpu" for v in params.values())}, out)
@@ -57,4 +57,8 @@ def test_an_fsdp_checkpoint_gathers_one_whole_tensor_at_a_time(tmp_path):
     got = torch.load(out)
     assert got["moments"] == 12 and got["host"]  # 6 parameters x (exp_avg, exp_avg_sq), whole, on the host
     assert got["shapes"] == got["ref"]
-    assert got["peak"] == 1 and got["live"] == 0, got  # one whole tensor alive at a time, none left behind
+    # one whole tensor alive at a time, none left behind: gathering all 18 (6 parameters, 12 moments) first would
+    # hold 18. The bound is 2, not 1: gloo's worker thread drops its reference to a finished all-gather's output
+    # when it gets to it, so the previous tensor can still be counted alive as the next one is gathered (a CI run
+    # saw peak 2); what the invariant rules out is a peak that grows with the tensors gathered.
+    assert got["gathered"] == 18 and got["peak"] <= 2 and got["live"] == 0, got
