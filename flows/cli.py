@@ -128,11 +128,11 @@ def _detach_temporary_server() -> None:
     retrying a dead API for minutes. Detached, it outlives the interrupt, so the run reports its state and
     bcdflow exits within seconds; it still stops when bcdflow exits (Prefect's atexit hook), and when bcdflow dies
     without running it (kill -9, the OOM killer) a watchdog process stops it (``_watch``)."""
-    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
     if PREFECT_API_URL.value():
         return
+    from prefect.server.api.server import SubprocessASGIServer  # seconds of imports a process on a set API skips
 
     class _Detached(SubprocessASGIServer):
         def _run_uvicorn_command(self):

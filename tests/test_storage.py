@@ -305,8 +305,9 @@ def test_lease_held_expired_taken_over_and_lost(store):
     from bcdflow.storage.lease import Lease, LeaseHeld, LeaseLost
 
     here = {"host": "elsewhere", "pid": 1, "started": 0.0, "flow_run_id": "f1"}
-    a = Lease(store, "runs/r", "run 'r'", ttl=30, owner=here)
-    b = Lease(store, "runs/r", "run 'r'", ttl=30, owner={**here, "host": "b-host", "flow_run_id": "f2"})
+    # a short ttl: b watches a's renewals (every ttl/3) and a watches b's expired lease for one ttl
+    a = Lease(store, "runs/r", "run 'r'", ttl=3, owner=here)
+    b = Lease(store, "runs/r", "run 'r'", ttl=3, owner={**here, "host": "b-host", "flow_run_id": "f2"})
     with a.held():
         with pytest.raises(LeaseHeld, match="run 'r' is in use by elsewhere pid 1, flow run f1"):
             b.acquire()
