@@ -15,11 +15,12 @@ import json
 import math
 import os
 import re
-from typing import Literal, get_args
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from bcdflow.core.orders import ORDERS
 from bcdflow.core.spend import DEFAULT_PRICES, parse_prices
 from bcdflow.models.config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelConfig, get_config
 from bcdflow.models.errors import ConfigError
@@ -29,8 +30,7 @@ from bcdflow.storage.store import check_url
 
 # the fixed choice sets, once: the config's fields and the flat Prefect form (flows/params.py) both use these
 ModelName = Literal[tuple(REGISTRY)]
-Order = Literal["cyclic", "reverse", "random", "greedy"]
-ORDERS: tuple[str, ...] = get_args(Order)
+Order = Literal[tuple(ORDERS)]
 
 
 class _Section(BaseModel):

@@ -4,7 +4,7 @@
 visit is its own flow run (``flows/visit.py``). ``full_train`` is the full-parameter baseline: a one-block,
 one-cycle run at sample rate 1 through the very same visit flow and step loop (invariant I3).
 
-A run ends at the first global stop rule (``stop_reason``): target validation loss, no validation
+A run ends at the first global stop rule (``core/rules.stop_reason``): target validation loss, no validation
 improvement over whole cycles, budget (docs/DESIGN.md §7) or all cycles done; the reason goes to state.json
 (``stop_reason``) and the MLflow tag ``bcdflow.stop_reason``. Both flows take one flat parameter
 model (``flows.params.RunParams``) so a deployment's run form in the Prefect UI is editable.
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 from prefect import flow, get_run_logger, tags
 from prefect.runtime import flow_run
 
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, check_gpus, check_plan_fits, open_store
+from bcdflow.core.rules import blocks_to_visit, end_reason, stop_reason
 from bcdflow.flows import artifacts
 from bcdflow.flows.params import RunParams, new_run_id
 from bcdflow.flows.fleet import dispatch_visit
@@ -33,48 +33,6 @@ from bcdflow.tasks.report import report_run
 from bcdflow.tasks.run import init_run, note_state
 from bcdflow.tasks.train import choose_block
 from bcdflow.tracking.tracker import Tracker
-
-
-def cycle_order(cfg: RunConfig, n_blocks: int, cycle: int) -> list[int]:
-    """Fixed orders; ``greedy`` is chosen visit by visit instead."""
-    if cfg.bcd.order == "reverse":
-        return list(range(n_blocks - 1, -1, -1))
-    if cfg.bcd.order == "random":
-        rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, cycle, 7919]))
-        return [int(b) for b in rng.permutation(n_blocks)]
-    return list(range(n_blocks))
-
-
-def stale_cycles(visits: list[VisitRecord], n_blocks: int, min_delta: float = 0.0) -> int:
-    """How many of the latest completed cycles in a row brought no new best validation loss."""
-    by_cycle: dict[int, list[float]] = {}
-    for v in visits:
-        by_cycle.setdefault(v.cycle, []).append(v.val_loss)
-    best, stale = float("inf"), 0
-    for c in sorted(by_cycle):
-        if len(by_cycle[c]) < n_blocks:  # the cycle in progress does not count yet
-            break
-        stale = 0 if min(by_cycle[c]) < best - min_delta else stale + 1
-        best = min(best, *by_cycle[c])
-    return stale
-
-
-def stop_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int,
-                next_block: int | None = None) -> tuple[str, str] | None:
-    """The global stop rule that holds now, as (reason, detail), or None to go on (docs/DESIGN.md §2).
-
-    Checked between visits, so whichever rule is met first ends the run; when several hold at once the
-    precedence is: ``target_val_loss`` (the goal is reached), ``no_improvement`` (``stop.patience_cycles``
-    completed cycles without a new best), ``budget`` (the visit of ``next_block`` would overspend)."""
-    st = cfg.stop
-    best = min((v.val_loss for v in visits), default=float("inf"))
-    if st.target_val_loss is not None and best <= st.target_val_loss:
-        return "target_val_loss", f"validation loss {best:.4f} <= target {st.target_val_loss:g}"
-    if st.patience_cycles and (n := stale_cycles(visits, n_blocks, st.min_delta)) >= st.patience_cycles:
-        return "no_improvement", f"{n} whole cycle(s) without a validation loss below {best:.4f}"
-    if next_block is not None and (why := spend.over_budget(cfg.spend, visits, next_block)):
-        return "budget", why
-    return None
 
 
 def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
@@ -142,7 +100,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
     stop = None
     try:
         for cycle in range(cfg.bcd.cycles):
-            todo = [b for b in cycle_order(cfg, n_blocks, cycle) if (cycle, b) not in done]
+            todo = blocks_to_visit(cfg, n_blocks, cycle, done)
             while todo and not (stop := stop_reason(cfg, visits, n_blocks)):
                 b = (choose_block(RunContext.of(cfg, run_id, dataset_id), version, cycle, todo)
                      if cfg.bcd.order == "greedy" and len(todo) > 1 else todo[0])
@@ -163,7 +121,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
                                              "cycle_cum_spend_usd": rec.cum_spend_usd}, cycle)
             if stop:
                 break
-        stop = stop or stop_reason(cfg, visits, n_blocks) or ("cycles", f"{cfg.bcd.cycles} cycle(s) done")
+        stop = stop or end_reason(cfg, visits, n_blocks)
     except BaseException:
         tracker.end(parent, "FAILED")
         raise

@@ -344,7 +344,7 @@ def cmd_resume(args) -> int:
     return 0
 
 
-# what continues a run that stopped for each reason (flows/bcd.stop_reason)
+# what continues a run that stopped for each reason (core/rules.stop_reason)
 _FURTHER = {"cycles": "--set bcd.cycles=<more>", "budget": "--set spend.budget_usd=<more>",
             "target_val_loss": "--set stop.target_val_loss=<lower>",
             "no_improvement": "--set stop.patience_cycles=<more, or 0>"}

@@ -24,6 +24,7 @@ from bcdflow.constants import IGNORE_INDEX
 from bcdflow.core import failpoints, preempt
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext
+from bcdflow.core.rules import batch_ranges, visit_rows
 from bcdflow.core.spend import spent_at
 from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import no_grad_memory, no_grad_rows, visit_memory
@@ -33,7 +34,6 @@ from bcdflow.models.visit import autocast, prefix_hidden, visit_loss
 from bcdflow.storage import activations, checkpoints, trainckpt
 from bcdflow.storage.lease import check_leases, lost_lease
 from bcdflow.storage.tokens import TokenDataset
-from bcdflow.tasks.data import batch_ranges, visit_rows
 from bcdflow.tasks.expand import adapter_group, merge, suffix_adapters
 from bcdflow.tracking.tracker import TrackTarget
 

@@ -21,7 +21,7 @@ from bcdflow.models.errors import Diverged
 from bcdflow.models.holding import probe_bytes
 from bcdflow.models.visit import autocast, block_grad_norms
 from bcdflow.tasks import preemption
-from bcdflow.tasks.data import sample_rows
+from bcdflow.core.rules import sample_rows
 from bcdflow.tasks.engine import (EvalResult, Resident, TrainResult, describe, diverged_message, evaluate_model,
                                   run_visit, val_batches)
 from bcdflow.tasks.progress import Progress

@@ -1,14 +1,17 @@
-"""What tests share besides fixtures (conftest.py): the tiny run config, a finished run's weights, a full disk."""
+"""What tests share besides fixtures (conftest.py): the tiny run config, a finished run's weights, a priced visit
+record, a full disk, a run prepared for a visit and a spy on what a visit loads."""
 from __future__ import annotations
 
 import builtins
 import errno
+import math
 import os
 
 import torch
 
 from bcdflow.models.config import ModelConfig
 from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.runs import VisitRecord
 from bcdflow.storage.store import Store
 
 # a tiny, fast run: ~400 KB of built-in corpus, 6 layers x 64 wide, a few steps per visit
@@ -26,6 +29,18 @@ def finished_weights(store: Store, run_id: str) -> dict[str, torch.Tensor]:
     state = runs.read_state(store, run_id)
     assert state.status == "done", (run_id, state.status)
     return checkpoints.load_blocks(store, run_id, state.version)
+
+
+def visit_record(sp, cycle, block, *, pre=0.0, train=0.0, ev=0.0, val=5.0, steps=10, seconds=None, **kw) -> VisitRecord:
+    """A visit record priced by ``sp`` (a ``spend`` config section) as the visit flow prices it."""
+    from bcdflow.core import spend
+
+    seconds = pre + train + ev if seconds is None else seconds
+    cost = spend.visit_spend(sp, {"preinfer": pre, "train": train, "eval": ev}, seconds)
+    fields = {"version": 1, "step_end": steps, "stopped_by": "max_steps", "rows": 1, "tokens": 1, "first_loss": val,
+              "train_loss": val, "val_ppl": math.exp(val), "tokens_per_s": 1.0, **kw}
+    return VisitRecord(cycle=cycle, block=block, preinfer_seconds=pre, train_seconds=train, eval_seconds=ev,
+                       val_loss=val, steps=steps, seconds=seconds, **{**cost, **fields})
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -303,7 +303,7 @@ def test_finetune_prompt_completion_through_the_cli(prefect_server, tmp_path, to
     ctx = RunContext.of(cfg, "ft", state.dataset)
     assert ctx.dataset.masked
 
-    from bcdflow.tasks.data import visit_rows
+    from bcdflow.core.rules import visit_rows
 
     for visit in state.visits:
         rows = visit_rows(cfg, ctx.dataset.n_train, visit.cycle, visit.block)[: cfg.train.batch_size]

@@ -1,6 +1,6 @@
 """docs/DESIGN.md §3 invariants on the tiny config: I1 (a visit touches its block only), I2 (pre-inference on = off),
-I3 (one-block BCD = full-parameter training), I6 (a visit holds blocks >= b, trains block b only), and the
-per-visit sampler (paper §3.2.3).
+I3 (one-block BCD = full-parameter training), I6 (a visit holds blocks >= b, trains block b only). The per-visit
+sampler (paper §3.2.3) is tests/test_rules.py.
 
 Run: python -m pytest -q tests/test_invariants.py   (CPU; the flow tests share one Prefect test server)
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,7 +16,8 @@ from bcdflow.core.context import RunContext, block_plan, model_config
 from bcdflow.storage import runs
 from bcdflow.storage.checkpoints import commit_version, load_blocks, read_manifest
 from bcdflow.storage.store import Store
-from bcdflow.tasks.data import batch_ranges, prepare_data, sample_rows, visit_rows
+from bcdflow.core.rules import batch_ranges, sample_rows
+from bcdflow.tasks.data import prepare_data
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.run import init_run
 from bcdflow.tasks.train import train_block
@@ -226,52 +226,3 @@ def test_i3_one_block_bcd_equals_full_training(tiny_cfg, prefect_server, flow_st
     # the baseline evaluated mid-run (every 2 steps), and that did not perturb training
     (full_visit,) = runs.read_state(Store(cfg.store), "full").visits
     assert len(full_visit.val_points) == 2
-
-
-# -- per-visit sampling (paper §3.2.3) ------------------------------------------------------------
-
-@pytest.mark.parametrize("n,rate", [(100, 0.9), (101, 0.5), (7, 1.0), (10, 0.01)])
-def test_sample_rows_deterministic_sized_and_distinct(n, rate):
-    a = sample_rows(n, rate, seed=0, cycle=1, block=2)
-    assert np.array_equal(a, sample_rows(n, rate, seed=0, cycle=1, block=2))  # deterministic
-    assert len(a) == max(1, round(rate * n))
-    assert len(np.unique(a)) == len(a) and a.min() >= 0 and a.max() < n  # a subset, no repeats
-    assert a.dtype.kind == "i"
-
-
-def test_sample_rows_differ_across_visits_and_seeds():
-    n, rate = 200, 0.9
-    keys = [(0, c, b) for c in range(2) for b in range(3)] + [(1, 0, 0)]
-    samples = {k: sample_rows(n, rate, *k) for k in keys}
-    for i, ka in enumerate(keys):
-        for kb in keys[i + 1:]:
-            assert not np.array_equal(samples[ka], samples[kb]), (ka, kb)
-    # at rate 1 every row is drawn, still in a visit-specific order
-    full = sample_rows(n, 1.0, 0, 0, 0)
-    assert sorted(full.tolist()) == list(range(n))
-    assert not np.array_equal(full, sample_rows(n, 1.0, 0, 0, 1))
-
-
-def test_visit_rows_is_the_sample_cut_to_the_step_cap(tiny_cfg):
-    cfg = tiny_cfg()
-    rows = visit_rows(cfg, 1000, cycle=0, block=1)
-    assert np.array_equal(rows, sample_rows(1000, cfg.bcd.sample_rate, cfg.seed, 0, 1)[: 6 * 8])
-
-
-@pytest.mark.parametrize("n_rows,bs", [(48, 8), (50, 8), (5, 8), (64, 64)])
-def test_batch_ranges_cover_every_row_each_epoch(n_rows, bs):
-    n_batches = -(-n_rows // bs)
-    it = batch_ranges(n_rows, bs, seed=0, cycle=0, block=1)
-    epochs = [[next(it) for _ in range(n_batches)] for _ in range(4)]
-    for ep in epochs:
-        covered = np.zeros(n_rows, dtype=int)
-        for lo, hi in ep:
-            assert 0 <= lo < hi <= n_rows and hi - lo <= bs
-            covered[lo:hi] += 1
-        assert (covered == 1).all()  # every row exactly once per epoch
-    assert [lo for lo, _ in epochs[0]] == list(range(0, n_rows, bs))  # epoch 0 in order
-    if n_batches > 2:
-        assert any(ep != epochs[0] for ep in epochs[1:])  # later epochs reshuffle batches
-    # deterministic per (seed, cycle, block)
-    again = batch_ranges(n_rows, bs, seed=0, cycle=0, block=1)
-    assert [next(again) for _ in range(4 * n_batches)] == [r for ep in epochs for r in ep]
