@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from bcdflow.core.orders import ORDERS
 from bcdflow.core.spend import DEFAULT_PRICES, parse_prices
-from bcdflow.models.config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelConfig, get_config
+from bcdflow.models.model_config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelConfig, get_config
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.plan import layer_bounds
 from bcdflow.models.trainer import OptimSpec, StopRule
@@ -40,7 +40,7 @@ class _Section(BaseModel):
 
 
 # the bounds of the model sizes (SIZE_LIMITS) and of data.vocab_size (MAX_VOCAB) live with the model config, so a
-# Hugging Face checkpoint's config.json is held to the same ones (models/hf.config_from_hf)
+# Hugging Face checkpoint's config.json is held to the same ones (models/hf_names.config_from_hf)
 
 
 class ModelSection(_Section):
@@ -478,7 +478,7 @@ class RunConfig(_Section):
         if self.bcd.expand != "off" and self.train.gpus > 1 and self.train.parallel == "fsdp":
             raise ValueError("bcd.expand: FSDP does not shard the adapters; set train.parallel=ddp (or auto, which "
                              "then takes ddp) or bcd.expand=off")
-        if not self.model.from_hf:  # a registry model is data: check against it now (a checkpoint's: core/hf.py)
+        if not self.model.from_hf:  # a registry model is data: check against it now (a checkpoint's: core/hf_import.py)
             check_model(self, get_config(self.model.name, **self.model.overrides(), vocab_size=self.data.vocab_size))
         return self
 

@@ -21,13 +21,13 @@ import psutil
 import torch
 import zarr
 
-from bcdflow.core import hf
+from bcdflow.core import hf_import
 from bcdflow.core.config import RunConfig
 from bcdflow.errors import BadInput
 from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
 from bcdflow.models.build import param_sizes
-from bcdflow.models.config import ModelConfig, get_config
+from bcdflow.models.model_config import ModelConfig, get_config
 from bcdflow.models.holding import Holding, choose_holding, no_grad_holding
 from bcdflow.models.memory import GB, Budget, device_budget, no_grad_memory
 from bcdflow.models.stream import LayerStream, host_buffer
@@ -45,7 +45,7 @@ def model_config(cfg: RunConfig, vocab_size: int | None = None) -> ModelConfig:
     known), or with ``model.from_hf`` the checkpoint's (config.json; vocabulary = its embedding rows, whatever the
     tokenizer's size), checked against the run config."""
     if cfg.model.from_hf:
-        return hf.checkpoint_model(cfg)
+        return hf_import.checkpoint_model(cfg)
     return get_config(cfg.model.name, **cfg.model.overrides(), vocab_size=vocab_size or cfg.data.vocab_size)
 
 

@@ -226,7 +226,7 @@ def _preflight(cfg) -> None:
     if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
         raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
     if cfg.model.from_hf:  # every shard, tensor and the tokenizer, before a flow starts
-        from bcdflow.core.hf import check_checkpoint
+        from bcdflow.core.hf_import import check_checkpoint
 
         check_checkpoint(cfg)
     check_model_size(cfg)  # version 0 is built here, whoever trains the visits

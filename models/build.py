@@ -15,7 +15,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from bcdflow.models.base import Decoder
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.gpt import GPT
 from bcdflow.models.llama import LLaMA
 from bcdflow.models.plan import Plan, frozen_names, make_plan

@@ -6,7 +6,7 @@ from the model config alone (parameter shapes from a meta-device model: no weigh
     est.peak, est.parts()    # bytes: weights, grads, optim, activations, logits, input, temporaries
     rec = recommend(cfg, 4, 1024, "bf16", gpu_bytes=24 * GB)                      # smallest bcd.blocks that fits
 
-What a step holds (the product's path: tasks/train.py -> models/visit.visit_loss -> models/trainer.run_steps):
+What a step holds (the product's path: tasks/train.py -> models/visit_compute.visit_loss -> models/trainer.run_steps):
 
 - weights: held parameters only (a visit with pre-inference holds layers >= its block and the head; docs/DESIGN.md I6).
   Trainable ones in fp32; frozen matrices in bf16 with ``precision=bf16`` (models/build.frozen_in), else fp32.
@@ -41,7 +41,7 @@ from typing import Collection, Sequence
 
 from bcdflow.models.base import loss_chunk_rows
 from bcdflow.models.build import model_plan, param_shapes
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.plan import Plan
 from bcdflow.models.stream import Schedule, SlotPlan, layer_bytes
 

@@ -8,7 +8,7 @@ import os
 import tempfile
 from prefect import task
 
-from bcdflow.core.hf import check_checkpoint, eos_token
+from bcdflow.core.hf_import import check_checkpoint, eos_token
 from bcdflow.storage.corpus import builtin_corpus_files, read_tokenizer, resolve_files
 from bcdflow.storage.store import Store
 from bcdflow.storage.tokens import dataset_id, prepare_token_dataset

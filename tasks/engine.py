@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel
 
 from bcdflow.constants import IGNORE_INDEX
-from bcdflow.core import failpoints, preempt
+from bcdflow.core import failpoints, stop_signals
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext
 from bcdflow.core.rules import batch_ranges, visit_rows
@@ -30,7 +30,7 @@ from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import no_grad_memory, no_grad_rows, visit_memory
 from bcdflow.models.plan import block_tensors
 from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
-from bcdflow.models.visit import autocast, prefix_hidden, visit_loss
+from bcdflow.models.visit_compute import autocast, prefix_hidden, visit_loss
 from bcdflow.storage import activations, checkpoints, trainckpt
 from bcdflow.storage.lease import check_leases, lost_lease
 from bcdflow.storage.tokens import TokenDataset
@@ -317,7 +317,7 @@ def prepare_model(model: torch.nn.Module, active, chunk_rows: int | None,
 
 def visit_step_loss(model, vs: VisitSpec, device: torch.device, precision: str) -> Callable:
     """``loss(batch)``: the visit's mean token loss of a batch (inputs or the prefix's states, targets, ...) under
-    the precision's autocast, with streamed weights saved by reference (``models.visit.visit_loss``)."""
+    the precision's autocast, with streamed weights saved by reference (``models.visit_compute.visit_loss``)."""
     stream = getattr(model, "stream", None)
     saving = stream.saving if stream else contextlib.nullcontext
 
@@ -352,7 +352,7 @@ class Resident:
         return counted(read)  # (inputs, targets, trained tokens)
 
     def should_stop(self) -> bool:  # after each step: SIGTERM or Ctrl-C, or a lease that could expire (§9)
-        return preempt.requested() or lost_lease() is not None
+        return stop_signals.requested() or lost_lease() is not None
 
     def set_params(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -473,7 +473,7 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: Track
                               None)
     check_leases()  # a lease that lapsed while the visit set up (a slow load): not one step is trained
     try:
-        with preempt.training():
+        with stop_signals.training():
             res = run_steps(held.loss, params, prefetched(ranges, held.fetch(read, rows), device), opt, spec,
                             cfg.stop_rule(min_rate), on_window=on_window, should_stop=held.should_stop,
                             state=state, checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
 from bcdflow.storage import checkpoints, runs
 from bcdflow.storage.runs import VisitRecord
 from bcdflow.storage.store import Store

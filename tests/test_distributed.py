@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from bcdflow.core import preempt
+from bcdflow.core import stop_signals
 from bcdflow.core.context import RunContext
 from bcdflow.storage import checkpoints
 from bcdflow.storage.store import Store
@@ -132,7 +132,7 @@ def test_a_one_process_checkpoint_resumes_on_two(tiny_cfg, monkeypatch):
         calls["n"] += 1
         return calls["n"] >= 30
 
-    monkeypatch.setattr(preempt, "requested", requested)
+    monkeypatch.setattr(stop_signals, "requested", requested)
     with pytest.raises(SystemExit):
         train_block.fn(RunContext.of(one, "r", ds), 0, 1, 0)
     monkeypatch.undo()

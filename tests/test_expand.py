@@ -17,11 +17,11 @@ import torch
 from bcdflow.core.config import load_config
 from bcdflow.core.context import RunContext, block_plan, model_config
 from bcdflow.models import build_model
-from bcdflow.models.config import get_config
+from bcdflow.models.model_config import get_config
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.expand import SuffixAdapters, merged
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
-from bcdflow.models.visit import visit_loss
+from bcdflow.models.visit_compute import visit_loss
 from bcdflow.storage import checkpoints, runs
 from bcdflow.storage.checkpoints import commit_version, load_blocks, read_manifest
 from bcdflow.storage.store import Store
