@@ -24,6 +24,7 @@ from bcdflow.core.orders import ORDERS
 from bcdflow.core.spend import DEFAULT_PRICES, parse_prices
 from bcdflow.models.model_config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelConfig, get_config
 from bcdflow.models.errors import ConfigError
+from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import layer_bounds
 from bcdflow.models.trainer import OptimSpec, StopRule
 from bcdflow.storage.store import check_url
@@ -31,6 +32,7 @@ from bcdflow.storage.store import check_url
 # the fixed choice sets, once: the config's fields and the flat Prefect form (flows/params.py) both use these
 ModelName = Literal[tuple(REGISTRY)]
 Order = Literal[tuple(ORDERS)]
+OptimName = Literal[tuple(OPTIMIZERS)]
 
 
 class _Section(BaseModel):
@@ -219,8 +221,8 @@ class BcdSection(_Section):
 
 
 class OptimSection(_Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    """The optimizer of the active block (paper §4.2.1)."""
+    name: OptimName = "adamw"
+    """The optimizer of the active block (paper §4.2.1; models/optimizers.py)."""
     lr: float | None = Field(None, gt=0)
     """None = the paper's §4.2.1 default (AdamW 1e-4, SGD 0.1)."""
     weight_decay: float = Field(1e-5, ge=0)
