@@ -27,6 +27,7 @@ from bcdflow.models.errors import ConfigError
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import layer_bounds
 from bcdflow.models.trainer import OptimSpec, StopRule
+from bcdflow.storage.backends import backend_of
 from bcdflow.storage.store import check_url
 
 # the fixed choice sets, once: the config's fields and the flat Prefect form (flows/params.py) both use these
@@ -504,19 +505,10 @@ class RunConfig(_Section):
                         min_rate=min_rate if b.budget == "adaptive" else None)
 
     def storage_options(self) -> dict:
-        """fsspec options for the store URL (s3fs reads credentials from the AWS environment)."""
-        if not self.store.startswith(("s3://", "s3a://")):
-            return {}
-        opts: dict = {}
-        if self.s3.endpoint_url:
-            opts["endpoint_url"] = self.s3.endpoint_url
-        if self.s3.region:
-            opts["client_kwargs"] = {"region_name": self.s3.region}
-        if self.s3.profile:
-            opts["profile"] = self.s3.profile
-        if self.s3.anon:
-            opts["anon"] = True
-        return opts
+        """fsspec options for the store URL: its backend's, from the section named as the backend
+        (``storage/backends.py``; ``s3.*`` for an ``s3://`` store); none for a local path or ``memory://``."""
+        backend = backend_of(self.store)
+        return backend.options(getattr(self, backend.name)) if backend is not None else {}
 
     def resolved_tracking_uri(self) -> str:
         if self.tracking_uri:
