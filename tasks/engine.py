@@ -15,7 +15,7 @@ import itertools
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 from pydantic import BaseModel
@@ -328,12 +328,47 @@ def visit_step_loss(model, vs: VisitSpec, device: torch.device, precision: str) 
     return loss
 
 
+class Holding(Protocol):
+    """How a visit's model is held (:class:`Resident`, ``tasks/train_dist.Distributed``): what :func:`run_visit`, the
+    one recipe, asks of it. A new way to hold a visit (another parallelism, another offload) implements this."""
+
+    writer: bool
+    """Whether this process writes the checkpoints, the block file and the result (rank 0 of several)."""
+    world: int
+    model: torch.nn.Module
+    """The visit's part of the model (its held layers and the head)."""
+    module: torch.nn.Module
+    """What evaluation switches to eval mode and back (the model, or the wrapped step)."""
+    named: list[tuple[str, torch.nn.Parameter]]
+    """The active block's trainable parameters by name (this process's shards under FSDP)."""
+    loss: Callable
+    """A batch -> its loss (on this process's slice of it)."""
+    eval_loss: Callable
+    ckpt_device: torch.device | str
+    clock: Callable[[], float] | None
+    """The loop's clock (one agreed by every process), or None for the loop's own."""
+    adapters: object | None
+    """``bcd.expand``'s suffix adapters where the holding made them itself (before wrapping), else None."""
+
+    def fetch(self, read: Callable, rows) -> Callable: ...
+    def should_stop(self) -> bool: ...
+    def set_params(self, tensors: dict[str, torch.Tensor]) -> None: ...
+    def load_optim(self, opt, state: dict) -> None: ...
+    def params(self) -> dict[str, torch.Tensor]: ...
+    def optim_state(self, opt) -> dict: ...
+    def block_tensors(self) -> dict[str, torch.Tensor]: ...
+    def barrier(self) -> None: ...
+    def peak(self) -> tuple[int, int, int] | None: ...
+    def close(self) -> None: ...
+
+
 class Resident:
     """The visit's model in this one process: on its device, its frozen layers streamed from host memory where the
-    visit says (``VisitSpec.streamed``; models/stream.py)."""
+    visit says (``VisitSpec.streamed``; models/stream.py). A :class:`Holding`."""
 
     writer = True
     world = 1
+    adapters = None  # made by run_visit (suffix_adapters), beside the model
 
     def __init__(self, ctx: RunContext, vs: VisitSpec):
         self.ctx, self.vs, self.device = ctx, vs, ctx.device
@@ -382,7 +417,7 @@ class Resident:
             self.model.stream.close()
 
 
-def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None = None, progress=None,
+def run_visit(ctx: RunContext, vs: VisitSpec, hold: Callable[[RunContext, VisitSpec], Holding], *, track: TrackTarget | None = None, progress=None,
               global_step: int = 0, min_rate: float | None = None, moments: dict | None = None,
               spent: dict | None = None) -> TrainResult:
     """Train visit ``vs`` with its model held by ``hold`` (:class:`Resident` or ``train_dist.Distributed``) to local
@@ -406,14 +441,14 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
         held.close()  # its device slots and page-locked buffers go whatever ends the visit
 
 
-def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: TrackTarget | None, progress,
+def _train_held(ctx: RunContext, vs: VisitSpec, held: Holding, val: list, *, track: TrackTarget | None, progress,
                 global_step: int, min_rate: float | None, moments: dict | None, spent: dict | None) -> TrainResult:
     """The body of :func:`run_visit` once its model is held."""
     cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
     names, params = [n for n, _ in held.named], [p for _, p in held.named]
     # bcd.expand: adapters on the suffix's linear maps, beside the model (a distributed holding registers its own
     # before DDP wraps the step, so DDP reduces their gradients)
-    adapters = held.adapters if hasattr(held, "adapters") else suffix_adapters(ctx, vs, held.model)
+    adapters = held.adapters if held.adapters is not None else suffix_adapters(ctx, vs, held.model)
 
     rows = visit_rows(cfg, ds.n_train, vs.cycle, block)
     if vs.from_acts:
