@@ -328,7 +328,7 @@ def visit_step_loss(model, vs: VisitSpec, device: torch.device, precision: str) 
     return loss
 
 
-class Holding(Protocol):
+class VisitHolding(Protocol):
     """How a visit's model is held (:class:`Resident`, ``tasks/train_dist.Distributed``): what :func:`run_visit`, the
     one recipe, asks of it. A new way to hold a visit (another parallelism, another offload) implements this."""
 
@@ -364,7 +364,7 @@ class Holding(Protocol):
 
 class Resident:
     """The visit's model in this one process: on its device, its frozen layers streamed from host memory where the
-    visit says (``VisitSpec.streamed``; models/stream.py). A :class:`Holding`."""
+    visit says (``VisitSpec.streamed``; models/stream.py). A :class:`VisitHolding`."""
 
     writer = True
     world = 1
@@ -417,7 +417,7 @@ class Resident:
             self.model.stream.close()
 
 
-def run_visit(ctx: RunContext, vs: VisitSpec, hold: Callable[[RunContext, VisitSpec], Holding], *, track: TrackTarget | None = None, progress=None,
+def run_visit(ctx: RunContext, vs: VisitSpec, hold: Callable[[RunContext, VisitSpec], VisitHolding], *, track: TrackTarget | None = None, progress=None,
               global_step: int = 0, min_rate: float | None = None, moments: dict | None = None,
               spent: dict | None = None) -> TrainResult:
     """Train visit ``vs`` with its model held by ``hold`` (:class:`Resident` or ``train_dist.Distributed``) to local
@@ -441,7 +441,7 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold: Callable[[RunContext, VisitS
         held.close()  # its device slots and page-locked buffers go whatever ends the visit
 
 
-def _train_held(ctx: RunContext, vs: VisitSpec, held: Holding, val: list, *, track: TrackTarget | None, progress,
+def _train_held(ctx: RunContext, vs: VisitSpec, held: VisitHolding, val: list, *, track: TrackTarget | None, progress,
                 global_step: int, min_rate: float | None, moments: dict | None, spent: dict | None) -> TrainResult:
     """The body of :func:`run_visit` once its model is held."""
     cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block

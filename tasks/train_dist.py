@@ -200,7 +200,7 @@ def choose_parallel(cfg: RunConfig, ctx: RunContext, block: int, world: int, rec
 
 
 class Distributed:
-    """The visit's model held by one of several processes (a ``tasks.engine.Holding``): DDP loads it
+    """The visit's model held by one of several processes (a ``tasks.engine.VisitHolding``): DDP loads it
     whole on this process's device; FSDP2 builds it on the meta device, shards it, and copies each block's tensors
     into this process's shards one block at a time. Each process reads its slice of every batch, the loss is the
     global mean, the stop flag and clock are synchronized, and rank 0 writes."""
