@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, check_gpus, check_plan_fits, open_store
+from bcdflow.core.context import RunContext, open_store, preflight
 from bcdflow.core.rules import blocks_to_visit, end_reason, stop_reason
 from bcdflow.flows import artifacts
 from bcdflow.flows.params import RunParams, new_run_id
@@ -40,11 +40,8 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     naming this one; if this one dies, the lease expires and another may take the run over."""
     get_run_logger().info("bcdflow run %s (%s) on store %s", run_id, mode, cfg.store)
     check_run_id(run_id)
+    preflight(cfg, in_flow=True)  # done already when the CLI started this flow; a deployment's run checks here
     store = open_store(cfg)
-    store.probe()  # one clear line (no retries) when the store cannot be used, before anything is written
-    if not cfg.fleet.visit_pool:  # visits train here; with a pool, on the workers' devices
-        check_gpus(cfg)
-        check_plan_fits(cfg)
     dataset_id = prepare_data(cfg, store)  # shared and content-addressed: needs no lease (bad data: no run)
     lease = Lease(store, layout.run_key(run_id), f"run {run_id!r}", ttl=cfg.fleet.lease_seconds,
                   owner=this_process(flow_run.get_id()))

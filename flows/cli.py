@@ -210,32 +210,15 @@ def _check_run_id(run_id: str | None) -> None:
 
 def _preflight(cfg) -> None:
     """Checks that need the machine, the file system or the store, done before any flow starts (nothing
-    written on failure)."""
-    from bcdflow.core.context import check_gpus, check_model_size, check_plan_fits, open_store
-    from bcdflow.storage.corpus import check_text_files
-    from bcdflow.tasks.data import data_files
+    written on failure): ``core/context.preflight`` (the flow's own call is then free), and the fleet extra."""
+    from bcdflow.core.context import preflight
 
-    if not cfg.fleet.visit_pool:  # with a pool, visits train on the workers' devices
-        check_gpus(cfg)  # the device, and train.gpus against this machine
-        check_plan_fits(cfg)  # the visits fit the device; the host holds what they stream
     if cfg.fleet.preinfer == "dask":
         try:
             import prefect_dask  # noqa: F401
         except ImportError:
             raise BadInput("fleet.preinfer: dask needs the fleet extra (pip install -e '.[fleet]')") from None
-    if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
-        raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
-    if cfg.model.from_hf:  # every shard, tensor and the tokenizer, before a flow starts
-        from bcdflow.core.hf_import import check_checkpoint
-
-        check_checkpoint(cfg)
-    check_model_size(cfg)  # version 0 is built here, whoever trains the visits
-    files = data_files(cfg) if cfg.data.files else None
-    if files is not None:
-        if sum(os.path.getsize(f) for f in files) == 0:
-            raise BadInput(f"data.files: corpus is empty (0 bytes in {len(files)} files)")
-        check_text_files(files)
-    open_store(cfg).probe()
+    preflight(cfg)
 
 
 def _config(args, base: list[str] | None = None):

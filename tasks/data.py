@@ -9,20 +9,12 @@ import tempfile
 from prefect import task
 
 from bcdflow.core.hf_import import check_checkpoint, eos_token
-from bcdflow.storage.corpus import builtin_corpus_files, read_tokenizer, resolve_files
+from bcdflow.storage.corpus import read_tokenizer
 from bcdflow.storage.store import Store
 from bcdflow.storage.tokens import dataset_id, prepare_token_dataset
 from bcdflow.core.config import RunConfig
+from bcdflow.core.context import data_files
 from bcdflow.tasks.retry import retrying
-
-
-def data_files(cfg: RunConfig) -> list[str] | None:
-    """The local files a run reads: ``data.files``, or the built-in corpus when no source is set."""
-    if cfg.data.files:
-        return resolve_files(cfg.data.files)
-    if cfg.data.path:
-        return None
-    return builtin_corpus_files(cfg.data.builtin_bytes)
 
 
 def _dataset_inputs(cfg: RunConfig) -> dict:

@@ -417,7 +417,8 @@ class Resident:
             self.model.stream.close()
 
 
-def run_visit(ctx: RunContext, vs: VisitSpec, hold: Callable[[RunContext, VisitSpec], VisitHolding], *, track: TrackTarget | None = None, progress=None,
+def run_visit(ctx: RunContext, vs: VisitSpec, hold: Callable[[RunContext, VisitSpec], VisitHolding], *,
+              track: TrackTarget | None = None, progress=None,
               global_step: int = 0, min_rate: float | None = None, moments: dict | None = None,
               spent: dict | None = None) -> TrainResult:
     """Train visit ``vs`` with its model held by ``hold`` (:class:`Resident` or ``train_dist.Distributed``) to local
@@ -441,7 +442,8 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold: Callable[[RunContext, VisitS
         held.close()  # its device slots and page-locked buffers go whatever ends the visit
 
 
-def _train_held(ctx: RunContext, vs: VisitSpec, held: VisitHolding, val: list, *, track: TrackTarget | None, progress,
+def _train_held(ctx: RunContext, vs: VisitSpec, held: VisitHolding, val: list, *, track: TrackTarget | None,
+                progress,
                 global_step: int, min_rate: float | None, moments: dict | None, spent: dict | None) -> TrainResult:
     """The body of :func:`run_visit` once its model is held."""
     cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
