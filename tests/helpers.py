@@ -109,3 +109,59 @@ def temporaries(root) -> list[str]:
     """Temporary files of a writer left below ``root`` (``*.tmp-*``, mkstemp's ``.tmp-*``, zarr's ``*.partial``)."""
     return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, files in os.walk(root)
                   for n in files + dirs if ".tmp" in n or n.endswith(".partial"))
+
+
+# -- a run prepared and visited through the plain task functions (no Prefect server) ----------------------------
+
+def new_run(cfg, run_id: str = "r") -> str:
+    """Prepare the dataset and create version 0 through the plain task functions; returns the dataset id."""
+    from bcdflow.tasks.data import prepare_data
+    from bcdflow.tasks.run import init_run
+
+    ds_id = prepare_data.fn(cfg, Store(cfg.store))
+    init_run.fn(cfg, run_id, ds_id)
+    return ds_id
+
+
+def do_visit(cfg, run_id: str, ds_id: str, cycle: int, block: int, version: int) -> dict:
+    """One visit through the plain task functions: pre-infer (block > 0), train, commit."""
+    from bcdflow.core.context import RunContext
+    from bcdflow.storage.checkpoints import commit_version
+    from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
+    from bcdflow.tasks.train import train_block
+
+    if cfg.bcd.preinfer and block > 0:
+        shards = plan_shards.fn(RunContext.of(cfg, run_id, ds_id), cycle, block)
+        assert shards, "a fresh visit has shards to compute"
+        for s in shards:
+            preinfer_shard.fn(RunContext.of(cfg, run_id, ds_id), cycle, block, version, s)
+        assert plan_shards.fn(RunContext.of(cfg, run_id, ds_id), cycle, block) == []  # all complete now
+    out = train_block.fn(RunContext.of(cfg, run_id, ds_id), cycle, block, version)
+    commit_version(Store(cfg.store), run_id, version, version + 1, {block: out.block_file})
+    return out
+
+
+class Spy:
+    """Records the model ``train_block`` loads and the parameters its optimizer gets (no refactor needed)."""
+
+    def __init__(self, monkeypatch):
+        import bcdflow.tasks.engine as engine_mod
+        from bcdflow.core.context import RunContext
+
+        self.models, self.opt_params, self.opts = [], [], []
+        real_load, real_opt = RunContext.load_part, engine_mod.make_optimizer
+
+        def load_part(*args, **kwargs):
+            model = real_load(*args, **kwargs)
+            if kwargs.get("head"):  # the visit's model (the pre-inference prefix has no head)
+                self.models.append(model)
+            return model
+
+        def make_optimizer(params, spec):
+            opt = real_opt(params, spec)
+            self.opt_params.append(list(params))
+            self.opts.append(opt)
+            return opt
+
+        monkeypatch.setattr(RunContext, "load_part", load_part)
+        monkeypatch.setattr(engine_mod, "make_optimizer", make_optimizer)

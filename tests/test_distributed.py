@@ -22,7 +22,7 @@ from bcdflow.storage import checkpoints
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import evaluate_version, train_block
-from tests.test_invariants import new_run
+from tests.helpers import new_run
 
 pytestmark = pytest.mark.slow
 SGD = ("optim.name=sgd", "optim.lr=0.1")  # gradients enter the weights linearly: rounding stays at rounding

@@ -27,8 +27,7 @@ from bcdflow.storage.checkpoints import commit_version, load_blocks, read_manife
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import evaluate_version, train_block
-from tests.helpers import assert_same, finished_weights
-from tests.test_invariants import Spy, new_run
+from tests.helpers import Spy, assert_same, finished_weights, new_run
 from tests.test_memory import measured_vs_planned
 
 LORA = ("bcd.expand=lora", "bcd.expand_rank=4")

@@ -323,7 +323,7 @@ def test_training_stops_once_its_lease_could_have_expired(tiny_cfg, monkeypatch)
     from bcdflow.core.context import RunContext
     from bcdflow.storage import layout, trainckpt
     from bcdflow.tasks.train import train_block
-    from tests.test_invariants import new_run
+    from tests.helpers import new_run
 
     ttl = 2.0
     cfg = tiny_cfg("bcd.max_steps=100000", "checkpoint.every_steps=5")
@@ -380,7 +380,7 @@ def test_a_distributed_visit_whose_lease_is_not_renewed_is_stopped_at_once(tiny_
     from bcdflow.core.context import RunContext
     from bcdflow.storage import layout
     from bcdflow.tasks.train import train_block
-    from tests.test_invariants import new_run
+    from tests.helpers import new_run
 
     monkeypatch.setenv("BCDFLOW_DIST_DIR", str(tmp_path / "dist"))
     monkeypatch.setenv("BCDFLOW_DIST_KEEP", "1")

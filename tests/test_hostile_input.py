@@ -278,7 +278,7 @@ def test_a_checkpoint_pointer_naming_a_file_outside_its_folder_is_neither_read_n
 
 
 def test_a_manifest_or_record_naming_a_file_outside_the_run_is_damage_naming_it(tmp_path, tiny_cfg, capsys):
-    from tests.test_invariants import new_run
+    from tests.helpers import new_run
 
     cfg = tiny_cfg()
     new_run(cfg)
@@ -383,7 +383,7 @@ def test_written_files_and_directories_honour_the_umask(tiny_cfg, tmp_path, monk
 
 
 def test_an_interrupted_exports_temporary_directory_is_removed_by_the_next_export(tiny_cfg, tmp_path):
-    from tests.test_invariants import new_run
+    from tests.helpers import new_run
 
     cfg = tiny_cfg()
     new_run(cfg)

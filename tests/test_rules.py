@@ -14,8 +14,7 @@ from bcdflow.core.config import BcdSection, load_config
 from bcdflow.core.orders import ORDERS
 from bcdflow.core.rules import (batch_ranges, blocks_to_visit, cycle_order, end_reason, rate_to_beat, sample_rows,
                                 stale_cycles, stop_reason, visit_rows)
-from tests.helpers import TINY
-from tests.helpers import visit_record as _v
+from tests.helpers import TINY, visit_record as _v
 
 
 def test_the_rules_import_no_prefect():

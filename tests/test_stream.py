@@ -21,7 +21,7 @@ from bcdflow.storage.checkpoints import load_from_manifest
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import train_block
-from tests.test_invariants import new_run
+from tests.helpers import new_run
 
 
 def _frozen_but(model, lo: int, hi: int) -> list[int]:
