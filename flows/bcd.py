@@ -6,8 +6,9 @@ one-cycle run at sample rate 1 through the very same visit flow and step loop (i
 
 A run ends at the first global stop rule (``core/rules.stop_reason``): target validation loss, no validation
 improvement over whole cycles, budget (docs/DESIGN.md §7) or all cycles done; the reason goes to state.json
-(``stop_reason``) and the MLflow tag ``bcdflow.stop_reason``. Both flows take one flat parameter
-model (``flows.params.RunParams``) so a deployment's run form in the Prefect UI is editable.
+(``stop_reason``) and the MLflow tag ``bcdflow.stop_reason``. As deployments both flows take one flat parameter
+model (``flows.params.RunParams``) so a deployment's run form in the Prefect UI is editable; the CLI runs the same
+flows with its ``RunConfig`` (``bcd_train_config``, ``full_train_config``).
 """
 from __future__ import annotations
 
@@ -199,3 +200,19 @@ def full_train(run_id: str | None = None, config: RunParams = RunParams()) -> di
             trains `train_steps` steps, validating every `train_eval_every` (empty: train_steps / 25).
     """
     return run_bcd(full_config(config.to_config()), run_id or _run_id("full"), "full")
+
+
+# What `bcdflow train` / `baseline` / `resume` run: the same flows (by name, so their runs read alike in the UI), with
+# the RunConfig the CLI resolved as it is. The flat form above is the deployments' only: the UI's parameters,
+# converted once (``RunParams.to_config``) where a deployment's run starts.
+
+@flow(name="bcd_train", flow_run_name=lambda: _run_id("bcd"))
+def bcd_train_config(config: RunConfig, run_id: str | None = None) -> dict:
+    """`bcdflow train`: :func:`bcd_train` with the config resolved by the CLI."""
+    return run_bcd(config, run_id or _run_id("bcd"), "bcd")
+
+
+@flow(name="full_train", flow_run_name=lambda: _run_id("full"))
+def full_train_config(config: RunConfig, run_id: str | None = None) -> dict:
+    """`bcdflow baseline`: :func:`full_train` with the config resolved by the CLI."""
+    return run_bcd(full_config(config), run_id or _run_id("full"), "full")

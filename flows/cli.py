@@ -264,12 +264,10 @@ def _check_same_data(store, run_id: str, cfg) -> None:
 # -- commands --------------------------------------------------------------------------------------------
 
 def _call(fn, cfg, run_id: str, debug: bool = False) -> dict:
-    from bcdflow.flows.params import RunParams
-
     _quiet_console(debug)
     _detach_temporary_server()
     try:
-        return fn(config=RunParams.from_config(cfg), run_id=run_id)
+        return fn(config=cfg, run_id=run_id)  # the RunConfig as it is: the flat form is the deployments' (flows/bcd.py)
     except (BadInput, DamagedArtifact, SystemExit):
         raise
     except KeyboardInterrupt:
@@ -281,13 +279,13 @@ def _call(fn, cfg, run_id: str, debug: bool = False) -> dict:
 def _run(args, mode: str, base: list[str] | None = None) -> dict:
     cfg = _config(args, base)
     from bcdflow.core.context import open_store
-    from bcdflow.flows.bcd import bcd_train, full_train
+    from bcdflow.flows.bcd import bcd_train_config, full_train_config
     from bcdflow.flows.params import new_run_id
 
     run_id = args.run_id or new_run_id(mode)
     _check_continuable(open_store(cfg), run_id)
     _check_same_data(open_store(cfg), run_id, cfg)
-    summary = _call(full_train if mode == "full" else bcd_train, cfg, run_id, args.debug)
+    summary = _call(full_train_config if mode == "full" else bcd_train_config, cfg, run_id, args.debug)
     print(json.dumps(summary, indent=2))
     return {"cfg": cfg, "run_id": run_id, "summary": summary}
 
@@ -320,9 +318,9 @@ def cmd_resume(args) -> int:
     check_prefect_api()
     _preflight(cfg)
     _check_same_data(store, args.run_id, cfg)
-    from bcdflow.flows.bcd import bcd_train, full_train
+    from bcdflow.flows.bcd import bcd_train_config, full_train_config
 
-    fn = full_train if stored.get("mode") == "full" else bcd_train
+    fn = full_train_config if stored.get("mode") == "full" else bcd_train_config
     print(json.dumps(_call(fn, cfg, args.run_id, args.debug), indent=2))
     return 0
 
