@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--flow-threads", type=int, help="torch threads for the training runs (CPU default 1)")
     step = run.add_argument_group("step benchmarks (memory, iteration, utilization): the model and batch, "
                                   "overriding the size's")
-    step.add_argument("--model", help="registry name (models/config.py), e.g. gpt2-124m, G-1.6B, L-1.5B")
+    step.add_argument("--model", help="registry name (models/model_config.py), e.g. gpt2-124m, G-1.6B, L-1.5B")
     for field in ("n-layer", "d-model", "n-head", "n-kv-head", "d-ff", "vocab-size"):
         step.add_argument(f"--{field}", type=int, help=f"model.{field.replace('-', '_')}")
     step.add_argument("--batch-size", type=int)

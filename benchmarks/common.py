@@ -32,7 +32,7 @@ from bcdflow.models.gpt import GPT
 from bcdflow.models.llama import LLaMA
 from bcdflow.models.stream import LayerStream
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
-from bcdflow.models.visit import autocast
+from bcdflow.models.visit_compute import autocast
 
 MB = 2**20
 
@@ -144,7 +144,7 @@ class Visit:
     under no_grad, as ``tasks/train.py`` runs the frozen prefix then. ``hi`` ends the active block (its frozen
     suffix is recomputed in backward with ``recompute``). ``args`` needs ``optim`` and ``precision``; with bf16
     the frozen weight matrices are stored in bf16 as the product stores them (``args.frozen_fp32`` keeps the old
-    fp32 storage for a side-by-side). The loss is the product's: ``models.visit.visit_loss``. ``stream``: the frozen
+    fp32 storage for a side-by-side). The loss is the product's: ``models.visit_compute.visit_loss``. ``stream``: the frozen
     layers held stream from host memory as ``train.offload=stream`` streams them (models/stream.py). ``expand``:
     ``bcd.expand=lora`` adapters of that rank on the layers after ``hi`` (models/expand.py), trained beside the block.
     """

@@ -141,7 +141,8 @@ def dask_throughput(sets: list[str], root: Path) -> dict:
     from bcdflow.core.context import RunContext
     from bcdflow.flows.visit import preinfer
     from bcdflow.storage import layout
-    from bcdflow.tasks.data import prepare_data, visit_rows
+    from bcdflow.core.rules import visit_rows
+    from bcdflow.tasks.data import prepare_data
     from bcdflow.tasks.run import init_run
 
     out = {}

@@ -1,5 +1,5 @@
 """Peak host memory while converting a sharded Hugging Face checkpoint into a run's version 0
-(``core.hf.write_version0``, what ``init_run`` does for ``model.from_hf``), against the largest block and the
+(``core.hf_import.write_version0``, what ``init_run`` does for ``model.from_hf``), against the largest block and the
 whole model.
 
 1. Writes a random LLaMA checkpoint (default: Llama-3.2-1B's shape, 1.24B parameters, bf16) as ``--shards``
@@ -34,13 +34,13 @@ from pathlib import Path
 import psutil
 import torch
 
-from bcdflow.core import hf
-from bcdflow.models import hf as hfmap
+from bcdflow.core import hf_import
+from bcdflow.models import hf_names as hfmap
 from bcdflow.models import model_plan
 from bcdflow.models.build import param_shapes
-from bcdflow.models.config import ModelConfig, RopeScaling
-from bcdflow.models.hf import config_from_hf
-from bcdflow.storage.hf import Checkpoint
+from bcdflow.models.model_config import ModelConfig, RopeScaling
+from bcdflow.models.hf_names import config_from_hf
+from bcdflow.storage.hf_checkpoint import Checkpoint
 from bcdflow.storage.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -118,7 +118,7 @@ def convert(ckpt: str, store_dir: str, blocks: int) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t0 = time.perf_counter()
-    entries = hf.write_version0(store, "bench", ck, mcfg, plan)
+    entries = hf_import.write_version0(store, "bench", ck, mcfg, plan)
     seconds = time.perf_counter() - t0
     stop.set()
     sampler.join()

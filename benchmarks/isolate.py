@@ -5,7 +5,7 @@ machine then slows them all alike). On a GPU that holds every configuration's we
 at once, which overflows even an 80 GB card for a 1.6B model; and one configuration's allocations would blur the
 next one's peak. So on CUDA, ``Workload.full``/``visit``/``prefix`` return a :class:`Remote`: the configuration's
 description plus a meta-device model (for FLOP counts, no memory), and each measurement (peak, saved activations,
-timed steps) runs in a fresh spawned process that builds just that configuration with random weights on the GPU
+timed steps) runs in a fresh process (forked from a server that imported torch once) that builds just that configuration with random weights on the GPU
 (memory and time do not depend on the weights' values), measures it and exits: every configuration starts from an
 empty card. GPU timings are steady, so no round-robin is needed there.
 
@@ -55,8 +55,7 @@ class Remote:
         """``fn(w, v, **kw)`` in a fresh process, where ``w`` is this workload rebuilt with random weights on the
         device and ``v`` this configuration built from it; returns what ``fn`` returns. ``fn`` is a module-level
         function (the pool pickles it by reference), e.g. ``memory.measure``."""
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(1) as pool:  # a fresh process: the card is empty when it starts and when it ends
+        with _context(fn, type(self.w)).Pool(1) as pool:  # a fresh process: the card is empty when it starts and when it ends
             return pool.apply(_child, (type(self.w), self.w.c, str(self.device), self.w.args.optim, self.kind,
                                        self.name, self.spec, fn, kw))
 
@@ -66,6 +65,16 @@ class Remote:
     def time(self, warmup: int, steps: int) -> list[float]:
         self.times = self.in_child(_time, warmup=warmup, steps=steps)
         return self.times
+
+
+def _context(*uses):
+    """Children forked from a server process that imported torch, this module and the modules of ``uses`` (the
+    measurement, the workload class) once and never touched the GPU, instead of each spawned child importing them
+    again (seconds each). The server starts with the first call; what it preloaded then stays."""
+    ctx = mp.get_context("forkserver")
+    # the engine a Visit builds from and the compiler module an optimizer's first construction imports: no threads
+    ctx.set_forkserver_preload([__name__, *{u.__module__ for u in uses}, "bcdflow.tasks.engine", "torch._dynamo"])
+    return ctx
 
 
 def time_each(items, warmup: int, steps: int) -> dict:
@@ -79,7 +88,7 @@ def time_each(items, warmup: int, steps: int) -> dict:
 
 
 def _child(workload: type, c: dict, device: str, optim: str, kind: str, name: str, spec: dict, fn, kw: dict):
-    """In the spawned process: build the one configuration with random weights on the device and measure it.
+    """In the child process: build the one configuration with random weights on the device and measure it.
     ``workload`` is the parent's workload class (``common.Workload``)."""
     dev = torch.device(device)
     torch.cuda.set_device(dev) if dev.type == "cuda" else None

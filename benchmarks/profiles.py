@@ -15,7 +15,7 @@ the product's parameter-balanced plan cuts it where it cuts GPT-2 124M.
 Quick flows model: ``tiny`` at d=64 on 150 kB of the built-in corpus (about 1200 training rows of 32
 tokens), so the full AdamW run's validation loss flattens within ~600 steps and one 80-step visit reads
 its whole sample (1280 rows > 0.9 x 1200): only then does the sample rate change what a visit trains on
-(``tasks.data.sample_rows`` takes a prefix of one permutation, paper A.2).
+(``core.rules.sample_rows`` takes a prefix of one permutation, paper A.2).
 
 ``suite`` sizes ``python -m benchmarks suite`` (benchmarks/suite.py): corpora (name -> bytes, built by
 benchmarks/corpora.py), models (name -> ``--set`` list), seeds, ``--set`` lists shared by every run

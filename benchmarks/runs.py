@@ -27,7 +27,7 @@ from benchmarks.common import forward_flops, meta_model, step_flops
 from bcdflow.core import spend
 from bcdflow.core.config import load_config
 from bcdflow.core.context import open_store
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.plan import Block
 from bcdflow.storage import runs
 from bcdflow.storage.layout import DATASET_META, dataset_key

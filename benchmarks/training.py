@@ -131,7 +131,7 @@ def sampling(book: RunBook, out: Path, **_) -> dict:
     d = rows[0]["best"] - rows[1]["best"]
     same_rows = rows[0]["rows"] == rows[1]["rows"]
     note = ("Visits stopped within the first rows of their sample at both rates (rows per visit equal): "
-            "`tasks.data.sample_rows` takes a prefix of one permutation, so both rates trained on the same rows "
+            "`core.rules.sample_rows` takes a prefix of one permutation, so both rates trained on the same rows "
             "and the comparison says nothing here." if same_rows else
             "Visits read their whole sample, so the rate decides how many distinct rows a visit trains on.")
     res = {"rows": rows, "target": a["target"], "same_rows": same_rows, "claims": [
@@ -143,7 +143,7 @@ def sampling(book: RunBook, out: Path, **_) -> dict:
     res["markdown"] = "\n".join([
         "## sampling: per-visit sample rate 0.9 vs 1.0 (paper A.2, Table 9)", "",
         f"BCD-AdamW as in validity, capped at {f['variant_cycles']} cycles, same target {a['target']:.4f}. "
-        "A visit reads at most `bcd.max_steps × train.batch_size` rows of its sample (`tasks.data.visit_rows`). "
+        "A visit reads at most `bcd.max_steps × train.batch_size` rows of its sample (`core.rules.visit_rows`). "
         + note, "",
         report.md_table(rows, [("rate", "sample rate", ".1f"), ("rows", "rows per visit", "d"),
                                ("steps", "steps", "d"), ("to_target", "steps to target", "d"),

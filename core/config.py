@@ -15,22 +15,25 @@ import json
 import math
 import os
 import re
-from typing import Literal, get_args
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from bcdflow.core.orders import ORDERS
 from bcdflow.core.spend import DEFAULT_PRICES, parse_prices
-from bcdflow.models.config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelConfig, get_config
+from bcdflow.models.model_config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelConfig, get_config
 from bcdflow.models.errors import ConfigError
+from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import layer_bounds
 from bcdflow.models.trainer import OptimSpec, StopRule
+from bcdflow.storage.backends import backend_of
 from bcdflow.storage.store import check_url
 
 # the fixed choice sets, once: the config's fields and the flat Prefect form (flows/params.py) both use these
 ModelName = Literal[tuple(REGISTRY)]
-Order = Literal["cyclic", "reverse", "random", "greedy"]
-ORDERS: tuple[str, ...] = get_args(Order)
+Order = Literal[tuple(ORDERS)]
+OptimName = Literal[tuple(OPTIMIZERS)]
 
 
 class _Section(BaseModel):
@@ -40,7 +43,7 @@ class _Section(BaseModel):
 
 
 # the bounds of the model sizes (SIZE_LIMITS) and of data.vocab_size (MAX_VOCAB) live with the model config, so a
-# Hugging Face checkpoint's config.json is held to the same ones (models/hf.config_from_hf)
+# Hugging Face checkpoint's config.json is held to the same ones (models/hf_names.config_from_hf)
 
 
 class ModelSection(_Section):
@@ -219,8 +222,8 @@ class BcdSection(_Section):
 
 
 class OptimSection(_Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    """The optimizer of the active block (paper §4.2.1)."""
+    name: OptimName = "adamw"
+    """The optimizer of the active block (paper §4.2.1; models/optimizers.py)."""
     lr: float | None = Field(None, gt=0)
     """None = the paper's §4.2.1 default (AdamW 1e-4, SGD 0.1)."""
     weight_decay: float = Field(1e-5, ge=0)
@@ -478,7 +481,7 @@ class RunConfig(_Section):
         if self.bcd.expand != "off" and self.train.gpus > 1 and self.train.parallel == "fsdp":
             raise ValueError("bcd.expand: FSDP does not shard the adapters; set train.parallel=ddp (or auto, which "
                              "then takes ddp) or bcd.expand=off")
-        if not self.model.from_hf:  # a registry model is data: check against it now (a checkpoint's: core/hf.py)
+        if not self.model.from_hf:  # a registry model is data: check against it now (a checkpoint's: core/hf_import.py)
             check_model(self, get_config(self.model.name, **self.model.overrides(), vocab_size=self.data.vocab_size))
         return self
 
@@ -502,19 +505,10 @@ class RunConfig(_Section):
                         min_rate=min_rate if b.budget == "adaptive" else None)
 
     def storage_options(self) -> dict:
-        """fsspec options for the store URL (s3fs reads credentials from the AWS environment)."""
-        if not self.store.startswith(("s3://", "s3a://")):
-            return {}
-        opts: dict = {}
-        if self.s3.endpoint_url:
-            opts["endpoint_url"] = self.s3.endpoint_url
-        if self.s3.region:
-            opts["client_kwargs"] = {"region_name": self.s3.region}
-        if self.s3.profile:
-            opts["profile"] = self.s3.profile
-        if self.s3.anon:
-            opts["anon"] = True
-        return opts
+        """fsspec options for the store URL: its backend's, from the section named as the backend
+        (``storage/backends.py``; ``s3.*`` for an ``s3://`` store); none for a local path or ``memory://``."""
+        backend = backend_of(self.store)
+        return backend.options(getattr(self, backend.name)) if backend is not None else {}
 
     def resolved_tracking_uri(self) -> str:
         if self.tracking_uri:

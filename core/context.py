@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 from functools import cached_property
 from typing import Collection, Iterator
@@ -21,17 +22,18 @@ import psutil
 import torch
 import zarr
 
-from bcdflow.core import hf
+from bcdflow.core import hf_import
 from bcdflow.core.config import RunConfig
 from bcdflow.errors import BadInput
 from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
 from bcdflow.models.build import param_sizes
-from bcdflow.models.config import ModelConfig, get_config
+from bcdflow.models.model_config import ModelConfig, get_config
 from bcdflow.models.holding import Holding, choose_holding, no_grad_holding
 from bcdflow.models.memory import GB, Budget, device_budget, no_grad_memory
 from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.storage import checkpoints, layout
+from bcdflow.storage.corpus import builtin_corpus_files, check_text_files, resolve_files
 from bcdflow.storage.store import Store
 from bcdflow.storage.tokens import TokenDataset
 
@@ -45,7 +47,7 @@ def model_config(cfg: RunConfig, vocab_size: int | None = None) -> ModelConfig:
     known), or with ``model.from_hf`` the checkpoint's (config.json; vocabulary = its embedding rows, whatever the
     tokenizer's size), checked against the run config."""
     if cfg.model.from_hf:
-        return hf.checkpoint_model(cfg)
+        return hf_import.checkpoint_model(cfg)
     return get_config(cfg.model.name, **cfg.model.overrides(), vocab_size=vocab_size or cfg.data.vocab_size)
 
 
@@ -99,6 +101,55 @@ def resolve_device(name: str) -> torch.device:
     elif dev.type != "cpu":
         raise BadInput(f"train.device: unsupported device type {dev.type!r} (choose from auto, cpu, cuda, cuda:N)")
     return dev
+
+
+def data_files(cfg: RunConfig) -> list[str] | None:
+    """The local files a run reads: ``data.files``, or the built-in corpus when no source is set."""
+    if cfg.data.files:
+        return resolve_files(cfg.data.files)
+    if cfg.data.path:
+        return None
+    return builtin_corpus_files(cfg.data.builtin_bytes)
+
+
+_checked: list[str] = []  # the config the CLI checked for the flow it starts next in this process (one at most)
+_checked_lock = threading.Lock()
+
+
+def preflight(cfg: RunConfig, *, in_flow: bool = False) -> None:
+    """The checks that need the machine, the file system or the store, before anything is written (nothing written
+    on failure, docs/DESIGN.md §8): the device and the plan's fit (unless visits go to a pool: they train on the
+    workers' devices), the tokenizer and Hugging Face checkpoint files, the model's size, the corpus files, the store.
+
+    Once per run start: the CLI checks before its flow starts (``in_flow=False``, which marks the config checked),
+    and the flow's own call (``in_flow=True``) takes the mark and checks nothing more when it names the same config;
+    a flow with no caller before it (a deployment's run, a test), or another config (the baseline's, made from the
+    one the CLI checked), checks here. The mark is taken by the next flow whatever its config, so a later start
+    checks again (its files or store may have changed meanwhile)."""
+    key = cfg.model_dump_json()
+    if in_flow:
+        with _checked_lock:
+            mine = key in _checked
+            _checked.clear()
+        if mine:
+            return
+    if not cfg.fleet.visit_pool:
+        check_gpus(cfg)  # the device, and train.gpus against this machine
+        check_plan_fits(cfg)  # the visits fit the device; the host holds what they stream
+    if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
+        raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
+    if cfg.model.from_hf:  # every shard, tensor and the tokenizer
+        hf_import.check_checkpoint(cfg)
+    check_model_size(cfg)  # version 0 is built by the run's process, whoever trains the visits
+    if cfg.data.files:
+        files = data_files(cfg)
+        if sum(os.path.getsize(f) for f in files) == 0:
+            raise BadInput(f"data.files: corpus is empty (0 bytes in {len(files)} files)")
+        check_text_files(files)
+    open_store(cfg).probe()  # one clear line (no retries) when the store cannot be used
+    if not in_flow:
+        with _checked_lock:
+            _checked[:] = [key]
 
 
 def check_gpus(cfg: RunConfig) -> None:

@@ -12,7 +12,7 @@ load as is::
 
     out_dir/config.json                        the source checkpoint's (dtype updated), or one written for the
                                                run's family (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM)
-    out_dir/model.safetensors                  HF names and layouts (models/hf.py), in the source dtype or --dtype;
+    out_dir/model.safetensors                  HF names and layouts (models/hf_names.py), in the source dtype or --dtype;
       or model-0000k-of-0000M.safetensors      one shard per block, with model.safetensors.index.json, above
                                                ``max_shard_bytes`` (a block at a time in memory)
     out_dir/tokenizer.json, tokenizer_config.json, chat_template.jinja, special_tokens_map.json,
@@ -39,9 +39,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from bcdflow.errors import BadInput
-from bcdflow.models import hf as hfmap
+from bcdflow.models import hf_names as hfmap
 from bcdflow.models.build import param_shapes
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
 from bcdflow.storage import checkpoints, layout, runs
 from bcdflow.storage.lease import machine
 from bcdflow.storage.store import Store, file_mode, raise_naming

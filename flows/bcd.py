@@ -4,22 +4,23 @@
 visit is its own flow run (``flows/visit.py``). ``full_train`` is the full-parameter baseline: a one-block,
 one-cycle run at sample rate 1 through the very same visit flow and step loop (invariant I3).
 
-A run ends at the first global stop rule (``stop_reason``): target validation loss, no validation
+A run ends at the first global stop rule (``core/rules.stop_reason``): target validation loss, no validation
 improvement over whole cycles, budget (docs/DESIGN.md §7) or all cycles done; the reason goes to state.json
-(``stop_reason``) and the MLflow tag ``bcdflow.stop_reason``. Both flows take one flat parameter
-model (``flows.params.RunParams``) so a deployment's run form in the Prefect UI is editable.
+(``stop_reason``) and the MLflow tag ``bcdflow.stop_reason``. As deployments both flows take one flat parameter
+model (``flows.params.RunParams``) so a deployment's run form in the Prefect UI is editable; the CLI runs the same
+flows with its ``RunConfig`` (``bcd_train_config``, ``full_train_config``).
 """
 from __future__ import annotations
 
 import time
 
-import numpy as np
 from prefect import flow, get_run_logger, tags
 from prefect.runtime import flow_run
 
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, check_gpus, check_plan_fits, open_store
+from bcdflow.core.context import RunContext, open_store, preflight
+from bcdflow.core.rules import blocks_to_visit, end_reason, stop_reason
 from bcdflow.flows import artifacts
 from bcdflow.flows.params import RunParams, new_run_id
 from bcdflow.flows.fleet import dispatch_visit
@@ -35,58 +36,13 @@ from bcdflow.tasks.train import choose_block
 from bcdflow.tracking.tracker import Tracker
 
 
-def cycle_order(cfg: RunConfig, n_blocks: int, cycle: int) -> list[int]:
-    """Fixed orders; ``greedy`` is chosen visit by visit instead."""
-    if cfg.bcd.order == "reverse":
-        return list(range(n_blocks - 1, -1, -1))
-    if cfg.bcd.order == "random":
-        rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, cycle, 7919]))
-        return [int(b) for b in rng.permutation(n_blocks)]
-    return list(range(n_blocks))
-
-
-def stale_cycles(visits: list[VisitRecord], n_blocks: int, min_delta: float = 0.0) -> int:
-    """How many of the latest completed cycles in a row brought no new best validation loss."""
-    by_cycle: dict[int, list[float]] = {}
-    for v in visits:
-        by_cycle.setdefault(v.cycle, []).append(v.val_loss)
-    best, stale = float("inf"), 0
-    for c in sorted(by_cycle):
-        if len(by_cycle[c]) < n_blocks:  # the cycle in progress does not count yet
-            break
-        stale = 0 if min(by_cycle[c]) < best - min_delta else stale + 1
-        best = min(best, *by_cycle[c])
-    return stale
-
-
-def stop_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int,
-                next_block: int | None = None) -> tuple[str, str] | None:
-    """The global stop rule that holds now, as (reason, detail), or None to go on (docs/DESIGN.md §2).
-
-    Checked between visits, so whichever rule is met first ends the run; when several hold at once the
-    precedence is: ``target_val_loss`` (the goal is reached), ``no_improvement`` (``stop.patience_cycles``
-    completed cycles without a new best), ``budget`` (the visit of ``next_block`` would overspend)."""
-    st = cfg.stop
-    best = min((v.val_loss for v in visits), default=float("inf"))
-    if st.target_val_loss is not None and best <= st.target_val_loss:
-        return "target_val_loss", f"validation loss {best:.4f} <= target {st.target_val_loss:g}"
-    if st.patience_cycles and (n := stale_cycles(visits, n_blocks, st.min_delta)) >= st.patience_cycles:
-        return "no_improvement", f"{n} whole cycle(s) without a validation loss below {best:.4f}"
-    if next_block is not None and (why := spend.over_budget(cfg.spend, visits, next_block)):
-        return "budget", why
-    return None
-
-
 def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     """The run, holding its lease throughout (docs/DESIGN.md I7): a second process on the same run id stops at once,
     naming this one; if this one dies, the lease expires and another may take the run over."""
     get_run_logger().info("bcdflow run %s (%s) on store %s", run_id, mode, cfg.store)
     check_run_id(run_id)
+    preflight(cfg, in_flow=True)  # done already when the CLI started this flow; a deployment's run checks here
     store = open_store(cfg)
-    store.probe()  # one clear line (no retries) when the store cannot be used, before anything is written
-    if not cfg.fleet.visit_pool:  # visits train here; with a pool, on the workers' devices
-        check_gpus(cfg)
-        check_plan_fits(cfg)
     dataset_id = prepare_data(cfg, store)  # shared and content-addressed: needs no lease (bad data: no run)
     lease = Lease(store, layout.run_key(run_id), f"run {run_id!r}", ttl=cfg.fleet.lease_seconds,
                   owner=this_process(flow_run.get_id()))
@@ -142,7 +98,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
     stop = None
     try:
         for cycle in range(cfg.bcd.cycles):
-            todo = [b for b in cycle_order(cfg, n_blocks, cycle) if (cycle, b) not in done]
+            todo = blocks_to_visit(cfg, n_blocks, cycle, done)
             while todo and not (stop := stop_reason(cfg, visits, n_blocks)):
                 b = (choose_block(RunContext.of(cfg, run_id, dataset_id), version, cycle, todo)
                      if cfg.bcd.order == "greedy" and len(todo) > 1 else todo[0])
@@ -163,7 +119,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
                                              "cycle_cum_spend_usd": rec.cum_spend_usd}, cycle)
             if stop:
                 break
-        stop = stop or stop_reason(cfg, visits, n_blocks) or ("cycles", f"{cfg.bcd.cycles} cycle(s) done")
+        stop = stop or end_reason(cfg, visits, n_blocks)
     except BaseException:
         tracker.end(parent, "FAILED")
         raise
@@ -244,3 +200,19 @@ def full_train(run_id: str | None = None, config: RunParams = RunParams()) -> di
             trains `train_steps` steps, validating every `train_eval_every` (empty: train_steps / 25).
     """
     return run_bcd(full_config(config.to_config()), run_id or _run_id("full"), "full")
+
+
+# What `bcdflow train` / `baseline` / `resume` run: the same flows (by name, so their runs read alike in the UI), with
+# the RunConfig the CLI resolved as it is. The flat form above is the deployments' only: the UI's parameters,
+# converted once (``RunParams.to_config``) where a deployment's run starts.
+
+@flow(name="bcd_train", flow_run_name=lambda: _run_id("bcd"))
+def bcd_train_config(config: RunConfig, run_id: str | None = None) -> dict:
+    """`bcdflow train`: :func:`bcd_train` with the config resolved by the CLI."""
+    return run_bcd(config, run_id or _run_id("bcd"), "bcd")
+
+
+@flow(name="full_train", flow_run_name=lambda: _run_id("full"))
+def full_train_config(config: RunConfig, run_id: str | None = None) -> dict:
+    """`bcdflow baseline`: :func:`full_train` with the config resolved by the CLI."""
+    return run_bcd(full_config(config), run_id or _run_id("full"), "full")

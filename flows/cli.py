@@ -128,11 +128,11 @@ def _detach_temporary_server() -> None:
     retrying a dead API for minutes. Detached, it outlives the interrupt, so the run reports its state and
     bcdflow exits within seconds; it still stops when bcdflow exits (Prefect's atexit hook), and when bcdflow dies
     without running it (kill -9, the OOM killer) a watchdog process stops it (``_watch``)."""
-    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
     if PREFECT_API_URL.value():
         return
+    from prefect.server.api.server import SubprocessASGIServer  # seconds of imports a process on a set API skips
 
     class _Detached(SubprocessASGIServer):
         def _run_uvicorn_command(self):
@@ -210,32 +210,15 @@ def _check_run_id(run_id: str | None) -> None:
 
 def _preflight(cfg) -> None:
     """Checks that need the machine, the file system or the store, done before any flow starts (nothing
-    written on failure)."""
-    from bcdflow.core.context import check_gpus, check_model_size, check_plan_fits, open_store
-    from bcdflow.storage.corpus import check_text_files
-    from bcdflow.tasks.data import data_files
+    written on failure): ``core/context.preflight`` (the flow's own call is then free), and the fleet extra."""
+    from bcdflow.core.context import preflight
 
-    if not cfg.fleet.visit_pool:  # with a pool, visits train on the workers' devices
-        check_gpus(cfg)  # the device, and train.gpus against this machine
-        check_plan_fits(cfg)  # the visits fit the device; the host holds what they stream
     if cfg.fleet.preinfer == "dask":
         try:
             import prefect_dask  # noqa: F401
         except ImportError:
             raise BadInput("fleet.preinfer: dask needs the fleet extra (pip install -e '.[fleet]')") from None
-    if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
-        raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
-    if cfg.model.from_hf:  # every shard, tensor and the tokenizer, before a flow starts
-        from bcdflow.core.hf import check_checkpoint
-
-        check_checkpoint(cfg)
-    check_model_size(cfg)  # version 0 is built here, whoever trains the visits
-    files = data_files(cfg) if cfg.data.files else None
-    if files is not None:
-        if sum(os.path.getsize(f) for f in files) == 0:
-            raise BadInput(f"data.files: corpus is empty (0 bytes in {len(files)} files)")
-        check_text_files(files)
-    open_store(cfg).probe()
+    preflight(cfg)
 
 
 def _config(args, base: list[str] | None = None):
@@ -281,12 +264,10 @@ def _check_same_data(store, run_id: str, cfg) -> None:
 # -- commands --------------------------------------------------------------------------------------------
 
 def _call(fn, cfg, run_id: str, debug: bool = False) -> dict:
-    from bcdflow.flows.params import RunParams
-
     _quiet_console(debug)
     _detach_temporary_server()
     try:
-        return fn(config=RunParams.from_config(cfg), run_id=run_id)
+        return fn(config=cfg, run_id=run_id)  # the RunConfig as it is: the flat form is the deployments' (flows/bcd.py)
     except (BadInput, DamagedArtifact, SystemExit):
         raise
     except KeyboardInterrupt:
@@ -298,13 +279,13 @@ def _call(fn, cfg, run_id: str, debug: bool = False) -> dict:
 def _run(args, mode: str, base: list[str] | None = None) -> dict:
     cfg = _config(args, base)
     from bcdflow.core.context import open_store
-    from bcdflow.flows.bcd import bcd_train, full_train
+    from bcdflow.flows.bcd import bcd_train_config, full_train_config
     from bcdflow.flows.params import new_run_id
 
     run_id = args.run_id or new_run_id(mode)
     _check_continuable(open_store(cfg), run_id)
     _check_same_data(open_store(cfg), run_id, cfg)
-    summary = _call(full_train if mode == "full" else bcd_train, cfg, run_id, args.debug)
+    summary = _call(full_train_config if mode == "full" else bcd_train_config, cfg, run_id, args.debug)
     print(json.dumps(summary, indent=2))
     return {"cfg": cfg, "run_id": run_id, "summary": summary}
 
@@ -337,14 +318,14 @@ def cmd_resume(args) -> int:
     check_prefect_api()
     _preflight(cfg)
     _check_same_data(store, args.run_id, cfg)
-    from bcdflow.flows.bcd import bcd_train, full_train
+    from bcdflow.flows.bcd import bcd_train_config, full_train_config
 
-    fn = full_train if stored.get("mode") == "full" else bcd_train
+    fn = full_train_config if stored.get("mode") == "full" else bcd_train_config
     print(json.dumps(_call(fn, cfg, args.run_id, args.debug), indent=2))
     return 0
 
 
-# what continues a run that stopped for each reason (flows/bcd.stop_reason)
+# what continues a run that stopped for each reason (core/rules.stop_reason)
 _FURTHER = {"cycles": "--set bcd.cycles=<more>", "budget": "--set spend.budget_usd=<more>",
             "target_val_loss": "--set stop.target_val_loss=<lower>",
             "no_improvement": "--set stop.patience_cycles=<more, or 0>"}

@@ -182,7 +182,7 @@ def compare(store: Store, run_ids: list[str], target: str | float | None = None,
 def plot(store: Store, result: dict, path: str) -> list[list[str]]:
     """Draw the compared runs' validation curves against steps and spend, L* and each run's crossing of it marked,
     into ``path`` (a PNG); returns each panel's line labels."""
-    from bcdflow.tracking.report import compare_figure  # matplotlib: only when a plot is asked for
+    from bcdflow.tracking.figures import compare_figure  # matplotlib: only when a plot is asked for
 
     curves = {r["run_id"]: spend.curve(runs.read_state(store, r["run_id"]).visits) for r in result["runs"]}
     crossings = {r["run_id"]: r["crossing"] for r in result["runs"] if r["crossing"]}

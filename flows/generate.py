@@ -52,7 +52,7 @@ def generate(store, run_id: str, prompt: str, version: int | None = None, max_ne
 
     from bcdflow.core.context import resolve_device
     from bcdflow.models import build_model
-    from bcdflow.models.config import ModelConfig
+    from bcdflow.models.model_config import ModelConfig
     from bcdflow.models.sample import sample
     from bcdflow.storage import checkpoints, layout, runs
     from bcdflow.storage.prune import check_not_pruned

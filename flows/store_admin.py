@@ -34,7 +34,7 @@ def cli_store(url: str, args=None, write: bool = True):
 
     check_url(url)
     opts = {}
-    if url.startswith("s3://") and getattr(args, "endpoint_url", None):
+    if getattr(args, "endpoint_url", None):  # its backend's options (none for a store that takes no endpoint)
         from bcdflow.core.config import RunConfig
 
         opts = RunConfig(store=url, s3={"endpoint_url": args.endpoint_url}).storage_options()

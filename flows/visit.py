@@ -25,6 +25,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, open_store
+from bcdflow.core.rules import rate_to_beat
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows import artifacts
 from bcdflow.storage import checkpoints, layout, overview, runs
@@ -177,17 +178,6 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     log.info("visit c%d-b%d: %d steps (%s), train %.4f, val %.4f, %.1fs, $%.4f", cycle, block, record.steps,
              record.stopped_by, record.train_loss, record.val_loss, record.seconds, record.spend_usd)
     return record
-
-
-def rate_to_beat(visits: list[VisitRecord], block: int) -> float | None:
-    """The adaptive budget's bar for a visit of ``block`` (``bcd.budget``): the mean rate at which the other blocks
-    lowered the training loss over their last visits; None while no other block has one (the visit then runs to
-    its step cap or plateau). Read from the committed state, so a resumed visit gets the same bar."""
-    last: dict[int, float] = {}
-    for v in visits:
-        if v.block != block and v.rate is not None:
-            last[v.block] = v.rate
-    return sum(last.values()) / len(last) if last else None
 
 
 def shard_runner(cfg: RunConfig):

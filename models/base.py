@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bcdflow.constants import IGNORE_INDEX
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
 
 EMBED_PREFIXES = ("wte.", "wpe.")
 HEAD_PREFIXES = ("ln_f.", "lm_head.")

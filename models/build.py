@@ -6,14 +6,16 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Collection, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from bcdflow.models.base import Decoder
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.gpt import GPT
 from bcdflow.models.llama import LLaMA
 from bcdflow.models.plan import Plan, frozen_names, make_plan
@@ -36,13 +38,34 @@ def build_model(cfg: ModelConfig, layers: tuple[int, int] | None = None, embed: 
         model = cls(cfg, layers, embed, head).to(device)
         model.init_weights()
         return model
-    with torch.device("meta"):
+    with _meta():
         model = cls(cfg, layers, embed, head)
         if frozen_dtype is not None:
             frozen_in(model, frozen_dtype, trainable)
     model = model.to_empty(device=device)
     model._init_buffers()
     return model
+
+
+class _NoMetaInit(TorchFunctionMode):
+    """Skips ``normal_`` on meta tensors (the modules' own init in their constructors): it draws nothing there, and
+    the first one in a process costs seconds (torch loads its Python decompositions for it), which every process
+    that plans or loads a model paid. Other ops run as they are; a mode is per thread, so nothing else is touched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) == "normal_":
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _meta():
+    """A meta-device build (shapes and dtypes, no storage) without the constructors' init."""
+    with torch.device("meta"), _NoMetaInit():
+        yield
 
 
 def frozen_in(model: Decoder, dtype: torch.dtype, trainable: Collection[str] = ()) -> Decoder:
@@ -66,7 +89,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 @functools.lru_cache(maxsize=16)
 def _shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    with torch.device("meta"):
+    with _meta():
         model = FAMILIES[cfg.family](cfg)
     return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
 

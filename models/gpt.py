@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bcdflow.models.base import Decoder
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):

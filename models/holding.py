@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.memory import (Budget, Estimate, GB, Step, _layer_act, _layer_of, _numel, _shapes,
                                    no_grad_memory, no_grad_rows, stream_uses, visit_memory)
 from bcdflow.models.build import model_plan
@@ -234,7 +234,7 @@ def choose_holding(cfg: ModelConfig, plan: Plan, block: int, batch: int, seq: in
 
 
 def probe_bytes(cfg: ModelConfig, rows: int, seq: int, precision: str) -> int:
-    """What ``bcd.order=greedy``'s probe (models/visit.block_grad_norms) holds beyond a no-grad pass: one layer's
+    """What ``bcd.order=greedy``'s probe (models/visit_compute.block_grad_norms) holds beyond a no-grad pass: one layer's
     activations with autograd and its weight gradients, and the head's gradient (the largest of them at a time)."""
     st = Step(cfg, rows, seq, precision)
     s = st.s

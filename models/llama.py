@@ -6,7 +6,7 @@ Also runs the close relatives that differ by a flag: q/k/v biases (``qkv_bias``,
 RoPE convention: the rotation pairs dimension ``j`` with ``j + head_dim/2`` ("rotate half", GPT-NeoX and
 Hugging Face ``transformers``), not the interleaved pairs ``(2j, 2j+1)`` of Meta's original code. The two
 are the same model up to a fixed permutation of the q/k output rows; we pick the one the checkpoints
-people fine-tune are stored in, so loading and exporting them is pure renaming (models/hf.py), q/k biases
+people fine-tune are stored in, so loading and exporting them is pure renaming (models/hf_names.py), q/k biases
 need no permutation either, and our forward is the very computation ``transformers`` runs (logits agree
 to float rounding). A Meta-format checkpoint would need the permutation instead; none is read here.
 """
@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bcdflow.models.base import Decoder
-from bcdflow.models.config import ModelConfig, RopeScaling
+from bcdflow.models.model_config import ModelConfig, RopeScaling
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,

@@ -6,7 +6,7 @@ from the model config alone (parameter shapes from a meta-device model: no weigh
     est.peak, est.parts()    # bytes: weights, grads, optim, activations, logits, input, temporaries
     rec = recommend(cfg, 4, 1024, "bf16", gpu_bytes=24 * GB)                      # smallest bcd.blocks that fits
 
-What a step holds (the product's path: tasks/train.py -> models/visit.visit_loss -> models/trainer.run_steps):
+What a step holds (the product's path: tasks/train.py -> models/visit_compute.visit_loss -> models/trainer.run_steps):
 
 - weights: held parameters only (a visit with pre-inference holds layers >= its block and the head; docs/DESIGN.md I6).
   Trainable ones in fp32; frozen matrices in bf16 with ``precision=bf16`` (models/build.frozen_in), else fp32.
@@ -41,7 +41,8 @@ from typing import Collection, Sequence
 
 from bcdflow.models.base import loss_chunk_rows
 from bcdflow.models.build import model_plan, param_shapes
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
+from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import Plan
 from bcdflow.models.stream import Schedule, SlotPlan, layer_bytes
 
@@ -277,7 +278,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
         largest = max((sum(wbytes(k) for k in held_by_layer.get(i, ())) for i in range(held_lo, n)), default=0)
         weights = weights // shard + 2 * largest
     grads = 4 * train_numel // shard
-    moments = {"adamw": 2, "sgd": 1}[optim]
+    moments = OPTIMIZERS[optim].state
     opt = 4 * moments * train_numel // shard
     # bcd.expand: per adapted layer (after the block) its adapter parameters and saved bytes per token
     adapted = {i: expand_bytes(st, shapes, i, expand_rank) for i in range(hi, n)} if expand_rank and not full else {}
@@ -354,7 +355,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
         emb = head_numel * 4 if cfg.tied and "wte.weight" in trainable else 0  # dense wte grad, then added
         at("backward embeddings", 0, 0, running_grads, emb + N * 4 * C)
     running_grads = max(running_grads, other_grads + grad_w)
-    opt_temp = running_grads if optim == "sgd" and weight_decay > 0 else 0
+    opt_temp = running_grads if OPTIMIZERS[optim].decay_temporary and weight_decay > 0 else 0
     at("optimizer", 0, 0, running_grads, opt_temp)
     return Estimate(name="full" if full else f"block {block}", layers=(held_lo, n), trainable_params=train_numel,
                     held_params=sum(_numel(shapes[k]) for k in held_names), weights=weights, optim=opt, input=inp,

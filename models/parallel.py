@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.models.base import Decoder
-from bcdflow.models.visit import autocast, visit_loss
+from bcdflow.models.visit_compute import autocast, visit_loss
 
 
 class VisitStep(nn.Module):

@@ -15,9 +15,7 @@ import torch
 
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.models.errors import ConfigError, Diverged
-
-# paper §4.2.1 defaults
-PAPER_LR = {"adamw": 1e-4, "sgd": 0.1}
+from bcdflow.models.optimizers import OPTIMIZERS
 
 
 @dataclass
@@ -41,7 +39,7 @@ class OptimSpec:
 
     @property
     def base_lr(self) -> float:
-        return (self.lr if self.lr is not None else PAPER_LR[self.name]) * self.lr_scale
+        return (self.lr if self.lr is not None else OPTIMIZERS[self.name].paper_lr) * self.lr_scale
 
     def lr_at(self, step: int, global_step: int) -> float:
         """The learning rate of the loop's ``step``-th step (0-based) at the run's ``global_step`` (0-based)."""
@@ -59,14 +57,10 @@ class OptimSpec:
 
 
 def make_optimizer(params: list[torch.nn.Parameter], spec: OptimSpec) -> torch.optim.Optimizer:
-    if spec.name == "adamw":
-        # fused: one kernel per parameter group, no foreach temporaries (3.5x faster on CPU here)
-        return torch.optim.AdamW(params, lr=spec.base_lr, betas=spec.betas, eps=spec.eps,
-                                 weight_decay=spec.weight_decay, fused=True)
-    if spec.name == "sgd":
-        return torch.optim.SGD(params, lr=spec.base_lr, momentum=spec.momentum,
-                               weight_decay=spec.weight_decay, foreach=True)
-    raise ConfigError(f"optim.name: unknown optimizer {spec.name!r} (choose from adamw, sgd)")
+    """The optimizer ``spec.name`` names (``models/optimizers.OPTIMIZERS``) over ``params``."""
+    if spec.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name: unknown optimizer {spec.name!r} (choose from {', '.join(OPTIMIZERS)})")
+    return OPTIMIZERS[spec.name].build(params, spec)
 
 
 @dataclass

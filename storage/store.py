@@ -22,6 +22,7 @@ from fsspec.utils import get_protocol
 
 from bcdflow.errors import BadInput
 
+from .backends import backend_of
 from .layout import UnsafeName, probe_key
 
 
@@ -134,9 +135,8 @@ class Store:
             url = os.path.abspath(os.path.expanduser(url))
         self.url = check_url(url).rstrip("/")
         self.storage_options = dict(storage_options or {})
-        if url.startswith(("s3://", "s3a://")):
-            # other processes write shards and markers concurrently: never trust a cached listing
-            self.storage_options.setdefault("use_listings_cache", False)
+        if (backend := backend_of(url)) is not None:
+            self.storage_options = {**backend.defaults, **self.storage_options}
         self.fs, self.root = url_to_fs(self.url, **self.storage_options)
         self.is_local = "file" in _protocols(self.fs)
 
@@ -280,9 +280,9 @@ class Store:
     def probe(self, write: bool = True) -> None:
         """Fail fast, with one line that says which, when the store cannot be used: a local root that is not a
         writable directory (``write=False``, for commands that only read: ``status``, ``export``, ``compare``: a
-        read-only one is fine); an S3 bucket without credentials, unreachable, missing or denied. One request with
-        short timeouts and no retries (a run's own requests keep s3fs's retries for transient faults). ``write``: also
-        that an exclusive create is exclusive (``check_exclusive``, once per store and process)."""
+        read-only one is fine); a store its backend cannot reach (``storage/backends.py``: an S3 bucket without
+        credentials, unreachable, missing or denied). ``write``: also that an exclusive create is exclusive
+        (``check_exclusive``, once per store and process)."""
         if self.is_local:
             path = self.root
             if os.path.exists(path) and not os.path.isdir(path):
@@ -297,29 +297,9 @@ class Store:
             if write and not os.access(path, os.W_OK):
                 raise BadInput(f"store: cannot create or write {self.url} (no write permission in {path})")
             return
-        if get_protocol(self.url) not in ("s3", "s3a"):
-            if write:
-                self.check_exclusive()
-            return
-        import botocore.exceptions as bx
-
-        quick = {**self.storage_options, "skip_instance_cache": True,
-                 "config_kwargs": {"connect_timeout": 5, "read_timeout": 10, "retries": {"max_attempts": 1}}}
-        bucket = self.root.split("/", 1)[0]
-        endpoint = self.storage_options.get("endpoint_url") or "AWS S3"
-        try:
-            url_to_fs(self.url, **quick)[0].info(bucket)
-        except (bx.NoCredentialsError, bx.PartialCredentialsError):
-            raise BadInput(f"store: no AWS credentials for {self.url} (set AWS_ACCESS_KEY_ID and "
-                           "AWS_SECRET_ACCESS_KEY, or s3.profile)") from None
-        except bx.ProfileNotFound as e:
-            raise BadInput(f"s3.profile: {e}") from None
-        except (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError, ConnectionError) as e:
-            raise BadInput(f"store: cannot reach the S3 endpoint {endpoint} for {self.url} ({e})") from None
-        except FileNotFoundError:
-            raise BadInput(f"store: bucket {bucket!r} does not exist at {endpoint} (create it first)") from None
-        except PermissionError:
-            raise BadInput(f"store: access to bucket {bucket!r} at {endpoint} is denied for these credentials") from None
+        backend = backend_of(self.url)
+        if backend is not None and backend.reachable is not None:
+            backend.reachable(self.storage_options, self.url, self.root)
         if write:
             self.check_exclusive()
 

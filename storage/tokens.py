@@ -247,10 +247,6 @@ class TokenDataset:
     def __repr__(self) -> str:
         return f"TokenDataset({self.id!r}, n_train={self.n_train}, n_val={self.n_val}, seq_len={self.seq_len})"
 
-    @property
-    def _train(self) -> np.ndarray | None:  # the cached train rows (tests look at it)
-        return self._cache.get("train")
-
     def train_rows(self, idx: np.ndarray) -> np.ndarray:
         """Rows ``idx`` of the train array, in the order given: int32 (len(idx), seq_len + 1)."""
         return self._train_array("train", idx)

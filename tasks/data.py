@@ -1,33 +1,20 @@
-"""Data tasks: prepare the token dataset, sample a visit's rows, iterate batches.
+"""Data tasks: prepare the token dataset (content-addressed, shared by runs), and the files and id it is made from.
 
-Per-visit sampling (paper §3.2.3): each visit trains on a fresh random subset of the training rows
-at rate ``bcd.sample_rate`` (default 0.9), seeded by (run seed, cycle, block) so a resumed or
-repeated run samples the same rows.
-"""
+Which rows a visit trains on, and in what order, are the method's rules: ``core/rules.py`` (``visit_rows``,
+``batch_ranges``)."""
 from __future__ import annotations
 
 import os
 import tempfile
-from typing import Iterator
-
-import numpy as np
 from prefect import task
 
-from bcdflow.core.hf import check_checkpoint, eos_token
-from bcdflow.storage.corpus import builtin_corpus_files, read_tokenizer, resolve_files
+from bcdflow.core.hf_import import check_checkpoint, eos_token
+from bcdflow.storage.corpus import read_tokenizer
 from bcdflow.storage.store import Store
 from bcdflow.storage.tokens import dataset_id, prepare_token_dataset
 from bcdflow.core.config import RunConfig
+from bcdflow.core.context import data_files
 from bcdflow.tasks.retry import retrying
-
-
-def data_files(cfg: RunConfig) -> list[str] | None:
-    """The local files a run reads: ``data.files``, or the built-in corpus when no source is set."""
-    if cfg.data.files:
-        return resolve_files(cfg.data.files)
-    if cfg.data.path:
-        return None
-    return builtin_corpus_files(cfg.data.builtin_bytes)
 
 
 def _dataset_inputs(cfg: RunConfig) -> dict:
@@ -67,34 +54,3 @@ def prepare_data(cfg: RunConfig, store: Store) -> str:
         return prepare_token_dataset(store, **inputs, cache_dir=None)
     with tempfile.TemporaryDirectory(prefix="bcdflow-hf-") as cache:
         return prepare_token_dataset(store, **inputs, cache_dir=cache)
-
-
-def _rng(seed: int, *keys: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([seed, *keys]))
-
-
-def sample_rows(n_train: int, rate: float, seed: int, cycle: int, block: int) -> np.ndarray:
-    """Indices of the visit's training rows, in training order: (n,) int64."""
-    n = max(1, int(round(rate * n_train)))
-    return _rng(seed, cycle, block).permutation(n_train)[:n]
-
-
-def visit_rows(cfg: RunConfig, n_train: int, cycle: int, block: int) -> np.ndarray:
-    """The rows a visit can actually reach: its sample, cut to ``max_steps * batch_size`` rows.
-
-    The first epoch reads the sample in order, so rows past the step cap are never trained on;
-    pre-inferring them would be pure waste (the paper pre-infers the whole subset)."""
-    rows = sample_rows(n_train, cfg.bcd.sample_rate, cfg.seed, cycle, block)
-    return rows[: cfg.bcd.max_steps * cfg.train.batch_size]
-
-
-def batch_ranges(n_rows: int, batch_size: int, seed: int, cycle: int, block: int) -> Iterator[tuple[int, int]]:
-    """Endless contiguous row ranges [lo, hi) over the visit's rows; each epoch visits the batches in
-    a new order. Contiguous ranges keep activation reads whole-chunk (no random row gathers)."""
-    starts = list(range(0, n_rows, batch_size))
-    epoch = 0
-    while True:
-        order = starts if epoch == 0 else [starts[i] for i in _rng(seed, cycle, block, epoch).permutation(len(starts))]
-        for lo in order:
-            yield lo, min(n_rows, lo + batch_size)
-        epoch += 1

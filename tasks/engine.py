@@ -15,25 +15,25 @@ import itertools
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 from pydantic import BaseModel
 
 from bcdflow.constants import IGNORE_INDEX
-from bcdflow.core import failpoints, preempt
+from bcdflow.core import failpoints, stop_signals
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext
+from bcdflow.core.rules import batch_ranges, visit_rows
 from bcdflow.core.spend import spent_at
 from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import no_grad_memory, no_grad_rows, visit_memory
 from bcdflow.models.plan import block_tensors
 from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
-from bcdflow.models.visit import autocast, prefix_hidden, visit_loss
+from bcdflow.models.visit_compute import autocast, prefix_hidden, visit_loss
 from bcdflow.storage import activations, checkpoints, trainckpt
 from bcdflow.storage.lease import check_leases, lost_lease
 from bcdflow.storage.tokens import TokenDataset
-from bcdflow.tasks.data import batch_ranges, visit_rows
 from bcdflow.tasks.expand import adapter_group, merge, suffix_adapters
 from bcdflow.tracking.tracker import TrackTarget
 
@@ -317,7 +317,7 @@ def prepare_model(model: torch.nn.Module, active, chunk_rows: int | None,
 
 def visit_step_loss(model, vs: VisitSpec, device: torch.device, precision: str) -> Callable:
     """``loss(batch)``: the visit's mean token loss of a batch (inputs or the prefix's states, targets, ...) under
-    the precision's autocast, with streamed weights saved by reference (``models.visit.visit_loss``)."""
+    the precision's autocast, with streamed weights saved by reference (``models.visit_compute.visit_loss``)."""
     stream = getattr(model, "stream", None)
     saving = stream.saving if stream else contextlib.nullcontext
 
@@ -328,12 +328,47 @@ def visit_step_loss(model, vs: VisitSpec, device: torch.device, precision: str) 
     return loss
 
 
+class VisitHolding(Protocol):
+    """How a visit's model is held (:class:`Resident`, ``tasks/train_dist.Distributed``): what :func:`run_visit`, the
+    one recipe, asks of it. A new way to hold a visit (another parallelism, another offload) implements this."""
+
+    writer: bool
+    """Whether this process writes the checkpoints, the block file and the result (rank 0 of several)."""
+    world: int
+    model: torch.nn.Module
+    """The visit's part of the model (its held layers and the head)."""
+    module: torch.nn.Module
+    """What evaluation switches to eval mode and back (the model, or the wrapped step)."""
+    named: list[tuple[str, torch.nn.Parameter]]
+    """The active block's trainable parameters by name (this process's shards under FSDP)."""
+    loss: Callable
+    """A batch -> its loss (on this process's slice of it)."""
+    eval_loss: Callable
+    ckpt_device: torch.device | str
+    clock: Callable[[], float] | None
+    """The loop's clock (one agreed by every process), or None for the loop's own."""
+    adapters: object | None
+    """``bcd.expand``'s suffix adapters where the holding made them itself (before wrapping), else None."""
+
+    def fetch(self, read: Callable, rows) -> Callable: ...
+    def should_stop(self) -> bool: ...
+    def set_params(self, tensors: dict[str, torch.Tensor]) -> None: ...
+    def load_optim(self, opt, state: dict) -> None: ...
+    def params(self) -> dict[str, torch.Tensor]: ...
+    def optim_state(self, opt) -> dict: ...
+    def block_tensors(self) -> dict[str, torch.Tensor]: ...
+    def barrier(self) -> None: ...
+    def peak(self) -> tuple[int, int, int] | None: ...
+    def close(self) -> None: ...
+
+
 class Resident:
     """The visit's model in this one process: on its device, its frozen layers streamed from host memory where the
-    visit says (``VisitSpec.streamed``; models/stream.py)."""
+    visit says (``VisitSpec.streamed``; models/stream.py). A :class:`VisitHolding`."""
 
     writer = True
     world = 1
+    adapters = None  # made by run_visit (suffix_adapters), beside the model
 
     def __init__(self, ctx: RunContext, vs: VisitSpec):
         self.ctx, self.vs, self.device = ctx, vs, ctx.device
@@ -352,7 +387,7 @@ class Resident:
         return counted(read)  # (inputs, targets, trained tokens)
 
     def should_stop(self) -> bool:  # after each step: SIGTERM or Ctrl-C, or a lease that could expire (§9)
-        return preempt.requested() or lost_lease() is not None
+        return stop_signals.requested() or lost_lease() is not None
 
     def set_params(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -382,7 +417,8 @@ class Resident:
             self.model.stream.close()
 
 
-def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None = None, progress=None,
+def run_visit(ctx: RunContext, vs: VisitSpec, hold: Callable[[RunContext, VisitSpec], VisitHolding], *,
+              track: TrackTarget | None = None, progress=None,
               global_step: int = 0, min_rate: float | None = None, moments: dict | None = None,
               spent: dict | None = None) -> TrainResult:
     """Train visit ``vs`` with its model held by ``hold`` (:class:`Resident` or ``train_dist.Distributed``) to local
@@ -406,14 +442,15 @@ def run_visit(ctx: RunContext, vs: VisitSpec, hold, *, track: TrackTarget | None
         held.close()  # its device slots and page-locked buffers go whatever ends the visit
 
 
-def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: TrackTarget | None, progress,
+def _train_held(ctx: RunContext, vs: VisitSpec, held: VisitHolding, val: list, *, track: TrackTarget | None,
+                progress,
                 global_step: int, min_rate: float | None, moments: dict | None, spent: dict | None) -> TrainResult:
     """The body of :func:`run_visit` once its model is held."""
     cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
     names, params = [n for n, _ in held.named], [p for _, p in held.named]
     # bcd.expand: adapters on the suffix's linear maps, beside the model (a distributed holding registers its own
     # before DDP wraps the step, so DDP reduces their gradients)
-    adapters = held.adapters if hasattr(held, "adapters") else suffix_adapters(ctx, vs, held.model)
+    adapters = held.adapters if held.adapters is not None else suffix_adapters(ctx, vs, held.model)
 
     rows = visit_rows(cfg, ds.n_train, vs.cycle, block)
     if vs.from_acts:
@@ -473,7 +510,7 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held, val: list, *, track: Track
                               None)
     check_leases()  # a lease that lapsed while the visit set up (a slow load): not one step is trained
     try:
-        with preempt.training():
+        with stop_signals.training():
             res = run_steps(held.loss, params, prefetched(ranges, held.fetch(read, rows), device), opt, spec,
                             cfg.stop_rule(min_rate), on_window=on_window, should_stop=held.should_stop,
                             state=state, checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,

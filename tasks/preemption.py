@@ -1,4 +1,4 @@
-"""What a preempted visit does once its checkpoint is written: the Prefect half of ``core/preempt.py``.
+"""What a preempted visit does once its checkpoint is written: the Prefect half of ``core/stop_signals.py``.
 
 A spot rental's SIGTERM reaches the flow-run process a Prefect worker started (``python -m prefect.engine``).
 Prefect 3.8.8 does not reschedule that process's run on its own (``PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR`` is
@@ -16,12 +16,12 @@ import signal
 from datetime import datetime, timedelta, timezone
 from uuid import UUID
 
-from bcdflow.core import preempt
+from bcdflow.core import stop_signals
 
 
 def after_checkpoint(delay_s: float) -> None:
     """Call once the loop stopped on a signal and its checkpoint is written; never returns."""
-    sig = preempt.signal_received()
+    sig = stop_signals.signal_received()
     if sig == signal.SIGINT:
         raise KeyboardInterrupt
     flow_run_id = os.environ.get("PREFECT__FLOW_RUN_ID")
@@ -40,4 +40,4 @@ def after_checkpoint(delay_s: float) -> None:
                     flow_run_id=UUID(flow_run_id))
                 if state.is_scheduled():
                     raise Pause(state=state)
-    preempt.hand_on()
+    stop_signals.hand_on()

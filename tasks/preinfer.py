@@ -12,9 +12,9 @@ from prefect import task
 
 from bcdflow.core import failpoints
 from bcdflow.core.context import RunContext
-from bcdflow.models.visit import autocast, prefix_hidden
+from bcdflow.models.visit_compute import autocast, prefix_hidden
 from bcdflow.storage import activations
-from bcdflow.tasks.data import visit_rows
+from bcdflow.core.rules import visit_rows
 from bcdflow.tasks.retry import retrying
 
 

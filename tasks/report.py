@@ -1,12 +1,12 @@
 """The run's closing report as a task: figures and the exported model to its MLflow run
-(``tracking.report.log_run_outputs``). One retry: the model is safe in the store either way."""
+(``tracking.figures.log_run_outputs``). One retry: the model is safe in the store either way."""
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from bcdflow.core.config import RunConfig
-from bcdflow.tracking.report import log_run_outputs
+from bcdflow.tracking.figures import log_run_outputs
 
 
 

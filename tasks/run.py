@@ -1,7 +1,7 @@
 """Run-level tasks: create a run (version 0) or check a resumed run's config, and commit a visit.
 
 Version 0 is fresh weights from the run seed, or with ``model.from_hf`` the checkpoint converted block by
-block (core/hf.py); such a run also keeps a copy of the checkpoint's config and tokenizer files under
+block (core/hf_import.py); such a run also keeps a copy of the checkpoint's config and tokenizer files under
 ``runs/{run_id}/hf/`` (so ``bcdflow export --format hf`` needs only the store) and its fingerprint, so a
 resume from a checkpoint that changed under the same path is refused.
 
@@ -16,14 +16,14 @@ import numpy as np
 import torch
 from prefect import task
 
-from bcdflow.core import failpoints, hf
+from bcdflow.core import failpoints, hf_import
 from bcdflow.core.config import RunConfig, with_former_defaults
 from bcdflow.core.context import RunContext, open_store
 from bcdflow.models import build_model
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.plan import block_tensors
 from bcdflow.storage import checkpoints, layout, runs
-from bcdflow.storage.hf import Checkpoint
+from bcdflow.storage.hf_checkpoint import Checkpoint
 from bcdflow.storage.runs import RunState, VisitRecord
 from bcdflow.tasks.retry import retrying
 
@@ -66,7 +66,7 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
     ck = None
     if cfg.model.from_hf:
         ck = Checkpoint.open(cfg.model.from_hf)
-        resolved["hf"] = hf.record(ck, mcfg)
+        resolved["hf"] = hf_import.record(ck, mcfg)
     state = runs.read_state(store, run_id)
     if state is not None:
         old = _normalized(with_former_defaults(runs.read_config(store, run_id)))
@@ -89,7 +89,7 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
             runs.write_config(store, run_id, {**old, "optim": {**old["optim"], "lr": cfg.optim.lr}})
         return state
     if ck is not None:  # version 0: the checkpoint, one block at a time
-        blocks = hf.write_version0(store, run_id, ck, mcfg, plan)
+        blocks = hf_import.write_version0(store, run_id, ck, mcfg, plan)
         for name, data in ck.sidecars().items():
             store.write_bytes(data, layout.hf_key(run_id, name))
     else:  # version 0: fresh weights, one block at a time (no process ever holds the whole model for this)

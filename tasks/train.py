@@ -4,7 +4,7 @@ the next block of a greedy order.
 Only blocks b..M-1 (and the head) of version v are loaded when training from pre-inferred
 activations; ``requires_grad`` is set on block b only, and the optimizer holds block b only, so
 gradients and optimizer state exist for the active block alone (invariant I6). A visit's recipe is
-``tasks.engine.run_visit``; the loss itself is ``models.visit.visit_loss``.
+``tasks.engine.run_visit``; the loss itself is ``models.visit_compute.visit_loss``.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from bcdflow.core.context import RunContext
 from bcdflow.errors import BadInput
 from bcdflow.models.errors import Diverged
 from bcdflow.models.holding import probe_bytes
-from bcdflow.models.visit import autocast, block_grad_norms
+from bcdflow.models.visit_compute import autocast, block_grad_norms
 from bcdflow.tasks import preemption
-from bcdflow.tasks.data import sample_rows
+from bcdflow.core.rules import sample_rows
 from bcdflow.tasks.engine import (EvalResult, Resident, TrainResult, describe, diverged_message, evaluate_model,
                                   run_visit, val_batches)
 from bcdflow.tasks.progress import Progress
@@ -80,7 +80,7 @@ def evaluate_version(ctx: RunContext, base_version: int, changed: dict[int, dict
 def choose_block(ctx: RunContext, version: int, cycle: int, candidates: list[int]) -> int:
     """The candidate block with the largest gradient norm on a probe batch (docs/DESIGN.md §2, order greedy): the
     whole model held frozen as an evaluation holds it (streamed where it does not fit), the gradients taken one layer
-    at a time (models/visit.block_grad_norms), never every gradient of the model at once."""
+    at a time (models/visit_compute.block_grad_norms), never every gradient of the model at once."""
     cfg = ctx.cfg
     n, B = ctx.model_cfg.n_layer, cfg.train.batch_size
     extra = probe_bytes(ctx.model_cfg, B, ctx.dataset.seq_len, cfg.train.precision)  # one layer's backward at a time

@@ -34,7 +34,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from bcdflow.core import preempt
+from bcdflow.core import stop_signals
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, check_gpus
 from bcdflow.errors import BadInput, DamagedArtifact
@@ -85,7 +85,7 @@ def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTa
            "-m", "bcdflow.tasks.train_dist", os.path.join(work, "spec.json")]
     forwarded: set[int] = set()
     lost = None
-    with preempt.training():  # the task's own SIGTERM/SIGINT: forwarded to every process as SIGTERM
+    with stop_signals.training():  # the task's own SIGTERM/SIGINT: forwarded to every process as SIGTERM
         proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
         while proc.poll() is None:
             if (lost := lost_lease()) is not None:  # it could expire: every process stops now, no checkpoint (§9)
@@ -93,7 +93,7 @@ def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTa
                     _signal(pid, signal.SIGKILL)
                 proc.wait()
                 break
-            if preempt.requested():
+            if stop_signals.requested():
                 for pid in _pids(work):
                     if pid not in forwarded:
                         forwarded.add(pid)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     work = spec["work"]
     with open(os.path.join(work, f"pid-{os.environ.get('RANK', '0')}"), "w") as f:
         f.write(str(os.getpid()))
-    with preempt.training():  # from the start: a SIGTERM while loading is a checkpoint after the first step
+    with stop_signals.training():  # from the start: a SIGTERM while loading is a checkpoint after the first step
         cfg = RunConfig.model_validate(spec["cfg"])
         cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
         device = par.local_device() if cuda else torch.device("cpu")
@@ -200,7 +200,7 @@ def choose_parallel(cfg: RunConfig, ctx: RunContext, block: int, world: int, rec
 
 
 class Distributed:
-    """The visit's model held by one of several processes (``tasks.engine.run_visit``'s holding): DDP loads it
+    """The visit's model held by one of several processes (a ``tasks.engine.VisitHolding``): DDP loads it
     whole on this process's device; FSDP2 builds it on the meta device, shards it, and copies each block's tensors
     into this process's shards one block at a time. Each process reads its slice of every batch, the loss is the
     global mean, the stop flag and clock are synchronized, and rank 0 writes."""
@@ -241,7 +241,7 @@ class Distributed:
         self.model, self.module, self.mod = model, step, mod
         self.eval_loss = functools.partial(mod, reduction="mean")  # every process runs the whole batch
         self.ckpt_device = "cpu"
-        self.sync = par.StopSync(preempt.requested)
+        self.sync = par.StopSync(stop_signals.requested)
         self.should_stop, self.clock = self.sync, self.sync.clock
 
     def fetch(self, read, rows):

@@ -1,14 +1,17 @@
-"""What tests share besides fixtures (conftest.py): the tiny run config, a finished run's weights, a full disk."""
+"""What tests share besides fixtures (conftest.py): the tiny run config, a finished run's weights, a priced visit
+record, a full disk, a run prepared for a visit and a spy on what a visit loads."""
 from __future__ import annotations
 
 import builtins
 import errno
+import math
 import os
 
 import torch
 
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
 from bcdflow.storage import checkpoints, runs
+from bcdflow.storage.runs import VisitRecord
 from bcdflow.storage.store import Store
 
 # a tiny, fast run: ~400 KB of built-in corpus, 6 layers x 64 wide, a few steps per visit
@@ -26,6 +29,18 @@ def finished_weights(store: Store, run_id: str) -> dict[str, torch.Tensor]:
     state = runs.read_state(store, run_id)
     assert state.status == "done", (run_id, state.status)
     return checkpoints.load_blocks(store, run_id, state.version)
+
+
+def visit_record(sp, cycle, block, *, pre=0.0, train=0.0, ev=0.0, val=5.0, steps=10, seconds=None, **kw) -> VisitRecord:
+    """A visit record priced by ``sp`` (a ``spend`` config section) as the visit flow prices it."""
+    from bcdflow.core import spend
+
+    seconds = pre + train + ev if seconds is None else seconds
+    cost = spend.visit_spend(sp, {"preinfer": pre, "train": train, "eval": ev}, seconds)
+    fields = {"version": 1, "step_end": steps, "stopped_by": "max_steps", "rows": 1, "tokens": 1, "first_loss": val,
+              "train_loss": val, "val_ppl": math.exp(val), "tokens_per_s": 1.0, **kw}
+    return VisitRecord(cycle=cycle, block=block, preinfer_seconds=pre, train_seconds=train, eval_seconds=ev,
+                       val_loss=val, steps=steps, seconds=seconds, **{**cost, **fields})
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -94,3 +109,59 @@ def temporaries(root) -> list[str]:
     """Temporary files of a writer left below ``root`` (``*.tmp-*``, mkstemp's ``.tmp-*``, zarr's ``*.partial``)."""
     return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, files in os.walk(root)
                   for n in files + dirs if ".tmp" in n or n.endswith(".partial"))
+
+
+# -- a run prepared and visited through the plain task functions (no Prefect server) ----------------------------
+
+def new_run(cfg, run_id: str = "r") -> str:
+    """Prepare the dataset and create version 0 through the plain task functions; returns the dataset id."""
+    from bcdflow.tasks.data import prepare_data
+    from bcdflow.tasks.run import init_run
+
+    ds_id = prepare_data.fn(cfg, Store(cfg.store))
+    init_run.fn(cfg, run_id, ds_id)
+    return ds_id
+
+
+def do_visit(cfg, run_id: str, ds_id: str, cycle: int, block: int, version: int) -> dict:
+    """One visit through the plain task functions: pre-infer (block > 0), train, commit."""
+    from bcdflow.core.context import RunContext
+    from bcdflow.storage.checkpoints import commit_version
+    from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
+    from bcdflow.tasks.train import train_block
+
+    if cfg.bcd.preinfer and block > 0:
+        shards = plan_shards.fn(RunContext.of(cfg, run_id, ds_id), cycle, block)
+        assert shards, "a fresh visit has shards to compute"
+        for s in shards:
+            preinfer_shard.fn(RunContext.of(cfg, run_id, ds_id), cycle, block, version, s)
+        assert plan_shards.fn(RunContext.of(cfg, run_id, ds_id), cycle, block) == []  # all complete now
+    out = train_block.fn(RunContext.of(cfg, run_id, ds_id), cycle, block, version)
+    commit_version(Store(cfg.store), run_id, version, version + 1, {block: out.block_file})
+    return out
+
+
+class Spy:
+    """Records the model ``train_block`` loads and the parameters its optimizer gets (no refactor needed)."""
+
+    def __init__(self, monkeypatch):
+        import bcdflow.tasks.engine as engine_mod
+        from bcdflow.core.context import RunContext
+
+        self.models, self.opt_params, self.opts = [], [], []
+        real_load, real_opt = RunContext.load_part, engine_mod.make_optimizer
+
+        def load_part(*args, **kwargs):
+            model = real_load(*args, **kwargs)
+            if kwargs.get("head"):  # the visit's model (the pre-inference prefix has no head)
+                self.models.append(model)
+            return model
+
+        def make_optimizer(params, spec):
+            opt = real_opt(params, spec)
+            self.opt_params.append(list(params))
+            self.opts.append(opt)
+            return opt
+
+        monkeypatch.setattr(RunContext, "load_part", load_part)
+        monkeypatch.setattr(engine_mod, "make_optimizer", make_optimizer)

@@ -17,7 +17,7 @@ from bcdflow.storage.activations import ActivationError, ActivationReader, creat
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import train_block
-from tests.test_invariants import new_run
+from tests.helpers import new_run
 
 KEY = "runs/r/visits/c0-b1/activations.zarr"
 

@@ -1,13 +1,13 @@
 """The adaptive step budget (``bcd.budget=adaptive``): a visit ends once its block lowers the loss more slowly than
 the other blocks did on their last visits, so the steps go to the block that matters. A synthetic three-block model
-(one block's error dominates the loss) runs the real step loop and the real bar (``flows.visit.rate_to_beat``)."""
+(one block's error dominates the loss) runs the real step loop and the real bar (``core.rules.rate_to_beat``)."""
 from __future__ import annotations
 
 import types
 
 import torch
 
-from bcdflow.flows.visit import rate_to_beat
+from bcdflow.core.rules import rate_to_beat
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
 
 

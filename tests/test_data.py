@@ -108,7 +108,7 @@ def test_zarr_round_trip_packs_the_token_stream(tmp_path, hf, stdlib_files, url)
     assert TokenDataset.open(store, ds.id) is ds  # one instance per process: loaded and checked once
     uncached = TokenDataset(store, ds.id, ds.meta)
     uncached.MAX_CACHE_BYTES = 0
-    assert np.array_equal(uncached.train_rows(idx), train[idx]) and uncached._train is None
+    assert np.array_equal(uncached.train_rows(idx), train[idx]) and uncached._cache.get("train") is None
 
     z = zarr.open_array(store=store.zarr_store("datasets", ds.id, "train.zarr", read_only=True), mode="r")
     assert z.compressors == () and z.dtype == np.int32

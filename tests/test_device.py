@@ -20,8 +20,7 @@ from bcdflow.models.errors import ConfigError
 from bcdflow.storage.checkpoints import load_blocks, load_from_manifest
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
-from tests.helpers import TINY
-from tests.test_invariants import Spy, do_visit, new_run
+from tests.helpers import TINY, Spy, do_visit, new_run
 
 
 @pytest.mark.parametrize("block", [0, 1])

@@ -16,13 +16,13 @@ import time
 import pytest
 import torch
 
-from bcdflow.core import preempt
+from bcdflow.core import stop_signals
 from bcdflow.core.context import RunContext
 from bcdflow.storage import checkpoints
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import evaluate_version, train_block
-from tests.test_invariants import new_run
+from tests.helpers import new_run
 
 pytestmark = pytest.mark.slow
 SGD = ("optim.name=sgd", "optim.lr=0.1")  # gradients enter the weights linearly: rounding stays at rounding
@@ -132,7 +132,7 @@ def test_a_one_process_checkpoint_resumes_on_two(tiny_cfg, monkeypatch):
         calls["n"] += 1
         return calls["n"] >= 30
 
-    monkeypatch.setattr(preempt, "requested", requested)
+    monkeypatch.setattr(stop_signals, "requested", requested)
     with pytest.raises(SystemExit):
         train_block.fn(RunContext.of(one, "r", ds), 0, 1, 0)
     monkeypatch.undo()

@@ -17,18 +17,17 @@ import torch
 from bcdflow.core.config import load_config
 from bcdflow.core.context import RunContext, block_plan, model_config
 from bcdflow.models import build_model
-from bcdflow.models.config import get_config
+from bcdflow.models.model_config import get_config
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.expand import SuffixAdapters, merged
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
-from bcdflow.models.visit import visit_loss
+from bcdflow.models.visit_compute import visit_loss
 from bcdflow.storage import checkpoints, runs
 from bcdflow.storage.checkpoints import commit_version, load_blocks, read_manifest
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import evaluate_version, train_block
-from tests.helpers import assert_same, finished_weights
-from tests.test_invariants import Spy, new_run
+from tests.helpers import Spy, assert_same, finished_weights, new_run
 from tests.test_memory import measured_vs_planned
 
 LORA = ("bcd.expand=lora", "bcd.expand_rank=4")

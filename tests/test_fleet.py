@@ -1,8 +1,8 @@
 """A fleet on one machine (docs/DESIGN.md §6, I7): visits as runs of the bcd-visit deployment on a work pool, preemption
 under real workers, one writer per run and per visit, pre-inference on Dask.
 
-Real processes: a ``prefect server start`` on loopback with its own PREFECT_HOME, two ``bcdflow worker``
-processes on one pool (the pool and deployment from prefect.yaml, as the README sets them up), moto's S3 as the
+Real processes: the session's Prefect test server (a uvicorn server on loopback, as ``prefect server start``
+runs one), two ``bcdflow worker`` processes on one pool (the pool and deployment from prefect.yaml, as the README sets them up), moto's S3 as the
 store every process shares, and the parent as a ``bcdflow train`` process. Every run must end bitwise equal to the
 same config trained in one process.
 """
@@ -11,14 +11,12 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -46,12 +44,6 @@ def _sets(*sets: str) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait(cond, what: str, timeout: float = 240, every: float = 0.1):
     deadline = time.time() + timeout
     while True:
@@ -63,32 +55,16 @@ def _wait(cond, what: str, timeout: float = 240, every: float = 0.1):
 
 
 class Fleet:
-    """The server, the workers and the environment every process of the fleet gets."""
+    """The workers on the server at ``api``, and the environment every process of the fleet gets."""
 
-    def __init__(self, root: Path, s3_endpoint: str):
-        self.root, self.s3 = root, s3_endpoint
-        self.api = f"http://127.0.0.1:{_free_port()}/api"
+    def __init__(self, root: Path, s3_endpoint: str, api: str):
+        self.root, self.s3, self.api = root, s3_endpoint, api
         base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         self.env = {**base, "PREFECT_API_URL": self.api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                     "DO_NOT_TRACK": "1", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "INFO",
                     "PREFECT_CLI_PROMPT": "false", "PREFECT_HOME": str(root / "client-home"),
                     "BCDFLOW_RETRY_BACKOFF": "0.2", "OMP_NUM_THREADS": "1"}
         self.workers: dict[str, subprocess.Popen] = {}
-
-    def start_server(self) -> None:
-        port = self.api.split(":")[2].split("/")[0]
-        env = {**self.env, "PREFECT_HOME": str(self.root / "server-home")}
-        env.pop("PREFECT_API_URL")
-        self.server = subprocess.Popen([BIN / "prefect", "server", "start", "--host", "127.0.0.1", "--port", port],
-                                       env=env, stdout=open(self.root / "server.log", "w"), stderr=subprocess.STDOUT)
-
-        def healthy():
-            assert self.server.poll() is None, (self.root / "server.log").read_text()[-3000:]
-            try:
-                return httpx.get(f"{self.api}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-        _wait(healthy, "the Prefect server", timeout=600, every=0.5)
 
     def prefect(self, *args: str) -> str:
         env = {k: v for k, v in self.env.items() if k != "BCDFLOW_HOME"}  # read on each worker, not baked in
@@ -143,17 +119,15 @@ class Fleet:
                 w.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(w.pid, signal.SIGKILL)
-        self.server.terminate()
-        self.server.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, s3_server):
-    f = Fleet(tmp_path_factory.mktemp("fleet"), s3_server.endpoint)
+def fleet(tmp_path_factory, s3_server, prefect_api_url):
+    """The fleet on the session's test server (a second server costs its start, half a minute on 2 cores)."""
+    f = Fleet(tmp_path_factory.mktemp("fleet"), s3_server.endpoint, prefect_api_url)
     f.env.update({k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
-    f.start_server()
     try:
-        f.prefect("work-pool", "create", POOL, "--type", "process")
+        f.prefect("work-pool", "create", POOL, "--type", "process", "--overwrite")
         f.prefect("--no-prompt", "deploy", "--name", POOL)  # the README's command, from prefect.yaml
         f.start_worker("w0")
         f.start_worker("w1")
@@ -340,14 +314,19 @@ def test_two_cli_processes_on_one_run_id(prefect_api_url, tmp_path, reference):
     env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
     random.seed(1)
     delays = [0.0, random.uniform(2, 12), random.uniform(12, 30)]
-    for i, delay in enumerate(delays):
+
+    def start(i: int, name: str) -> subprocess.Popen:
+        args = [bcdflow, "train", *_sets(*LONG), "--store", str(tmp_path / f"s{i}"), "--run-id", "r"]
+        return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}{i}", "w"))
+
+    # the three pairs at once, each on its own store: pair i's second process starts delays[i] after its first
+    pairs = [{"a": start(i, "a")} for i in range(len(delays))]
+    t0 = time.monotonic()
+    for i in sorted(range(len(delays)), key=delays.__getitem__):
+        time.sleep(max(0.0, t0 + delays[i] - time.monotonic()))
+        pairs[i]["b"] = start(i, "b")
+    for i, procs in enumerate(pairs):
         store = str(tmp_path / f"s{i}")
-        args = [bcdflow, "train", *_sets(*LONG), "--store", store, "--run-id", "r"]
-        procs = {}
-        for name in ("a", "b"):
-            time.sleep(delay if procs else 0)
-            procs[name] = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL,
-                                           stderr=open(tmp_path / f"{name}{i}", "w"))
         codes = {name: p.wait(timeout=900) for name, p in procs.items()}
         assert 0 in codes.values() and set(codes.values()) <= {0, 2}, codes
         for name, code in codes.items():

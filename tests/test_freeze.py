@@ -13,7 +13,7 @@ from bcdflow.models import get_config, model_plan
 from bcdflow.models.memory import visit_memory
 from bcdflow.storage.checkpoints import load_blocks
 from bcdflow.storage.store import Store
-from tests.test_invariants import Spy, do_visit, new_run
+from tests.helpers import Spy, do_visit, new_run
 
 
 def test_a_visit_with_frozen_embeddings_trains_its_layers_only(tiny_cfg, monkeypatch):

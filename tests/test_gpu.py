@@ -100,7 +100,7 @@ def test_a_visit_through_the_engine_on_cuda_reports_reserved_memory_and_no_retri
     record carries peak reserved and retries, and the card held no more than its budget."""
     from bcdflow.core.context import RunContext
     from bcdflow.tasks.train import train_block
-    from tests.test_invariants import new_run
+    from tests.helpers import new_run
 
     cfg = tiny_cfg("train.device=cuda", "model.n_layer=8", "bcd.recompute=off", "train.offload=stream")
     ctx = RunContext.of(cfg, "r", new_run(cfg))

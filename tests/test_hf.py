@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (models/hf.py, storage/hf.py, core/hf.py, core/export.py): for each family a
+"""Hugging Face checkpoints in and out (models/hf_names.py, storage/hf_checkpoint.py, core/hf_import.py, core/export.py): for each family a
 tiny random checkpoint made here with transformers is converted into a run's version 0, gives transformers'
 logits, and exports back bitwise; bad checkpoints are refused with one line before anything is written; the
 slow test fine-tunes one through the CLI on prompt/completion data and loads the result in transformers.
@@ -21,11 +21,11 @@ from bcdflow.core.config import load_config
 from bcdflow.core.context import RunContext, model_config, open_store
 from bcdflow.core.export import export_hf, written_whole
 from bcdflow.flows.cli import main
-from bcdflow.models import hf as hfmap
+from bcdflow.models import hf_names as hfmap
 from bcdflow.models.errors import ConfigError
 from bcdflow.storage import checkpoints, runs
 from bcdflow.storage.errors import DataError
-from bcdflow.storage.hf import Checkpoint
+from bcdflow.storage.hf_checkpoint import Checkpoint
 from bcdflow.tasks.data import prepare_data
 from bcdflow.tasks.run import init_run
 from tests.hf_checkpoints import FAMILIES, ROWS, TEXT, VOCAB, load_clean, make_checkpoint, make_tokenizer
@@ -254,7 +254,7 @@ def test_config_json_checked_against_the_run_config(tmp_path, tok_dir, corpus, o
 def test_chat_needs_a_template_and_a_checkpoint(tmp_path, tok_dir, corpus):
     ck, _ = make_checkpoint(tmp_path / "ck", "qwen2", tok_dir)
     os.remove(os.path.join(ck, "chat_template.jinja"))
-    from bcdflow.core.hf import check_checkpoint
+    from bcdflow.core.hf_import import check_checkpoint
 
     with pytest.raises(DataError, match=r"^data\.format: chat needs a chat template"):
         check_checkpoint(run_cfg(tmp_path, ck, corpus, "data.format=chat"))
@@ -303,7 +303,7 @@ def test_finetune_prompt_completion_through_the_cli(prefect_server, tmp_path, to
     ctx = RunContext.of(cfg, "ft", state.dataset)
     assert ctx.dataset.masked
 
-    from bcdflow.tasks.data import visit_rows
+    from bcdflow.core.rules import visit_rows
 
     for visit in state.visits:
         rows = visit_rows(cfg, ctx.dataset.n_train, visit.cycle, visit.block)[: cfg.train.batch_size]
@@ -363,7 +363,7 @@ def test_chat_data_uses_the_checkpoints_template(tmp_path, tok_dir):
 def test_config_to_hf_and_back_is_the_same_model(name, over):
     from bcdflow.models import get_config
     from bcdflow.models.build import param_shapes
-    from bcdflow.models.config import ModelConfig
+    from bcdflow.models.model_config import ModelConfig
     from tests.helpers import count_params
 
     cfg = get_config(name, **over)

@@ -23,7 +23,7 @@ L8B = dict(family="llama", n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_f
 
 
 def llama8b():
-    from bcdflow.models.config import ModelConfig
+    from bcdflow.models.model_config import ModelConfig
     return ModelConfig(**L8B, tie_embeddings=False, bias=False)
 
 
@@ -126,7 +126,7 @@ def test_no_grad_batch_is_the_most_rows_that_fit():
 def test_no_grad_memory_agrees_with_the_cpu_tracker(family):
     """A no-grad forward's peak (pre-inference's prefix, evaluation with the head) against the CPU tensor tracker."""
     from benchmarks.common import LiveBytes, tensor_bytes
-    from bcdflow.models.visit import prefix_hidden
+    from bcdflow.models.visit_compute import prefix_hidden
 
     torch.set_num_threads(1)
     cfg = get_config(family, vocab_size=2048, n_layer=4, d_model=128, n_head=4)

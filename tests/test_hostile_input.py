@@ -20,15 +20,15 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from bcdflow.core import export, preempt
+from bcdflow.core import export, stop_signals
 from bcdflow.core.context import RunContext
 from bcdflow.errors import BadInput
 from bcdflow.flows.cli import main
-from bcdflow.models import hf as hfmap
+from bcdflow.models import hf_names as hfmap
 from bcdflow.storage import activations, checkpoints, layout, trainckpt
 from bcdflow.storage.corpus import load_texts
 from bcdflow.storage.errors import DataError
-from bcdflow.storage.hf import Checkpoint
+from bcdflow.storage.hf_checkpoint import Checkpoint
 from bcdflow.storage.lease import Lease, LeaseHeld
 from bcdflow.storage.store import Store, sha256_bytes
 from bcdflow.tasks.train import train_block
@@ -278,7 +278,7 @@ def test_a_checkpoint_pointer_naming_a_file_outside_its_folder_is_neither_read_n
 
 
 def test_a_manifest_or_record_naming_a_file_outside_the_run_is_damage_naming_it(tmp_path, tiny_cfg, capsys):
-    from tests.test_invariants import new_run
+    from tests.helpers import new_run
 
     cfg = tiny_cfg()
     new_run(cfg)
@@ -326,7 +326,7 @@ def test_a_corrupt_checkpoint_resumes_from_the_last_intact_point_bitwise(tiny_cf
     cfg = tiny_cfg(*SGD, *LONG)
     ds = setup_visit(cfg, 1)
     polls = itertools.count(1)
-    monkeypatch.setattr(preempt, "requested", lambda: next(polls) >= 25)  # a SIGTERM arriving during step 25
+    monkeypatch.setattr(stop_signals, "requested", lambda: next(polls) >= 25)  # a SIGTERM arriving during step 25
     with pytest.raises(SystemExit):
         train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0)
     monkeypatch.undo()
@@ -370,7 +370,7 @@ def test_written_files_and_directories_honour_the_umask(tiny_cfg, tmp_path, monk
     gets the umask's modes: block files and exports came out 0600 and 0700 (a library's temporary files)."""
     cfg = tiny_cfg(*SGD, "bcd.max_steps=8", "checkpoint.every_steps=2")
     ds = setup_visit(cfg, 1)
-    monkeypatch.setattr(preempt, "requested", lambda: True)  # a SIGTERM at the first step: its checkpoint
+    monkeypatch.setattr(stop_signals, "requested", lambda: True)  # a SIGTERM at the first step: its checkpoint
     with pytest.raises(SystemExit):
         train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0)
     monkeypatch.undo()
@@ -383,7 +383,7 @@ def test_written_files_and_directories_honour_the_umask(tiny_cfg, tmp_path, monk
 
 
 def test_an_interrupted_exports_temporary_directory_is_removed_by_the_next_export(tiny_cfg, tmp_path):
-    from tests.test_invariants import new_run
+    from tests.helpers import new_run
 
     cfg = tiny_cfg()
     new_run(cfg)

@@ -1,6 +1,6 @@
 """docs/DESIGN.md §3 invariants on the tiny config: I1 (a visit touches its block only), I2 (pre-inference on = off),
-I3 (one-block BCD = full-parameter training), I6 (a visit holds blocks >= b, trains block b only), and the
-per-visit sampler (paper §3.2.3).
+I3 (one-block BCD = full-parameter training), I6 (a visit holds blocks >= b, trains block b only). The per-visit
+sampler (paper §3.2.3) is tests/test_rules.py.
 
 Run: python -m pytest -q tests/test_invariants.py   (CPU; the flow tests share one Prefect test server)
 """
@@ -8,67 +8,18 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 import torch
 
-import bcdflow.tasks.engine as engine_mod
-from bcdflow.core.context import RunContext, block_plan, model_config
+from bcdflow.core.context import block_plan, model_config
 from bcdflow.storage import runs
-from bcdflow.storage.checkpoints import commit_version, load_blocks, read_manifest
+from bcdflow.storage.checkpoints import load_blocks, read_manifest
 from bcdflow.storage.store import Store
-from bcdflow.tasks.data import batch_ranges, prepare_data, sample_rows, visit_rows
-from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
-from bcdflow.tasks.run import init_run
-from bcdflow.tasks.train import train_block
+from bcdflow.core.rules import batch_ranges, sample_rows
+from tests.helpers import Spy, do_visit, new_run
 
 _LAYER = re.compile(r"^h\.(\d+)\.")
 LLAMA = ("model.name=tiny-llama", "model.d_model=64", "model.n_head=4")
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-def new_run(cfg, run_id: str = "r") -> str:
-    """Prepare the dataset and create version 0; returns the dataset id."""
-    ds_id = prepare_data.fn(cfg, Store(cfg.store))
-    init_run.fn(cfg, run_id, ds_id)
-    return ds_id
-
-
-def do_visit(cfg, run_id: str, ds_id: str, cycle: int, block: int, version: int) -> dict:
-    """One visit through the plain task functions: pre-infer (block > 0), train, commit."""
-    if cfg.bcd.preinfer and block > 0:
-        shards = plan_shards.fn(RunContext.of(cfg, run_id, ds_id), cycle, block)
-        assert shards, "a fresh visit has shards to compute"
-        for s in shards:
-            preinfer_shard.fn(RunContext.of(cfg, run_id, ds_id), cycle, block, version, s)
-        assert plan_shards.fn(RunContext.of(cfg, run_id, ds_id), cycle, block) == []  # all complete now
-    out = train_block.fn(RunContext.of(cfg, run_id, ds_id), cycle, block, version)
-    commit_version(Store(cfg.store), run_id, version, version + 1, {block: out.block_file})
-    return out
-
-
-class Spy:
-    """Records the model ``train_block`` loads and the parameters its optimizer gets (no refactor needed)."""
-
-    def __init__(self, monkeypatch):
-        self.models, self.opt_params, self.opts = [], [], []
-        real_load, real_opt = RunContext.load_part, engine_mod.make_optimizer
-
-        def load_part(*args, **kwargs):
-            model = real_load(*args, **kwargs)
-            if kwargs.get("head"):  # the visit's model (the pre-inference prefix has no head)
-                self.models.append(model)
-            return model
-
-        def make_optimizer(params, spec):
-            opt = real_opt(params, spec)
-            self.opt_params.append(list(params))
-            self.opts.append(opt)
-            return opt
-
-        monkeypatch.setattr(RunContext, "load_part", load_part)
-        monkeypatch.setattr(engine_mod, "make_optimizer", make_optimizer)
 
 
 def layers_of(names) -> set[int]:
@@ -226,52 +177,3 @@ def test_i3_one_block_bcd_equals_full_training(tiny_cfg, prefect_server, flow_st
     # the baseline evaluated mid-run (every 2 steps), and that did not perturb training
     (full_visit,) = runs.read_state(Store(cfg.store), "full").visits
     assert len(full_visit.val_points) == 2
-
-
-# -- per-visit sampling (paper §3.2.3) ------------------------------------------------------------
-
-@pytest.mark.parametrize("n,rate", [(100, 0.9), (101, 0.5), (7, 1.0), (10, 0.01)])
-def test_sample_rows_deterministic_sized_and_distinct(n, rate):
-    a = sample_rows(n, rate, seed=0, cycle=1, block=2)
-    assert np.array_equal(a, sample_rows(n, rate, seed=0, cycle=1, block=2))  # deterministic
-    assert len(a) == max(1, round(rate * n))
-    assert len(np.unique(a)) == len(a) and a.min() >= 0 and a.max() < n  # a subset, no repeats
-    assert a.dtype.kind == "i"
-
-
-def test_sample_rows_differ_across_visits_and_seeds():
-    n, rate = 200, 0.9
-    keys = [(0, c, b) for c in range(2) for b in range(3)] + [(1, 0, 0)]
-    samples = {k: sample_rows(n, rate, *k) for k in keys}
-    for i, ka in enumerate(keys):
-        for kb in keys[i + 1:]:
-            assert not np.array_equal(samples[ka], samples[kb]), (ka, kb)
-    # at rate 1 every row is drawn, still in a visit-specific order
-    full = sample_rows(n, 1.0, 0, 0, 0)
-    assert sorted(full.tolist()) == list(range(n))
-    assert not np.array_equal(full, sample_rows(n, 1.0, 0, 0, 1))
-
-
-def test_visit_rows_is_the_sample_cut_to_the_step_cap(tiny_cfg):
-    cfg = tiny_cfg()
-    rows = visit_rows(cfg, 1000, cycle=0, block=1)
-    assert np.array_equal(rows, sample_rows(1000, cfg.bcd.sample_rate, cfg.seed, 0, 1)[: 6 * 8])
-
-
-@pytest.mark.parametrize("n_rows,bs", [(48, 8), (50, 8), (5, 8), (64, 64)])
-def test_batch_ranges_cover_every_row_each_epoch(n_rows, bs):
-    n_batches = -(-n_rows // bs)
-    it = batch_ranges(n_rows, bs, seed=0, cycle=0, block=1)
-    epochs = [[next(it) for _ in range(n_batches)] for _ in range(4)]
-    for ep in epochs:
-        covered = np.zeros(n_rows, dtype=int)
-        for lo, hi in ep:
-            assert 0 <= lo < hi <= n_rows and hi - lo <= bs
-            covered[lo:hi] += 1
-        assert (covered == 1).all()  # every row exactly once per epoch
-    assert [lo for lo, _ in epochs[0]] == list(range(0, n_rows, bs))  # epoch 0 in order
-    if n_batches > 2:
-        assert any(ep != epochs[0] for ep in epochs[1:])  # later epochs reshuffle batches
-    # deterministic per (seed, cycle, block)
-    again = batch_ranges(n_rows, bs, seed=0, cycle=0, block=1)
-    assert [next(again) for _ in range(4 * n_batches)] == [r for ep in epochs for r in ep]

@@ -153,7 +153,7 @@ def test_generate_samples_from_the_stored_model_with_the_runs_tokenizer(tiny_run
 
     from bcdflow.flows.generate import generate
     from bcdflow.models import build_model
-    from bcdflow.models.config import ModelConfig
+    from bcdflow.models.model_config import ModelConfig
 
     root, _ = tiny_run
     store = Store(str(root))

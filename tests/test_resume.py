@@ -138,9 +138,17 @@ def keep_reference(prefect_server, tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def reset_reference(prefect_server, tmp_path_factory):
+    """The weights of the same two-cycle run with each visit's moments reset (the default)."""
+    root = tmp_path_factory.mktemp("reset")
+    assert main(["train", *_sets("bcd.cycles=2", "bcd.moments=reset"), "--store", str(root), "--run-id", "keep"]) == 0
+    return finished_weights(Store(str(root)), "keep")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["train-checkpoint:8", "before-commit:4"])
-def test_kept_moments_resume_bitwise_after_kill9(prefect_api_url, keep_reference, tmp_path, point):
+def test_kept_moments_resume_bitwise_after_kill9(prefect_api_url, keep_reference, reset_reference, tmp_path, point):
     # train-checkpoint:8: after step 4 of c1-b0 (two checkpoints per visit), whose optimizer started from c0-b0's
     # moments; before-commit:4: c1-b0 trained to the end, its moments file written, the visit not committed
     ref = Store(str(keep_reference))
@@ -157,9 +165,7 @@ def test_kept_moments_resume_bitwise_after_kill9(prefect_api_url, keep_reference
     assert_same(finished_weights(Store(store), "keep"), finished_weights(ref, "keep"))
     assert [v.moments for v in runs.read_state(Store(store), "keep").visits] == [v.moments for v in visits]
     # and keeping them changed the training: a run that resets them ends elsewhere
-    reset = str(tmp_path / "reset")
-    assert main(["train", *_sets("bcd.cycles=2", "bcd.moments=reset"), "--store", reset, "--run-id", "keep"]) == 0
-    assert finished_weights(Store(reset), "keep")["wte.weight"].ne(finished_weights(ref, "keep")["wte.weight"]).any()
+    assert reset_reference["wte.weight"].ne(finished_weights(ref, "keep")["wte.weight"]).any()
 
 
 def _start(args: list[str], tmp_path, env: dict, **kw) -> subprocess.Popen:

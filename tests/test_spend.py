@@ -10,20 +10,10 @@ import pytest
 
 from bcdflow.models.errors import ConfigError
 from bcdflow.storage import runs
-from bcdflow.storage.runs import VisitRecord
 from bcdflow.storage.store import Store
 from bcdflow.core import spend
 from bcdflow.core.config import SpendSection, load_config
-
-
-def _v(sp, cycle, block, *, pre=0.0, train=0.0, ev=0.0, val=5.0, steps=10, seconds=None, **kw) -> VisitRecord:
-    """A visit record priced by ``sp`` as the visit flow prices it."""
-    seconds = pre + train + ev if seconds is None else seconds
-    cost = spend.visit_spend(sp, {"preinfer": pre, "train": train, "eval": ev}, seconds)
-    fields = {"version": 1, "step_end": steps, "stopped_by": "max_steps", "rows": 1, "tokens": 1, "first_loss": val,
-              "train_loss": val, "val_ppl": math.exp(val), "tokens_per_s": 1.0, **kw}
-    return VisitRecord(cycle=cycle, block=block, preinfer_seconds=pre, train_seconds=train, eval_seconds=ev,
-                       val_loss=val, steps=steps, seconds=seconds, **{**cost, **fields})
+from tests.helpers import visit_record as _v
 
 
 def test_catalog_defaults_overrides_and_additions():
@@ -160,36 +150,6 @@ def test_earlier_attempts_of_a_visit_are_billed_and_lost_work_is_said_apart():
     # priced: pre-inference at its kind, the rest (lost seconds included) at training's
     sp = load_config(sets=["spend.preinfer_device=a100"]).spend
     assert spend.earlier_usd(sp, e) == pytest.approx((3.0 * 1.20 + 65.0 * 0.29) / 3600)
-
-
-def test_stop_rule_precedence():
-    from bcdflow.flows.bcd import stale_cycles, stop_reason
-
-    cfg = load_config(sets=["stop.target_val_loss=3.0", "spend.prices=[x=3600]", "spend.train_device=x",
-                            "spend.budget_usd=5"])
-    # cycle 0: best 4.0; cycle 1 (complete): no better than 4.0; spent 6 > budget
-    sp = cfg.spend
-    stale = [_v(sp, 0, 0, train=1, val=4.0), _v(sp, 0, 1, train=1, val=4.2),
-             _v(sp, 1, 0, train=2, val=4.1), _v(sp, 1, 1, train=2, val=4.05)]
-    assert stale_cycles(stale, 2) == 1
-    assert stale_cycles(stale[:3], 2) == 0  # cycle 1 not finished yet
-    assert stop_reason(cfg, stale, 2, next_block=0)[0] == "no_improvement"  # before budget
-    # the target, once reached, wins over everything else
-    hit = stale[:-1] + [_v(sp, 1, 1, train=2, val=2.9)]
-    assert stop_reason(cfg, hit, 2, next_block=0)[0] == "target_val_loss"
-    # budget alone: improving, target not reached
-    improving = stale[:-1] + [_v(sp, 1, 1, train=2, val=3.5)]
-    reason, detail = stop_reason(cfg, improving, 2, next_block=0)
-    assert reason == "budget" and "$5 budget" in detail
-    assert stop_reason(cfg, improving, 2) is None  # no next visit asked about: no budget check
-    # rules off
-    off = load_config(sets=["stop.patience_cycles=0"])
-    assert stop_reason(off, stale, 2, next_block=0) is None
-    # min_delta: an improvement smaller than min_delta does not count
-    md = load_config(sets=["stop.min_delta=0.5"])
-    assert stop_reason(md, improving, 2)[0] == "no_improvement"
-    # patience 2: one stale cycle is not enough
-    assert stop_reason(load_config(sets=["stop.patience_cycles=2"]), stale, 2) is None
 
 
 @pytest.mark.slow

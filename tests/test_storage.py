@@ -305,8 +305,9 @@ def test_lease_held_expired_taken_over_and_lost(store):
     from bcdflow.storage.lease import Lease, LeaseHeld, LeaseLost
 
     here = {"host": "elsewhere", "pid": 1, "started": 0.0, "flow_run_id": "f1"}
-    a = Lease(store, "runs/r", "run 'r'", ttl=30, owner=here)
-    b = Lease(store, "runs/r", "run 'r'", ttl=30, owner={**here, "host": "b-host", "flow_run_id": "f2"})
+    # a short ttl: b watches a's renewals (every ttl/3) and a watches b's expired lease for one ttl
+    a = Lease(store, "runs/r", "run 'r'", ttl=3, owner=here)
+    b = Lease(store, "runs/r", "run 'r'", ttl=3, owner={**here, "host": "b-host", "flow_run_id": "f2"})
     with a.held():
         with pytest.raises(LeaseHeld, match="run 'r' is in use by elsewhere pid 1, flow run f1"):
             b.acquire()
@@ -335,3 +336,18 @@ def test_lease_of_a_dead_process_on_this_machine_is_free_at_once(store):
     Lease(store, "runs/r", "run 'r'", ttl=3600, owner=dead).acquire()
     b = Lease(store, "runs/r", "run 'r'", ttl=3600).acquire()  # no wait for the hour
     assert b.epoch == 1
+
+
+def test_each_store_backend_has_its_config_section_and_its_options():
+    """storage/backends.py is the one home of a backend: its protocols pick it, its config section (named as it)
+    gives its options, its defaults reach every store of it; a local path or memory:// has none."""
+    from bcdflow.core.config import RunConfig
+    from bcdflow.storage.backends import BACKENDS, backend_of
+
+    for name, b in BACKENDS.items():
+        assert name in RunConfig.model_fields and all(backend_of(f"{p}://bucket/x") is b for p in b.protocols)
+    cfg = RunConfig(store="s3://bucket/x", s3={"endpoint_url": "http://127.0.0.1:1", "region": "eu-west-1"})
+    assert cfg.storage_options() == {"endpoint_url": "http://127.0.0.1:1", "client_kwargs": {"region_name": "eu-west-1"}}
+    assert Store("s3://bucket/x", cfg.storage_options()).storage_options["use_listings_cache"] is False
+    assert backend_of("/tmp/x") is None and backend_of("memory://x") is None
+    assert RunConfig(store="memory://x", s3={"endpoint_url": "http://127.0.0.1:1"}).storage_options() == {}

@@ -16,12 +16,12 @@ from bcdflow.core.context import RunContext
 from bcdflow.models import build_model, get_config, model_plan
 from bcdflow.models.memory import visit_memory
 from bcdflow.models.stream import LayerStream
-from bcdflow.models.visit import visit_loss
+from bcdflow.models.visit_compute import visit_loss
 from bcdflow.storage.checkpoints import load_from_manifest
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import train_block
-from tests.test_invariants import new_run
+from tests.helpers import new_run
 
 
 def _frozen_but(model, lo: int, hi: int) -> list[int]:
@@ -226,9 +226,9 @@ def test_cuda_streamed_step_equals_resident_and_holds_less():
 
 @pytest.mark.parametrize("family", ["tiny", "tiny-llama"])
 def test_greedy_gradient_norms_one_layer_at_a_time_are_the_whole_backwards(family):
-    """``bcd.order=greedy``'s probe (models/visit.block_grad_norms): every block's gradient norm, taken one layer at
+    """``bcd.order=greedy``'s probe (models/visit_compute.block_grad_norms): every block's gradient norm, taken one layer at
     a time with streamed layers in their slots, equals a whole fp32 backward's (a tied embedding's two parts added)."""
-    from bcdflow.models.visit import block_grad_norms
+    from bcdflow.models.visit_compute import block_grad_norms
 
     torch.manual_seed(0)
     cfg = get_config(family, vocab_size=512)

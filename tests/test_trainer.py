@@ -17,6 +17,7 @@ import torch
 
 import bcdflow.models.trainer as trainer_mod
 from bcdflow.models.errors import Diverged
+from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.trainer import (LoopState, OptimSpec, StopRule, loss_trend, make_optimizer, run_steps,
                                     visit_rate)
 
@@ -217,3 +218,23 @@ def test_an_infinite_gradient_with_a_finite_loss_raises_diverged(clip):
         run_steps(lambda _: w.sqrt().sum(), [w], itertools.repeat(torch.zeros(1)), make_optimizer([w], spec), spec,
                   StopRule(max_steps=4, window=2))
     assert e.value.step == 1 and e.value.loss == 0.0 and not torch.isfinite(torch.tensor(e.value.grad_norm))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_each_registered_optimizer_is_offered_built_and_counted_as_it_holds_state(name):
+    """models/optimizers.py is the one home of an optimizer: the config offers its name, an unset optim.lr is its
+    paper default, and the planner's state count is the parameter-sized state tensors the built optimizer holds."""
+    from typing import get_args
+
+    from bcdflow.core.config import OptimSection, load_config
+
+    assert get_args(OptimSection.model_fields["name"].annotation) == tuple(OPTIMIZERS)
+    cfg = load_config(sets=[f"optim.name={name}"])
+    assert OptimSpec(cfg.optim.name).base_lr == OPTIMIZERS[name].paper_lr
+    lin = torch.nn.Linear(8, 8, bias=False)
+    opt = make_optimizer(list(lin.parameters()), OptimSpec(name))
+    lin(torch.randn(2, 8)).square().sum().backward()
+    opt.step()
+    state = opt.state[lin.weight]
+    assert sum(1 for t in state.values() if torch.is_tensor(t) and t.shape == lin.weight.shape) == \
+        OPTIMIZERS[name].state

@@ -14,7 +14,7 @@ from bcdflow.models import build_model, get_config, model_plan
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.models.base import chunked_cross_entropy
 from bcdflow.models.build import frozen_in
-from bcdflow.models.visit import autocast, visit_loss
+from bcdflow.models.visit_compute import autocast, visit_loss
 
 FAMILIES = {"gpt": ("tiny", {}), "llama": ("tiny-llama", {})}
 
@@ -170,7 +170,7 @@ def test_a_visit_loss_is_the_whole_model_loss_at_every_cut(family):
     """Whatever block is active, from stored activations (pre-inference) or through the frozen prefix, the
     visit computes the whole model's loss and the whole model's gradients of its block: an independent check of
     the prefix (I2 compares pre-inference on with off, which share it)."""
-    from bcdflow.models.visit import prefix_hidden
+    from bcdflow.models.visit_compute import prefix_hidden
 
     torch.manual_seed(0)
     cfg = small(family, n_layer=4)

@@ -14,7 +14,7 @@ from bcdflow.storage.checkpoints import commit_version
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import evaluate_version, train_block
-from tests.test_invariants import new_run
+from tests.helpers import new_run
 
 
 @pytest.mark.parametrize("block", [0, 1, 2])

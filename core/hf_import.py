@@ -1,6 +1,6 @@
 """Fine-tuning a Hugging Face checkpoint: check it against a run config, write it as a run's version 0.
 
-The mapping tables are ``models/hf.py`` (pure), the file reading ``storage/hf.py``; this module joins them:
+The mapping tables are ``models/hf_names.py`` (pure), the file reading ``storage/hf_checkpoint.py``; this module joins them:
 
     mcfg = checkpoint_model(cfg)                       # config.json only, checked against the run config
     ck = check_checkpoint(cfg)                         # every file, tensor and the tokenizer (CLI preflight,
@@ -20,14 +20,14 @@ from functools import lru_cache
 from tokenizers import Tokenizer
 
 from bcdflow.core.config import RunConfig, check_model
-from bcdflow.models import Plan, hf as hfmap
+from bcdflow.models import Plan, hf_names as hfmap
 from bcdflow.models.build import param_shapes
-from bcdflow.models.config import ModelConfig
+from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.errors import ConfigError
 from bcdflow.storage import checkpoints
 from bcdflow.storage.corpus import eos_id
 from bcdflow.storage.errors import DataError
-from bcdflow.storage.hf import KEY, ST_DTYPES, Checkpoint, read_config, resolve
+from bcdflow.storage.hf_checkpoint import KEY, ST_DTYPES, Checkpoint, read_config, resolve
 from bcdflow.storage.store import Store
 
 

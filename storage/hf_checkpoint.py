@@ -274,7 +274,3 @@ class Checkpoint:
                     f.seek(start + span * k // max(1, samples - 1))
                     h.update(f.read(sample_bytes))
         return h.hexdigest()
-
-    def tensor_bytes(self) -> int:
-        """Bytes of tensor data in the weight files."""
-        return sum(h["data_offsets"][1] - h["data_offsets"][0] for hs in self._headers.values() for h in hs.values())

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints as mapping tables (docs/CONVENTIONS.md 11): parameter names, the one transform, configs.
 
-Pure data and functions, no file access (storage/hf.py reads the files, core/hf.py wires the two):
+Pure data and functions, no file access (storage/hf_checkpoint.py reads the files, core/hf_import.py wires the two):
 
     cfg = config_from_hf(json.load(open("config.json")))         # -> ModelConfig (refuses what we cannot run)
     hf_name(cfg, "h.3.attention.wq.weight")                      # -> "model.layers.3.self_attn.q_proj.weight"
@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from bcdflow.models.config import MAX_VOCAB, SIZE_LIMITS, ModelConfig, RopeScaling
+from bcdflow.models.model_config import MAX_VOCAB, SIZE_LIMITS, ModelConfig, RopeScaling
 from bcdflow.models.errors import ConfigError
 
 KEY = "model.from_hf"
@@ -162,7 +162,7 @@ def hf_shape(cfg: ModelConfig, our: str, shape: tuple[int, ...]) -> tuple[int, .
 # -- config.json -> ModelConfig ------------------------------------------------------------------------------
 # config.json is input like any other: every field read from it is checked for its type and range before a model
 # config exists (a null, a string where a number belongs, a size past any real model), each refusal one ConfigError
-# naming the key. Sizes are held to the bounds of the run config's model.* (models/config.SIZE_LIMITS).
+# naming the key. Sizes are held to the bounds of the run config's model.* (models/model_config.SIZE_LIMITS).
 _ABSENT = object()
 
 

@@ -17,7 +17,7 @@ FAMILIES = ("gpt", "llama")
 # the largest are already far past a machine (the parameter count against memory is checked before a run:
 # core/context.check_model_size). n_layer also bounds the meta-device model the planner builds: 1024 layers
 # take seconds, 1e8 would take days. The run config's model.* (core/config.ModelSection) and a Hugging Face
-# checkpoint's config.json (models/hf.config_from_hf) are held to the same bounds.
+# checkpoint's config.json (models/hf_names.config_from_hf) are held to the same bounds.
 SIZE_LIMITS = {"n_layer": 1024, "d_model": 1 << 17, "n_head": 1 << 12, "n_kv_head": 1 << 12, "d_ff": 1 << 20,
                "n_ctx": 1 << 24}
 # the byte-level BPE trainer (tokenizers) allocates ~66 bytes per vocabulary entry up front and aborts the process
