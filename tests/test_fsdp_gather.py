@@ -1,7 +1,7 @@
 """An FSDP2 visit's checkpoint and kept moments gather one whole tensor at a time (models/parallel.to_host,
 docs/DESIGN.md §10): on two gloo processes, after an AdamW step of a sharded model, ``full_params`` and
-``full_optim_state`` return the one-process values while never more than one whole tensor of a sharded one is alive
-(tracked by finalizers), where gathering the whole state first held every moment at once.
+``full_optim_state`` return the one-process values while the whole tensors alive stay bounded by the
+collective's own lag (at most 3 of 18, tracked by finalizers; each is dropped before the next is gathered), where gathering the whole state first held every moment at once.
 
     python -m pytest -q tests/test_fsdp_gather.py
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -39,6 +40,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     par.Gathered.peak = par.Gathered.live = par.Gathered.count = 0
     params = par.full_params(model.named_parameters())
     state = par.full_optim_state(opt)
+    dist.barrier()
+    deadline = time.monotonic() + 10  # gloo's worker threads drop their last outputs when they get to it
+    while par.Gathered.live and time.monotonic() < deadline:
+        time.sleep(0.01)
     moments = sum(isinstance(v, torch.Tensor) and v.dim() > 0 for st in state["state"].values() for v in st.values())
     if rank == 0:
         torch.save({"gathered": par.Gathered.count, "peak": par.Gathered.peak, "live": par.Gathered.live, "moments": moments,
@@ -57,8 +62,8 @@ def test_an_fsdp_checkpoint_gathers_one_whole_tensor_at_a_time(tmp_path):
     got = torch.load(out)
     assert got["moments"] == 12 and got["host"]  # 6 parameters x (exp_avg, exp_avg_sq), whole, on the host
     assert got["shapes"] == got["ref"]
-    # one whole tensor alive at a time, none left behind: gathering all 18 (6 parameters, 12 moments) first would
-    # hold 18. The bound is 2, not 1: gloo's worker thread drops its reference to a finished all-gather's output
-    # when it gets to it, so the previous tensor can still be counted alive as the next one is gathered (a CI run
-    # saw peak 2); what the invariant rules out is a peak that grows with the tensors gathered.
-    assert got["gathered"] == 18 and got["peak"] <= 2 and got["live"] == 0, got
+    # whole tensors alive do not grow with the tensors gathered, and none is left behind: gathering all 18
+    # (6 parameters, 12 moments) first would hold 18. The bound is 3, not 1: each of gloo's two worker threads
+    # drops its reference to a finished all-gather's output only when it gets to it, after the caller's wait has
+    # returned, so the two previous outputs can still count as alive when the next is gathered (CI saw peak 2).
+    assert got["gathered"] == 18 and got["peak"] <= 3 and got["live"] == 0, got
