@@ -39,6 +39,13 @@ from tests.helpers import TINY  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """The end-to-end tests (``slow``, 10-90 s each, mostly waiting on processes) first, the rest after in their
+    order: `make test`'s workers take one test at a time (``--maxschedchunk 1``), so the long ones start at once
+    and the short ones fill the gaps instead of a long one starting last and running alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """One Prefect test server for the whole session; flow tests depend on this fixture.
