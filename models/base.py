@@ -142,6 +142,30 @@ class Decoder(nn.Module):
         """Per-forward data every layer needs (RoPE tables for llama)."""
         return None
 
+    # -- planner hooks: a family's bytes per token (models/memory.py), C = d_model, F = ffn_dim, s = the compute
+    # dtype's bytes (2 under bf16 autocast, else 4), residual stream and norm statistics in fp32 ------------------
+    @staticmethod
+    def saved_bytes(cfg: ModelConfig, s: int, kind: str) -> int:
+        """Bytes per token one layer saves for its backward: ``trainable`` (its weights get gradients) or
+        ``frozen`` (on the gradient path, only the input gradient)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def adapter_input_bytes(cfg: ModelConfig, s: int) -> int:
+        """Bytes per token the inputs of one layer's linear maps take when ``bcd.expand`` adapts them (the ``A``
+        gradient needs each map's input; maps reading the same tensor share it)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def infer_bytes(cfg: ModelConfig, s: int) -> int:
+        """Bytes per token alive at the peak of one layer's no-grad forward."""
+        raise NotImplementedError
+
+    @staticmethod
+    def buffer_bytes(cfg: ModelConfig) -> int:
+        """Bytes of derived tables the model keeps beside its weights (none unless the family has some)."""
+        return 0
+
     # -- running parts ----------------------------------------------------------------------
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, C) hidden states (fp32: the residual stream stays fp32 even when frozen

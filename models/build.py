@@ -15,12 +15,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from bcdflow.models.base import Decoder
+from bcdflow.models.families import decoder_class
 from bcdflow.models.model_config import ModelConfig
-from bcdflow.models.gpt import GPT
-from bcdflow.models.llama import LLaMA
 from bcdflow.models.plan import Plan, frozen_names, make_plan
-
-FAMILIES: dict[str, type[Decoder]] = {"gpt": GPT, "llama": LLaMA}
 
 
 def build_model(cfg: ModelConfig, layers: tuple[int, int] | None = None, embed: bool = True,
@@ -33,7 +30,7 @@ def build_model(cfg: ModelConfig, layers: tuple[int, int] | None = None, embed: 
     ``frozen_dtype`` (with ``init=False``): every weight matrix and embedding not named in ``trainable`` is
     allocated in that dtype (bf16 frozen weights, docs/DESIGN.md I6); see :func:`frozen_in`.
     """
-    cls = FAMILIES[cfg.family]
+    cls = decoder_class(cfg.family)
     if init:
         model = cls(cfg, layers, embed, head).to(device)
         model.init_weights()
@@ -90,7 +87,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 @functools.lru_cache(maxsize=16)
 def _shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     with _meta():
-        model = FAMILIES[cfg.family](cfg)
+        model = decoder_class(cfg.family)(cfg)
     return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
 
 

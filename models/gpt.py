@@ -65,3 +65,23 @@ class GPT(Decoder):
     def _embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.size(1), device=idx.device)
         return self.wte(idx).float() + self.wpe(pos).float()  # (B, T, C) fp32, whatever the tables are stored in
+
+    # -- planner hooks (models/base.Decoder) --------------------------------------------------------------------
+    @staticmethod
+    def saved_bytes(cfg: ModelConfig, s: int, kind: str) -> int:
+        """Two fp32 residuals, the matrices' inputs and the attention/MLP intermediates in the compute dtype, two
+        LayerNorms' statistics (8 B each) and the attention log-sum-exp (4 B per head)."""
+        C, F = cfg.d_model, cfg.ffn_dim
+        mats = 7 * C + 2 * F if kind == "trainable" else 4 * C + F
+        return 2 * 4 * C + s * mats + 16 + 4 * cfg.n_head
+
+    @staticmethod
+    def adapter_input_bytes(cfg: ModelConfig, s: int) -> int:
+        """ln_1's and ln_2's outputs, the attention output, the GELU output: s(3C + F)."""
+        return s * (3 * cfg.d_model + cfg.ffn_dim)
+
+    @staticmethod
+    def infer_bytes(cfg: ModelConfig, s: int) -> int:
+        """The fp32 residual in and out and the norm's fp32 output (12 C), its cast for the projections, and
+        c_fc's output and its gelu (2 F) in the compute dtype."""
+        return 12 * cfg.d_model + s * (cfg.d_model + 2 * cfg.ffn_dim)

@@ -133,6 +133,41 @@ class LLaMA(Decoder):
     def _embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         return self.wte(idx)  # (B, T, C)
 
+    # -- planner hooks (models/base.Decoder) --------------------------------------------------------------------
+    @staticmethod
+    def saved_bytes(cfg: ModelConfig, s: int, kind: str) -> int:
+        """Residuals, the projections' inputs and the attention/SwiGLU intermediates, two RMSNorms' statistics
+        (4 B each) and the attention log-sum-exp (4 B per head). fp32 attention repeats grouped K/V to the query
+        heads (:class:`Attention`), so there K and V are C wide. A trainable layer: autocast casts the norm
+        output once per projection that reads it (wq, wk, wv; w1, w3) and each cast is kept; a trainable RMSNorm
+        gain keeps the normalized input for its own gradient (2 rC)."""
+        C, F, r = cfg.d_model, cfg.ffn_dim, 4
+        K = C if s == 4 else cfg.kv_heads * cfg.head_dim
+        stats = 8 + 4 * cfg.n_head
+        if kind == "frozen":
+            return 2 * r * C + s * (2 * C + 2 * K + 3 * F) + stats
+        reads = 5 * C if s == 2 else 2 * C
+        return 4 * r * C + s * (3 * C + reads + 2 * K + 4 * F) + stats
+
+    @staticmethod
+    def adapter_input_bytes(cfg: ModelConfig, s: int) -> int:
+        """In fp32 the two norm outputs (each shared by the maps that read it), the attention output and the SwiGLU
+        product, 4(3C + F); under bf16 autocast each map casts its fp32 norm input apart (wq, wk, wv; w1, w3),
+        2(6C + F)."""
+        C, F = cfg.d_model, cfg.ffn_dim
+        return 4 * (3 * C + F) if s == 4 else 2 * (6 * C + F)
+
+    @staticmethod
+    def infer_bytes(cfg: ModelConfig, s: int) -> int:
+        """The fp32 residual in and out and the norm's fp32 output (12 C), its cast for the projections, and
+        silu(w1 x), w3 x and their product (3 F) in the compute dtype."""
+        return 12 * cfg.d_model + s * (cfg.d_model + 3 * cfg.ffn_dim)
+
+    @staticmethod
+    def buffer_bytes(cfg: ModelConfig) -> int:
+        """The RoPE cos/sin tables, counted at n_ctx rows (built for the longest sequence seen: at most this)."""
+        return 2 * 4 * cfg.n_ctx * cfg.head_dim // 2
+
     def _layer_extra(self, T: int, device):
         if self._rope is None or self._rope[0].size(0) < T:
             if T > self.cfg.n_ctx:

@@ -41,6 +41,7 @@ from typing import Collection, Sequence
 
 from bcdflow.models.base import loss_chunk_rows
 from bcdflow.models.build import model_plan, param_shapes
+from bcdflow.models.families import decoder_class
 from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import Plan
@@ -127,41 +128,23 @@ def _numel(shape) -> int:
 
 
 def _layer_act(st: Step, kind: str) -> int:
-    """Bytes per token a layer saves for backward: ``trainable``, ``frozen`` (on the gradient path) or
-    ``recompute`` (its input only). Small per-token terms: norm statistics (two norms, 4-8 B each) and the
-    attention log-sum-exp (4 B per head)."""
-    c = st.cfg
-    C, F, K, s, r = c.d_model, c.ffn_dim, c.kv_heads * c.head_dim, st.s, 4
-    if s == 4:  # fp32 attention repeats grouped K/V to the query heads (models/llama.py): it keeps them C wide
-        K = C
+    """Bytes per token a layer saves for backward: ``trainable``, ``frozen`` (on the gradient path; the family's
+    counts, ``Decoder.saved_bytes``) or ``recompute`` (its fp32 input only)."""
     if kind == "recompute":
-        return r * C
-    stats = (16 if c.family == "gpt" else 8) + 4 * c.n_head
-    if c.family == "gpt":
-        mats = 7 * C + 2 * F if kind == "trainable" else 4 * C + F
-        return 2 * r * C + s * mats + stats
-    if kind == "frozen":
-        return 2 * r * C + s * (2 * C + 2 * K + 3 * F) + stats
-    # trainable: autocast casts the norm output once per projection that reads it (wq, wk, wv; w1, w3) and each
-    # cast is kept; a trainable RMSNorm gain keeps the normalized input for its own gradient (2 rC)
-    reads = 5 * C if s == 2 else 2 * C
-    return 4 * r * C + s * (3 * C + reads + 2 * K + 4 * F) + stats
+        return 4 * st.cfg.d_model
+    return decoder_class(st.cfg.family).saved_bytes(st.cfg, st.s, kind)
 
 
 def expand_bytes(st: Step, shapes: dict[str, tuple[int, ...]], layer: int, rank: int) -> tuple[int, int]:
     """``bcd.expand``'s cost on one adapted layer (models/expand.py): its adapter parameters (r × (in + out) per
     linear map) and the bytes per token its backward keeps for them: each adapted map's input (a frozen map keeps
-    none; the ``A`` gradient needs it) and its rank-r product (for ``B``'s).
-
-    Inputs: GPT-2 ln_1's and ln_2's outputs, the attention output, the GELU output: s(3C + F). LLaMA: in fp32 the
-    two norm outputs (each shared by the maps that read it), the attention output and the SwiGLU product, 4(3C + F);
-    under bf16 autocast each map casts its fp32 norm input apart (wq, wk, wv; w1, w3), 2(6C + F)."""
+    none; the ``A`` gradient needs it: the family's ``Decoder.adapter_input_bytes``) and its rank-r product (for
+    ``B``'s)."""
     c = st.cfg
     mats = [v for k, v in shapes.items() if _layer_of(k) == layer and len(v) == 2]
     params = sum(rank * (o + i) for o, i in mats)
-    C, F, s = c.d_model, c.ffn_dim, st.s
-    inputs = s * (3 * C + F) if c.family == "gpt" else (4 * (3 * C + F) if s == 4 else 2 * (6 * C + F))
-    return params, inputs + s * rank * len(mats)
+    inputs = decoder_class(c.family).adapter_input_bytes(c, st.s)
+    return params, inputs + st.s * rank * len(mats)
 
 
 def _layer_backward_temp(st: Step) -> int:
@@ -289,8 +272,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     N = st.tokens
     C, V, s = cfg.d_model, cfg.vocab_size, st.s
     inp = N * (4 * C + 8) if from_acts else N * 16  # fp32 hidden states + long targets, or long ids + targets
-    if cfg.family == "llama":
-        weights += 2 * 4 * cfg.n_ctx * cfg.head_dim // 2  # RoPE cos/sin tables (buffers)
+    weights += decoder_class(cfg.family).buffer_bytes(cfg)  # derived tables (RoPE's)
 
     # -- the forward's end: saved activations per layer on the gradient path, bottom to top
     acts: list[tuple[int, int, int]] = []  # (layer, saved bytes, weight-grad bytes added when it runs backward)
@@ -425,11 +407,8 @@ NO_BUDGET_TOKENS = 16384
 
 
 def _infer_token_bytes(cfg: ModelConfig, s: int) -> int:
-    """Bytes per token alive at the peak of one layer's no-grad forward: the fp32 residual in and out and the norm's
-    fp32 output (12 C), its cast for the projections, and the MLP's widest moment (LLaMA: silu(w1 x), w3 x and their
-    product, 3 F; GPT-2: c_fc's output and its gelu, 2 F) in the compute dtype."""
-    C, F = cfg.d_model, cfg.ffn_dim
-    return 12 * C + s * (C + (3 if cfg.family == "llama" else 2) * F)
+    """Bytes per token alive at the peak of one layer's no-grad forward (the family's ``Decoder.infer_bytes``)."""
+    return decoder_class(cfg.family).infer_bytes(cfg, s)
 
 
 def no_grad_memory(cfg: ModelConfig, layers: tuple[int, int], embed: bool, head: bool, rows: int, seq: int,
@@ -465,8 +444,7 @@ def no_grad_memory(cfg: ModelConfig, layers: tuple[int, int], embed: bool, head:
     if streamed:
         weights += min(window, len(streamed)) * max(flat.values()) - sum(wbytes(k) for i in streamed
                                                                            for k in by_layer.get(i, ()))
-    if cfg.family == "llama":
-        weights += 2 * 4 * cfg.n_ctx * cfg.head_dim // 2  # RoPE tables
+    weights += decoder_class(cfg.family).buffer_bytes(cfg)  # derived tables (RoPE's)
     N, C, V = rows * seq, cfg.d_model, cfg.vocab_size
     inp = N * 16 if embed else N * (4 * C + 8)
     layer = N * _infer_token_bytes(cfg, s) if hi > lo else 0

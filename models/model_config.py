@@ -1,4 +1,4 @@
-"""Model configs: one dataclass for both families and a registry of named sizes.
+"""Model configs: one dataclass for every family (models/families.py) and a registry of named sizes.
 
 Sizes follow the paper's Table 8 (G-* are GPT-2, L-* are LLaMA; L = layers, H = hidden,
 A = heads; FFN 5050 for L-1.5B, 9200 for the other LLaMAs). ``tiny`` runs a visit on a CPU in seconds.
@@ -10,8 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from bcdflow.models.errors import ConfigError
-
-FAMILIES = ("gpt", "llama")
+from bcdflow.models.families import FAMILIES
 
 # sizes beyond any model this trains: a value past one of these can only be a mistake (a typo, an extra digit), and
 # the largest are already far past a machine (the parameter count against memory is checked before a run:
@@ -78,18 +77,19 @@ class ModelConfig:
 
         if isinstance(self.rope_scaling, dict):  # from to_dict() / a stored config.json
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        if self.family != "llama" and (self.qkv_bias or self.rope_scaling is not None):
-            bad("qkv_bias" if self.qkv_bias else "rope_scaling",
-                "only for the llama family (gpt has learned positions and model.bias)")
-
         if self.family not in FAMILIES:
             bad("family", f"unknown family {self.family!r} (choose from {', '.join(FAMILIES)})")
+        spec = FAMILIES[self.family]
+        if not spec.rotary and (self.qkv_bias or self.rope_scaling is not None):
+            rotary = ", ".join(k for k, f in FAMILIES.items() if f.rotary)
+            bad("qkv_bias" if self.qkv_bias else "rope_scaling",
+                f"only for the {rotary} family ({self.family} has learned positions and model.bias)")
         for key in ("n_layer", "d_model", "n_head", "n_ctx", "vocab_size"):
             if int(getattr(self, key)) < 1:
                 bad(key, f"must be >= 1, got {getattr(self, key)}")
         if self.d_model % self.n_head:
             bad("n_head", f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
-        if self.head_dim % 2 and self.family == "llama":
+        if self.head_dim % 2 and spec.rotary:
             bad("n_head", f"RoPE needs an even head dim, got {self.head_dim}")
         if self.kv_heads < 1 or self.n_head % self.kv_heads:
             bad("n_kv_head", f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
@@ -104,15 +104,11 @@ class ModelConfig:
 
     @property
     def ffn_dim(self) -> int:
-        if self.d_ff:
-            return self.d_ff
-        if self.family == "gpt":
-            return 4 * self.d_model
-        return 64 * ((int(8 * self.d_model / 3) + 63) // 64)
+        return self.d_ff or FAMILIES[self.family].ffn(self.d_model)
 
     @property
     def tied(self) -> bool:
-        return self.family == "gpt" if self.tie_embeddings is None else self.tie_embeddings
+        return FAMILIES[self.family].tied if self.tie_embeddings is None else self.tie_embeddings
 
     def replace(self, **overrides) -> "ModelConfig":
         names = {f.name for f in dataclasses.fields(self)}

@@ -12,8 +12,10 @@ import torch
 from bcdflow.models import REGISTRY, build_model, get_config
 from tests.helpers import count_params
 from bcdflow.models.errors import ConfigError
+from bcdflow.models.families import FAMILIES as REGISTERED, decoder_class
 
-FAMILIES = ["tiny", "tiny-llama"]
+# every registered family's tiny size (models/families.py): a new family runs through every test here once it has one
+FAMILIES = [next(n for n, c in sorted(REGISTRY.items()) if c.family == f and n.startswith("tiny")) for f in REGISTERED]
 TABLE8 = ["G-1.6B", "G-5.4B", "G-10B", "G-20B", "L-1.5B", "L-6B", "L-11B", "L-23B"]
 
 
@@ -208,3 +210,17 @@ def test_rope_tables_are_sized_to_the_sequence_not_the_context_and_bitwise_its_r
     model(tokens(cfg, T=40)[:, :-1])  # a longer sequence grows the tables
     assert model._rope[0].size(0) == 40
     assert "rope_cos" not in model.state_dict()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_family_gives_the_planner_its_bytes_per_token(name):
+    """The planner's hooks (models/base.Decoder) are the family's own: positive, at least the fp32 residual, and a
+    trainable layer keeps at least what a frozen one on the gradient path does."""
+    cfg = small(name)
+    cls = decoder_class(cfg.family)
+    assert cls is type(build_model(cfg))
+    for s in (2, 4):
+        frozen, trainable = cls.saved_bytes(cfg, s, "frozen"), cls.saved_bytes(cfg, s, "trainable")
+        assert trainable >= frozen >= 4 * cfg.d_model
+        assert cls.adapter_input_bytes(cfg, s) > 0 and cls.infer_bytes(cfg, s) >= 8 * cfg.d_model
+    assert cls.buffer_bytes(cfg) >= 0
