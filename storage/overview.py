@@ -14,23 +14,16 @@ from __future__ import annotations
 
 import time
 
-from bcdflow.errors import BadInput
+from bcdflow.errors import BadInput, DamagedArtifact
 
 from . import layout, runs
+from .ckpt_pointer import POINTER as CKPT_POINTER, read_pointer
 from .lease import Lease
 from .store import Store
-
-CKPT_POINTER = "ckpt.json"  # storage/trainckpt.py's pointer, read here as JSON (trainckpt imports torch)
 
 
 def _holder(store: Store, key: str) -> dict | None:
     return Lease(store, key, key).holder()
-
-
-def checkpoint_pointer(store: Store, visit_key: str) -> dict | None:
-    """The mid-visit checkpoint's pointer of a visit (step, files, ``meta``), or None before its first."""
-    key = layout.train_ckpt_key(visit_key)
-    return store.read_json(key, CKPT_POINTER) if store.exists(key, CKPT_POINTER) else None
 
 
 def previous_owner(store: Store, key: str, epoch: int | None) -> dict | None:
@@ -46,7 +39,10 @@ def visit_spent(store: Store, run_id: str, cycle: int, block: int, version: int,
     ``core/spend.earlier_attempts`` takes it: the ``spent`` of its mid-visit checkpoint (one on ``version``), what
     the previous attempt knew when it started, and the last write of that attempt's lease (epoch seconds)."""
     vkey = layout.visit_key(run_id, cycle, block)
-    pointer = checkpoint_pointer(store, vkey)
+    try:
+        pointer = read_pointer(store, vkey)
+    except DamagedArtifact:  # the visit's checkpoint loader says so in its one line and starts over
+        pointer = None
     meta = (pointer or {}).get("meta") or {}
     ckpt = meta.get("spent") if meta.get("base_version") == version else None
     skey = layout.spent_key(run_id, cycle, block)
@@ -64,7 +60,7 @@ def training_visit(store: Store, run_id: str, max_steps: int | None = None) -> d
             continue
         vkey = layout.visit_key(run_id, *cb)
         owner = _holder(store, vkey)
-        pointer = checkpoint_pointer(store, vkey)
+        pointer = read_pointer(store, vkey)  # damaged: one line naming it (a resume starts the visit over)
         if owner is None and pointer is None:
             continue
         at = store.modified(layout.train_ckpt_key(vkey), CKPT_POINTER) if pointer else None

@@ -22,10 +22,10 @@ from safetensors.torch import save as st_save
 
 from bcdflow.core import export, stop_signals
 from bcdflow.core.context import RunContext
-from bcdflow.errors import BadInput
+from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows.cli import main
 from bcdflow.models import hf_names as hfmap
-from bcdflow.storage import activations, checkpoints, layout, trainckpt
+from bcdflow.storage import activations, checkpoints, layout, overview, trainckpt
 from bcdflow.storage.corpus import load_texts
 from bcdflow.storage.errors import DataError
 from bcdflow.storage.hf_checkpoint import Checkpoint
@@ -275,6 +275,20 @@ def test_a_checkpoint_pointer_naming_a_file_outside_its_folder_is_neither_read_n
     trainckpt.save(store, vkey, 4, {"w": torch.zeros(3)}, {}, {"base_version": 0, "loop": {}})
     assert {p: (tmp_path / p).read_bytes() for p in before} == before  # the next checkpoint removed nothing outside
     assert sorted(store.listdir(layout.train_ckpt_key(vkey))) == ["ckpt.json", "optim-4.pt", "params-4.safetensors"]
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"meta": "x"}', '{"step": 3, "meta": []}'])
+def test_a_damaged_pointer_does_not_stop_the_visit_before_its_loader_and_status_names_it(tmp_path, text):
+    """The visit's spend reads the pointer before the checkpoint loader does (storage/overview.visit_spent): a
+    damaged one counts as none there (the loader says so in its line and starts the visit over), and `bcdflow
+    status` names it as damage (exit 1), through the one torch-free reader (storage/ckpt_pointer.read_pointer)."""
+    store = Store(str(tmp_path / "store"))
+    vkey = layout.visit_key("r", 0, 1)
+    store.write_bytes(text.encode(), layout.train_ckpt_key(vkey), "ckpt.json")
+    assert overview.visit_spent(store, "r", 0, 1, 0, None)[0] is None
+    with pytest.raises(DamagedArtifact, match="ckpt.json is damaged"):
+        overview.training_visit(store, "r")
+    assert trainckpt.load(store, vkey) is None
 
 
 def test_a_manifest_or_record_naming_a_file_outside_the_run_is_damage_naming_it(tmp_path, tiny_cfg, capsys):
