@@ -123,8 +123,8 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False) -> None:
 
     Once per run start: the CLI checks before its flow starts (``in_flow=False``, which marks the config checked),
     and the flow's own call (``in_flow=True``) takes the mark and checks nothing more when it names the same config;
-    a flow with no caller before it (a deployment's run, a test), or another config (the baseline's, made from the
-    one the CLI checked), checks here. The mark is taken by the next flow whatever its config, so a later start
+    a flow with no caller before it (a deployment's run, a test) or another config checks here (the CLI checks a
+    baseline's one-block config, the one its flow runs). The mark is taken by the next flow whatever its config, so a later start
     checks again (its files or store may have changed meanwhile)."""
     key = cfg.model_dump_json()
     if in_flow:

@@ -208,9 +208,10 @@ def _check_run_id(run_id: str | None) -> None:
         check_run_id(run_id)
 
 
-def _preflight(cfg) -> None:
+def _preflight(cfg, mode: str) -> None:
     """Checks that need the machine, the file system or the store, done before any flow starts (nothing
-    written on failure): ``core/context.preflight`` (the flow's own call is then free), and the fleet extra."""
+    written on failure): ``core/context.preflight`` of the config the run trains (a baseline's is one block:
+    ``flows/bcd.full_config``; the flow's own call is then free), and the fleet extra."""
     from bcdflow.core.context import preflight
 
     if cfg.fleet.preinfer == "dask":
@@ -218,10 +219,14 @@ def _preflight(cfg) -> None:
             import prefect_dask  # noqa: F401
         except ImportError:
             raise BadInput("fleet.preinfer: dask needs the fleet extra (pip install -e '.[fleet]')") from None
+    if mode == "full":
+        from bcdflow.flows.bcd import full_config
+
+        cfg = full_config(cfg)
     preflight(cfg)
 
 
-def _config(args, base: list[str] | None = None):
+def _config(args, base: list[str] | None = None, mode: str = "bcd"):
     from bcdflow.core.config import load_config
 
     sets = list(base or []) + list(args.set or [])
@@ -229,7 +234,7 @@ def _config(args, base: list[str] | None = None):
         sets.append(f"store={args.store}")
     cfg = load_config(args.config, sets)
     check_prefect_api()
-    _preflight(cfg)
+    _preflight(cfg, mode)
     return cfg
 
 
@@ -277,7 +282,7 @@ def _call(fn, cfg, run_id: str, debug: bool = False) -> dict:
 
 
 def _run(args, mode: str, base: list[str] | None = None) -> dict:
-    cfg = _config(args, base)
+    cfg = _config(args, base, mode)
     from bcdflow.core.context import open_store
     from bcdflow.flows.bcd import bcd_train_config, full_train_config
     from bcdflow.flows.params import new_run_id
@@ -316,7 +321,7 @@ def cmd_resume(args) -> int:
     raw = {k: v for k, v in stored.items() if k in RunConfig.model_fields}
     cfg = parse_config({**raw, "store": args.store})
     check_prefect_api()
-    _preflight(cfg)
+    _preflight(cfg, stored.get("mode", "bcd"))
     _check_same_data(store, args.run_id, cfg)
     from bcdflow.flows.bcd import bcd_train_config, full_train_config
 

@@ -73,8 +73,13 @@ def test_train_status_export(prefect_server, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_baseline(prefect_server, tmp_path, capsys):
+def test_baseline(prefect_server, tmp_path, capsys, monkeypatch):
+    from bcdflow.core import context
+
+    checked, fits = [], context.check_plan_fits
+    monkeypatch.setattr(context, "check_plan_fits", lambda cfg: (checked.append(cfg.bcd.blocks), fits(cfg))[1])
     assert main(["baseline", *_args(tmp_path), "--run-id", "full1"]) == 0
+    assert checked == [1]  # the preflight checked the one-block config the baseline trains, once (not the flow again)
     capsys.readouterr()
     assert main(["status", "full1", "--store", str(tmp_path / "store"), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
