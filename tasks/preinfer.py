@@ -28,7 +28,8 @@ def plan_shards(ctx: RunContext, cycle: int, block: int) -> list[int]:
                              shard_rows=cfg.bcd.shard_rows, dtype=cfg.bcd.act_dtype,
                              compression=cfg.bcd.act_compression)
     n_shards = -(-n // cfg.bcd.shard_rows)
-    return [s for s in range(n_shards) if not activations.shard_complete(ctx.store, key, s)]
+    marked = activations.complete_shards(ctx.store, key)  # one listing: a shard with no marker is not read at all
+    return [s for s in range(n_shards) if s not in marked or not activations.shard_complete(ctx.store, key, s)]
 
 
 @task(name="preinfer-shard", task_run_name="shard-{shard}", **retrying())
