@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bcdflow.tracking.figures import _fmt, md_table  # noqa: E402,F401
+from bcdflow.tracking.tables import _fmt, md_table  # noqa: E402,F401
 
 CLAIM_COLUMNS = [("benchmark", "benchmark"), ("figure", "figure"), ("measured", "measured here"),
                  ("paper", "paper"), ("target", "target"), ("verdict", "verdict")]

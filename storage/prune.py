@@ -92,14 +92,19 @@ def plan_prune(store: Store, run_id: str, keep: int, pins: list[int] = ()) -> Pr
                      versions=[v for v in present if v not in kept and v <= state.version])
     manifests = _sizes(store, layout.versions_key(run_id))
     plan.manifest_bytes = sum(manifests.get(f"{v}.json", 0) for v in plan.versions)
-    named = {e["file"].removeprefix("blocks/") for v in kept
+    named = {layout.block_name(e["file"]) for v in kept  # read_manifest has checked each entry's file
              for e in read_manifest(store, run_id, v)["blocks"].values()}
     last_moments: dict[int, str] = {}  # what each block's next visit starts from (bcd.moments=keep)
     every_moments = set()
     for rec in state.visits:
         if rec.moments:
-            last_moments[rec.block] = rec.moments["file"].removeprefix("blocks/")
-            every_moments.add(last_moments[rec.block])
+            name = layout.block_name(rec.moments.get("file") if isinstance(rec.moments, dict) else None)
+            if name is None:  # nothing is removed on a record that cannot say what it keeps
+                raise runs.RunStateError(f"{store.url_of(layout.state_key(run_id))}: the record of visit "
+                                         f"c{rec.cycle}-b{rec.block} names no block file for its kept moments "
+                                         f"({rec.moments!r:.80}): nothing pruned")
+            last_moments[rec.block] = name
+            every_moments.add(name)
     for name, size in sorted(_sizes(store, layout.blocks_key(run_id)).items()):
         if name in named or name in last_moments.values():
             continue

@@ -189,3 +189,15 @@ def test_generate_samples_from_the_stored_model_with_the_runs_tokenizer(tiny_run
                         (["--max-new-tokens", "0"], "--max-new-tokens")):
         assert main(["generate", "t", "x", *args, "--store", str(root)]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_a_record_whose_kept_moments_name_no_block_file_prunes_nothing(tmp_path):
+    store = Store(str(tmp_path / "store"))
+    _toy_run(store)
+    state = runs.read_state(store, "r")
+    state.visits[2].moments = {"file": "../elsewhere.safetensors"}
+    runs.write_state(store, state)
+    before = sorted(store.listdir("runs/r/blocks"))
+    with pytest.raises(runs.RunStateError, match="c0-b0 names no block file for its kept moments"):
+        plan_prune(store, "r", keep=1, pins=[])
+    assert sorted(store.listdir("runs/r/blocks")) == before

@@ -20,7 +20,6 @@ from bcdflow.core.context import open_store  # noqa: E402
 from bcdflow.core.export import export_hf, export_version  # noqa: E402
 from bcdflow.storage import runs  # noqa: E402
 from bcdflow.storage.runs import VisitRecord  # noqa: E402
-from bcdflow.tracking.tables import _fmt, md_table  # noqa: E402,F401 - here for the benchmarks' tables
 from bcdflow.tracking.tracker import Tracker  # noqa: E402
 
 
