@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bcdflow.core.orders import ORDERS
-from bcdflow.core.spend import DEFAULT_PRICES, parse_prices
+from bcdflow.core.spend import DEFAULT_KIND, DEFAULT_PRICES, parse_prices
 from bcdflow.models.model_config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelConfig, get_config
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.optimizers import OPTIMIZERS
@@ -336,16 +336,16 @@ class SpendSection(_Section):
     prices: list[str] = []
     """Catalog additions/overrides as KIND=USD per GPU-hour, e.g. ["h100=2.49"]; built in (paper §4.4.2):
     rtx4090=0.29, a800=0.69, a100=1.20. A YAML mapping {h100: 2.49} works too."""
-    preinfer_device: str = "rtx4090"
+    preinfer_device: str = DEFAULT_KIND
     """Device kind of pre-inference (a key of the price catalog)."""
     preinfer_gpus: int | None = Field(None, ge=1)
     """GPUs billed for pre-inference; None = what the run uses (``fleet.dask_workers`` on a local Dask cluster,
     else the training box's ``train.gpus``)."""
-    train_device: str = "rtx4090"
+    train_device: str = DEFAULT_KIND
     """Device kind of block training."""
     train_gpus: int | None = Field(None, ge=1)
     """GPUs billed for training; None = ``train.gpus``."""
-    eval_device: str = "rtx4090"
+    eval_device: str = DEFAULT_KIND
     """Device kind of validation."""
     eval_gpus: int | None = Field(None, ge=1)
     """GPUs billed for validation (it runs on the training box); None = ``train.gpus``."""
