@@ -28,6 +28,14 @@ DEFAULT_PRICES: dict[str, float] = {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}
 DEFAULT_KIND = "rtx4090"
 """The device kind every stage is priced as unless ``spend.*_device`` says otherwise (a CPU trial too)."""
 STAGES = ("preinfer", "train", "eval")
+
+
+def priced_as(cfg: dict) -> tuple[int, str]:
+    """(GPUs, device kind) a stored run's training is priced as (its config.json: ``spend.train_gpus`` or
+    ``train.gpus``, ``spend.train_device``); ``bcdflow status`` and ``compare`` mark the kind when it is
+    :data:`DEFAULT_KIND`."""
+    sp = cfg.get("spend") or {}
+    return sp.get("train_gpus") or (cfg.get("train") or {}).get("gpus", 1), sp.get("train_device") or DEFAULT_KIND
 _KIND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 

@@ -50,8 +50,7 @@ def _run_summary(store: Store, run_id: str) -> dict:
         raise CompareError(f"run {run_id!r} has no committed visit yet")
     cfg = runs.read_config(store, run_id)
     sp = cfg.get("spend") or {}  # as the run validated it (core/config.SpendSection), defaults filled in
-    kind = sp.get("train_device") or spend.DEFAULT_KIND
-    gpus = sp.get("train_gpus") or (cfg.get("train") or {}).get("gpus", 1)
+    gpus, kind = spend.priced_as(cfg)
     pts = spend.curve(state.visits)
     return {"run_id": run_id, "mode": state.mode, "prices": spend.parse_prices(sp.get("prices") or []),
             "curve": pts, "window": (cfg.get("bcd") or {}).get("window", 20),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from bcdflow.core.spend import DEFAULT_KIND
+from bcdflow.core.spend import DEFAULT_KIND, priced_as
 from bcdflow.errors import BadInput
 from bcdflow.flows.store_admin import cli_store
 
@@ -33,8 +33,7 @@ def status_dict(store, run_id: str) -> dict:
     keep = {"cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
             "preinfer_seconds", "train_seconds", "lost_seconds", "tokens_per_s", "stopped_by", "spend_usd"}
     live = overview.overview(store, run_id)
-    sp = cfg.get("spend") or {}
-    kind, gpus = sp.get("train_device") or DEFAULT_KIND, sp.get("train_gpus") or (cfg.get("train") or {}).get("gpus", 1)
+    gpus, kind = priced_as(cfg)
     return {"run_id": run_id, "version": state.version, "status": state.status, "mode": state.mode,
             "blocks": cfg["plan"]["blocks"], "visits": [v.model_dump(include=keep) for v in state.visits],
             "priced_as": f"{gpus}×{kind}", "default_price_kind": kind == DEFAULT_KIND,
