@@ -6,8 +6,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # make test's workers: most tests wait on processes (Prefect servers, workers, leases), so 4 on 2 cores is ~2x
-# faster than one (12.0 vs 27.7 min, the end-to-end tests first: tests/conftest.py); TEST_WORKERS=0 runs them in
-# this process, one after another
+# faster than one (12.5-13.1 vs 27.7 min on a clean clone, the end-to-end tests first: tests/conftest.py).
+# TEST_WORKERS=0 runs them in this process, one after another
 TEST_WORKERS ?= 4
 
 .PHONY: setup demo test test-fast bench clean
@@ -30,7 +30,7 @@ test: $(STAMP)
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600 \
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 1
 
-test-fast: $(STAMP)   # the inner loop: everything but the end-to-end runs (a minute)
+test-fast: $(STAMP)   # the inner loop: everything but the end-to-end runs (4.4 min on 2 cores)
 	PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600 \
 	$(BIN)/python -m pytest -q -m "not slow"
