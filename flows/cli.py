@@ -396,17 +396,13 @@ def cmd_compare(args) -> int:
 
 def cmd_export(args) -> int:
     from bcdflow.core.export import check_target, export_hf, export_version, written_whole
-    from bcdflow.storage.prune import check_not_pruned
+    from bcdflow.flows.status import stored_version
 
     check_target(args.out_dir)
     if args.dtype and args.format != "hf":
         raise BadInput("--dtype: only with --format hf (the bcdflow format keeps the stored tensors as they are)")
     store = _store(args.store, args, write=False)
-    state = _existing_state(store, args.run_id)
-    version = state.version if args.version is None else args.version
-    if not 0 <= version <= state.version:
-        raise BadInput(f"--version: run {args.run_id!r} has versions 0..{state.version}, got {version}")
-    check_not_pruned(store, args.run_id, version)
+    _, version = stored_version(store, args.run_id, args.version)
     with written_whole(args.out_dir) as tmp:
         n = (export_hf(store, args.run_id, version, tmp, dtype=args.dtype) if args.format == "hf"
              else export_version(store, args.run_id, version, tmp))

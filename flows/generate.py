@@ -55,15 +55,9 @@ def generate(store, run_id: str, prompt: str, version: int | None = None, max_ne
     from bcdflow.models.model_config import ModelConfig
     from bcdflow.models.sample import sample
     from bcdflow.storage import checkpoints, layout, runs
-    from bcdflow.storage.prune import check_not_pruned
+    from bcdflow.flows.status import stored_version
 
-    state = runs.read_state(store, run_id)
-    if state is None:
-        raise BadInput(f"run {run_id!r} not found in store {store.url}")
-    version = state.version if version is None else version
-    if not 0 <= version <= state.version:
-        raise BadInput(f"--version: run {run_id!r} has versions 0..{state.version}, got {version}")
-    check_not_pruned(store, run_id, version)
+    _, version = stored_version(store, run_id, version)
     cfg = runs.read_config(store, run_id)
     dataset = cfg.get("dataset")
     tok_key = layout.dataset_key(dataset, layout.DATASET_TOKENIZER) if dataset else None

@@ -23,6 +23,19 @@ def existing_state(store, run_id: str):
     return state
 
 
+def stored_version(store, run_id: str, version: int | None):
+    """(state, version): the run's state and ``version`` (None = its last) checked to exist and not be pruned, as
+    ``bcdflow export`` and ``generate`` read it; bad input naming the run or ``--version`` otherwise."""
+    from bcdflow.storage.prune import check_not_pruned
+
+    state = existing_state(store, run_id)
+    version = state.version if version is None else version
+    if not 0 <= version <= state.version:
+        raise BadInput(f"--version: run {run_id!r} has versions 0..{state.version}, got {version}")
+    check_not_pruned(store, run_id, version)
+    return state, version
+
+
 def status_dict(store, run_id: str) -> dict:
     """The run's committed visits, and (``live``) what it is doing now: running (its lease's owner, the visit in
     training and its last checkpoint's step), interrupted or done (storage/overview.py)."""
