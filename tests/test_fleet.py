@@ -33,8 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 POOL = "bcdflow-gpu"
 # a visit long enough to interrupt, checkpoints every 5 steps; a short lease and reschedule delay for tests
-# (fixed visits: the adaptive budget may end c0-b1 before the step the tests interrupt it at)
-LONG = [*TINY, "bcd.blocks=2", "bcd.max_steps=40", "bcd.budget=fixed", "checkpoint.every_steps=5",
+# (fixed visits: the adaptive budget may end c0-b1 before the step the tests interrupt it at). 80 steps, not 40: on
+# two cores shared by make test's four workers a 40-step visit could end before the test, slowed by its Prefect
+# server, had seen it running and signalled it (ProcessLookupError)
+LONG = [*TINY, "bcd.blocks=2", "bcd.max_steps=80", "bcd.budget=fixed", "checkpoint.every_steps=5",
         "checkpoint.every_seconds=1000", "tracking_uri=none"]
 FLEET = [f"fleet.visit_pool={POOL}", "fleet.poll_seconds=0.5", "fleet.lease_seconds=6",
          "fleet.reschedule_delay_s=3", "fleet.visit_retries=2"]
