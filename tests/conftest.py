@@ -39,11 +39,13 @@ from tests.helpers import TINY  # noqa: E402
 torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(items):
-    """The end-to-end tests (``slow``, 10-90 s each, mostly waiting on processes) first, the rest after in their
-    order: `make test`'s workers take one test at a time (``--maxschedchunk 1``), so the long ones start at once
-    and the short ones fill the gaps instead of a long one starting last and running alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist workers (``make test TEST_WORKERS=4``) the end-to-end tests (``slow``, 10-90 s each,
+    mostly waiting on processes) first, the rest after in their order: the workers take one test at a time
+    (``--maxschedchunk 1``), so the long ones start at once and the short ones fill the gaps instead of a long one
+    starting last and running alone. In one process the order stays the files' own."""
+    if getattr(config.option, "numprocesses", None):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")
