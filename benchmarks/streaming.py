@@ -36,38 +36,56 @@ import time
 import torch
 
 from bcdflow.core.config import load_config
-from bcdflow.core.context import block_plan, model_config
+from bcdflow.core.context import block_plan, cap_fraction, model_config, resolve_device
 from bcdflow.models import build_model
+from bcdflow.models.build import materialize
+from bcdflow.models.expand import SuffixAdapters
 from bcdflow.models.holding import choose_holding
 from bcdflow.models.memory import GB, device_budget, visit_memory
-from bcdflow.models.stream import LayerStream
+from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
 from bcdflow.tasks.engine import VisitSpec, prepare_model, visit_step_loss
+from bcdflow.tasks.expand import adapter_group, suffix_layers
 
 
 def build_visit(run, mcfg, plan, block: int, device: torch.device, streamed: tuple[int, ...], recompute: bool):
-    """Block ``block``'s visit part with random weights (frozen matrices in bf16 under bf16 precision), its
-    ``streamed`` layers in host memory; returns (model, spec, named trained parameters, stream or None)."""
+    """Block ``block``'s visit part with random weights (frozen matrices in bf16 under bf16 precision), held as
+    ``RunContext.load_part`` holds it: built on the meta device, its ``streamed`` layers' weights in their flat host
+    buffers, the rest on the device, never the whole part on the host; with ``bcd.expand`` (the default) the
+    suffix's adapters attached as a visit attaches them. Returns (model, spec, named trained parameters, stream or
+    None, adapters or None)."""
     blk, pre = plan[block], run.bcd.preinfer
-    vs = VisitSpec(run_id="benchmark", cycle=0, block=block, version=0, lo=blk.layers[0], hi=blk.layers[1],
+    lo, hi = blk.layers
+    expand = run.bcd.expand_rank if run.bcd.expand != "off" and hi < mcfg.n_layer else 0
+    vs = VisitSpec(run_id="benchmark", cycle=0, block=block, version=0, lo=lo, hi=hi,
                    n_layer=mcfg.n_layer, from_acts=blk.reads_activations(pre),
                    active=frozenset(blk.trainable(run.bcd.freeze, mcfg.tied)),
-                   recompute=recompute, recompute_active=run.bcd.recompute == "all", streamed=streamed, exact=False)
+                   recompute=recompute, recompute_active=run.bcd.recompute == "all", streamed=streamed, exact=False,
+                   expand=expand)
     low = torch.bfloat16 if run.train.precision == "bf16" else None
     model = build_model(mcfg, layers=vs.layers, embed=vs.embed, head=True, device="meta", init=False,
                         frozen_dtype=low, trainable=vs.active)
-    model.to_empty(device="cpu" if streamed else device)  # streamed layers are built on the host
-    g = torch.Generator(device="cpu" if streamed else device).manual_seed(block)
-    with torch.no_grad():
-        for p in model.parameters():  # N(0, 0.02): finite losses and gradients; the values do not change the time
-            p.normal_(0.0, 0.02, generator=g)
-    model._init_buffers()
-    named = prepare_model(model, vs.active, run.train.loss_chunk_rows, False)  # gradients on the block only
     model.stream = None
     if streamed:
+        for i in streamed:
+            model.h[str(i)].requires_grad_(False)
         model.stream = LayerStream(model, streamed, device, run.train.stream_window, grad_from=vs.lo)
-        model.to(device)
-    return model, vs, named, model.stream
+    materialize(model, device)
+    g = torch.Generator().manual_seed(block)
+    drawn: dict[tuple, torch.Tensor] = {}  # one N(0, 0.02) draw per shape, reused: an 8B part drawn tensor by tensor
+    with torch.no_grad():  # on the host takes minutes; finite losses and gradients are all the timing needs
+        for name, p in model.named_parameters():
+            dst = model.stream.host_tensor(name) if model.stream is not None else None
+            dst = p if dst is None else dst
+            if tuple(dst.shape) not in drawn:
+                drawn[tuple(dst.shape)] = torch.empty(dst.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g)
+            dst.copy_(drawn[tuple(dst.shape)])
+    del drawn
+    named = prepare_model(model, vs.active, run.train.loss_chunk_rows, False)  # gradients on the block only
+    adapters = None
+    if expand:
+        adapters = SuffixAdapters(model, suffix_layers(vs), expand, seed=block, device=device).attach(model)
+    return model, vs, named, model.stream, adapters
 
 
 def _pinned_allocator_bytes() -> int:
@@ -75,13 +93,37 @@ def _pinned_allocator_bytes() -> int:
     return int(torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0)) if torch.cuda.is_available() else 0
 
 
+def overlap_from_trace(path: str) -> dict:
+    """Copy/compute overlap of a profiled step (a Chrome trace): the host-to-device copies' time, the part of it
+    under a running kernel, and whether the layer copies (over 100 us) read page-locked memory."""
+    ev = json.load(open(path))["traceEvents"]
+    copies = [(e["ts"], e["ts"] + e["dur"], e.get("name", "")) for e in ev
+              if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    busy: list[list[float]] = []
+    for a, b in sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") == "kernel"):
+        if busy and a <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], b)
+        else:
+            busy.append([a, b])
+    total = hidden = 0.0
+    for a, b, _ in copies:
+        total += b - a
+        hidden += sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy if x < b and y > a)
+    big = [c for c in copies if c[1] - c[0] > 100]
+    return {"h2d_copies": len(copies), "h2d_us": round(total), "h2d_under_kernels_us": round(hidden),
+            "overlap": hidden / total if total else None, "kernel_busy_us": round(sum(b - a for a, b in busy)),
+            "layer_copies_pageable": sum("Pageable" in c[2] for c in big),
+            "layer_copies_pinned": sum("Pinned" in c[2] for c in big)}
+
+
 def measure(run, mcfg, plan, block: int, device: torch.device, holding: str, steps: int, streamed: tuple[int, ...],
-            recompute: bool) -> dict:
-    """One holding of one visit: warm-up step, then ``steps`` timed steps; the device's peaks over them."""
+            recompute: bool, profile: bool = False) -> dict:
+    """One holding of one visit: warm-up step, then ``steps`` timed steps; the device's peaks over them; with
+    ``profile`` one more step under the profiler, its copy/compute overlap (CUDA)."""
     B, T = run.train.batch_size, run.data.seq_len
     cuda = device.type == "cuda"
     pinned0 = _pinned_allocator_bytes()
-    model, vs, named, stream = build_visit(run, mcfg, plan, block, device, streamed, recompute)
+    model, vs, named, stream, adapters = build_visit(run, mcfg, plan, block, device, streamed, recompute)
     g = torch.Generator().manual_seed(0)
     y = torch.randint(mcfg.vocab_size, (B, T), generator=g).to(device)
     x = (torch.randn(B, T, mcfg.d_model, generator=g).to(device) if vs.from_acts
@@ -89,13 +131,16 @@ def measure(run, mcfg, plan, block: int, device: torch.device, holding: str, ste
     params = [p for _, p in named]
     spec = OptimSpec(run.optim.name, lr=1e-5)
     opt = make_optimizer(params, spec)
+    if adapters is not None:  # as run_visit does: their own group, stepped with the block
+        opt.add_param_group(adapter_group(run, spec, adapters))
     loss = visit_step_loss(model, vs, device, run.train.precision)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step() -> float:
         sync()
         t0 = time.perf_counter()
-        run_steps(loss, params, itertools.repeat((x, y)), opt, spec, StopRule(max_steps=1))
+        run_steps(loss, params, itertools.repeat((x, y)), opt, spec, StopRule(max_steps=1),
+                  extra=None if adapters is None else [p for _, p in adapters.named()])
         sync()
         return time.perf_counter() - t0
 
@@ -106,7 +151,8 @@ def measure(run, mcfg, plan, block: int, device: torch.device, holding: str, ste
     copied0 = stream.bytes_copied if stream else 0
     times = [step() for _ in range(steps)]
     frozen = (vs.layers[1] - vs.layers[0]) - (vs.hi - vs.lo)  # held layers the visit does not train
-    out = {"holding": holding, "recompute": recompute, "streamed_layers": len(streamed),
+    out = {"holding": holding, "recompute": recompute, "streamed_layers": len(streamed), "streamed": list(streamed),
+           "expand_rank": vs.expand,
            "resident_layers": frozen - len(streamed),
            "step_s": statistics.median(times), "tokens_per_s": B * T / statistics.median(times),
            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
@@ -117,6 +163,21 @@ def measure(run, mcfg, plan, block: int, device: torch.device, holding: str, ste
            "pinned_allocator_bytes": _pinned_allocator_bytes() - pinned0,
            "slot_bytes": stream.device_bytes if stream else 0,
            "device_buffers": len(stream.storages) if stream else 0}
+    if profile and cuda:
+        import os
+        import tempfile
+
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(
+                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+            out["trace"] = overlap_from_trace(os.path.join(tmp, "trace.json"))
+    if adapters is not None:
+        adapters.detach()
     if stream:
         stream.close()
     return out  # the caller frees the visit's memory before the next one
@@ -126,7 +187,7 @@ def h2d_gbs(device: torch.device, mb: int = 256) -> float | None:
     """Pinned host-to-device copy bandwidth, GB/s (None on the CPU)."""
     if device.type != "cuda":
         return None
-    src = torch.empty(mb * 2**20, dtype=torch.uint8).pin_memory()
+    src = host_buffer(mb * 2**20, pin=True, device=device)  # registered exactly, as the stream's buffers
     dst = torch.empty_like(src, device=device)
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
@@ -147,16 +208,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--holdings", nargs="+", default=["resident", "stream", "auto"],
                     choices=["resident", "stream", "auto"])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="profile one more step: copy/compute overlap (CUDA)")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    device = resolve_device(args.device)  # as a run resolves it: cuda -> cuda:N
     run = load_config(sets=["tracking_uri=none", *args.set])
     mcfg = model_config(run)
     plan = block_plan(run, mcfg)
     B, T, p = run.train.batch_size, run.data.seq_len, run.train.precision
     budget = device_budget(args.cap_gb * GB) if args.cap_gb else None
     kw = dict(preinfer=run.bcd.preinfer, freeze=run.bcd.freeze, chunk_rows=run.train.loss_chunk_rows,
-              weight_decay=run.optim.weight_decay)
+              weight_decay=run.optim.weight_decay, expand_rank=run.bcd.expand_rank if run.bcd.expand != "off" else 0)
 
     def held(b: int, holding: str):
         """The planner's holding for this way: (recompute, streamed layers, estimate)."""
@@ -174,8 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         blocks = [int(b) for b in args.blocks_to_run.split(",")]
     if args.cap_gb and device.type == "cuda":  # put back at the end: the caller (a test) may run uncapped next
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * GB / total), device)
+        total = torch.cuda.get_device_properties(device).total_memory  # the card less its context, as a run caps
+        torch.cuda.set_per_process_memory_fraction(cap_fraction(args.cap_gb, total), device)
     try:
         return _run(args, run, mcfg, plan, blocks, device, budget, held)
     finally:
@@ -195,7 +257,8 @@ def _run(args, run, mcfg, plan, blocks, device, budget, held) -> dict:
         for holding in args.holdings:
             h = held(b, holding)
             try:
-                got = measure(run, mcfg, plan, b, device, holding, args.steps, h.streamed, h.recompute)
+                got = measure(run, mcfg, plan, b, device, holding, args.steps, h.streamed, h.recompute,
+                              profile=args.profile and holding != "resident")
             except torch.OutOfMemoryError:
                 got = {"holding": holding, "error": "out of memory"}
             gc.collect()

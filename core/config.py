@@ -286,8 +286,9 @@ class TrainSection(_Section):
     """Device slots for streamed layers (the one computing and the ones copied in ahead of it)."""
     pcie_gbs: float = Field(25.0, gt=0)
     """Host-to-device bandwidth the planner's time model assumes, GB/s (PCIe 4.0 x16 in practice)."""
-    tflops: float = Field(80.0, gt=0)
-    """Matmul throughput the planner's time model assumes, TFLOP/s (about half an RTX 4090's bf16 peak)."""
+    tflops: float | None = Field(None, gt=0)
+    """Matmul throughput the planner's time model assumes, TFLOP/s; None = by ``precision`` (fp32 40, bf16 80: about
+    half an RTX 4090's dense peak in each; models/holding.TFLOPS)."""
     compile: bool = False
     """torch.compile each layer of the visit (CUDA graphs are left to ``mode=reduce-overhead`` users: batches of a
     visit are not all the same shape)."""
@@ -305,7 +306,7 @@ class TrainSection(_Section):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+        if not re.fullmatch(r"auto|cpu(:0)?|cuda(:\d+)?", v):
             raise ValueError(f"unknown device {v!r} (choose from auto, cpu, cuda, cuda:N)")
         return v
 

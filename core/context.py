@@ -27,10 +27,11 @@ from bcdflow.core.config import RunConfig
 from bcdflow.errors import BadInput
 from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
-from bcdflow.models.build import param_sizes
+from bcdflow.models.build import materialize, param_sizes
 from bcdflow.models.model_config import ModelConfig, get_config
 from bcdflow.models.holding import Holding, choose_holding, no_grad_holding
-from bcdflow.models.memory import GB, Budget, device_budget, no_grad_memory
+from bcdflow.models.memory import (CONTEXT_BYTES, GB, Budget, device_budget, file_bytes, load_bytes, no_grad_memory,
+                                   stage_bytes)
 from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.storage import checkpoints, layout
 from bcdflow.storage.corpus import builtin_corpus_files, check_text_files, resolve_files
@@ -77,6 +78,25 @@ def memory_budget(cfg: RunConfig, device: torch.device) -> Budget | None:
     return None
 
 
+def cap_fraction(memory_gb: float, total: int) -> float:
+    """The share of a ``total``-byte GPU its caching allocator may use to stand for a ``memory_gb`` card: that card
+    less the CUDA context (what its allocator would get), so a plan made for 24 GB is held to 24 GB on an 80 GB GPU;
+    a card larger than the GPU is bad input (its plan would be proven by nothing)."""
+    allowed = memory_gb * GB - CONTEXT_BYTES
+    if allowed > total:
+        raise BadInput(f"train.memory_gb: {memory_gb:g} GB asked for, but this GPU has {total / GB:.1f} GB (plan for "
+                       "a card no larger than the one that trains, or leave train.memory_gb unset)")
+    return allowed / total
+
+
+def cap_allocator(cfg: RunConfig, device: torch.device) -> None:
+    """``train.memory_gb`` on CUDA: cap this process's caching allocator at that card (:func:`cap_fraction`), so an
+    allocation past it fails as it would on the card planned for instead of borrowing the bigger GPU's memory."""
+    if cfg.train.memory_gb is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap_fraction(cfg.train.memory_gb, total), device)
+
+
 def usable(cfg: RunConfig, device: torch.device) -> float | None:
     """Bytes a visit may use on ``device`` (None: no limit)."""
     b = memory_budget(cfg, device)
@@ -84,9 +104,14 @@ def usable(cfg: RunConfig, device: torch.device) -> float | None:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` = CUDA when present, else the CPU; a device this machine lacks is bad input."""
+    """``auto`` = CUDA when present, else the CPU; a device this machine lacks is bad input.
+
+    A CUDA device is always resolved with its index (``cuda`` and ``auto`` -> ``cuda:N``, N the current device), the
+    name its tensors report: ``torch.device("cuda") != torch.device("cuda", 0)``, so an unindexed name breaks every
+    comparison with a tensor's device. The code compares device types, never devices; ``cpu:0`` (an indexed name
+    whose tensors report ``cpu``) is accepted so the CPU tests run that mismatch through the same code paths."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(name)
     except (RuntimeError, ValueError):
@@ -98,6 +123,8 @@ def resolve_device(name: str) -> torch.device:
                            "(use train.device=cpu or auto)")
         if dev.index is not None and dev.index >= n:
             raise BadInput(f"train.device: {name!r} asked for, but this machine has {n} CUDA device(s)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type != "cpu":
         raise BadInput(f"train.device: unsupported device type {dev.type!r} (choose from auto, cpu, cuda, cuda:N)")
     return dev
@@ -158,6 +185,8 @@ def check_gpus(cfg: RunConfig) -> None:
     if dev.type == "cuda" and cfg.train.gpus > torch.cuda.device_count():
         raise BadInput(f"train.gpus: {cfg.train.gpus} asked for, but this machine has {torch.cuda.device_count()} "
                        "CUDA device(s)")
+    if dev.type == "cuda" and cfg.train.memory_gb is not None:  # a card larger than the GPU: refused here
+        cap_fraction(cfg.train.memory_gb, torch.cuda.get_device_properties(dev).total_memory)
 
 
 def param_count(mcfg: ModelConfig) -> int:
@@ -197,8 +226,10 @@ def visit_holding(cfg: RunConfig, mcfg: ModelConfig, plan: Plan, block: int, seq
 def check_plan_fits(cfg: RunConfig) -> None:
     """Refuse, before anything is written, a run whose visits cannot fit the device even held the leanest way it
     allows (recompute and every frozen layer streamed, as the settings permit), naming the figures; and a host whose
-    available memory cannot hold what the streaming visits keep there (their flat host buffers, pinned as
-    allocated). Nothing to check on the CPU without ``train.memory_gb``."""
+    available memory cannot hold a visit's host peak: its streamed layers' flat buffers (pinned as allocated), the
+    largest block file it reads while loading (``models/memory.load_bytes``) and, on CUDA, its page-locked batch
+    slots (``stage_bytes``); pre-inference's the same with its output buffers. The device fit is not checked on the
+    CPU without ``train.memory_gb``."""
     if cfg.train.gpus > 1:
         return  # several processes: data parallel or sharded (tasks/train_dist.choose_parallel)
     budget = memory_budget(cfg, resolve_device(cfg.train.device))
@@ -215,8 +246,19 @@ def check_plan_fits(cfg: RunConfig) -> None:
                            f"way the settings allow ({h.words()}), and the device has {budget.line()}; use more "
                            "blocks (bcdflow plan-memory recommends a count), train.offload=auto, "
                            "bcd.recompute=auto, a smaller train.batch_size or train.gpus=N")
-    need = max(h.estimate.host_bytes for h in holds)
-    t, cuda = cfg.train, budget is not None and cfg.train.memory_gb is None
+    t, cuda = cfg.train, resolve_device(cfg.train.device).type == "cuda"
+    # a visit's host peak: its streamed layers' page-locked buffers, the largest block file it reads while loading
+    # (one at a time), and on CUDA its two page-locked batch slots
+    need, what = 0, ""
+    for b, h in enumerate(holds):
+        acts = plan[b].reads_activations(cfg.bcd.preinfer)
+        parts = (h.estimate.host_bytes, load_bytes(mcfg, plan, b, cfg.bcd.preinfer),
+                 stage_bytes(t.batch_size, seq, mcfg.d_model, acts) if cuda else 0)
+        if sum(parts) > need:
+            need = sum(parts)
+            what = (f"block {b}'s visit: {parts[0] / 1e9:.1f} GB of streamed layers (pinned, as allocated), "
+                    f"{parts[1] / 1e9:.1f} GB of the largest block file it loads, {parts[2] / 1e9:.2f} GB of batch "
+                    "slots")
     if cfg.bcd.preinfer:  # pre-inference: its prefix's streamed layers and the shards' page-locked output buffers
         workers = cfg.bcd.preinfer_workers or (2 if cuda else 1)
         staging = workers * cfg.bcd.shard_rows * seq * mcfg.d_model * 4
@@ -228,13 +270,17 @@ def check_plan_fits(cfg: RunConfig) -> None:
                                              rows=cfg.bcd.preinfer_batch_size)
             prefix = no_grad_memory(mcfg, (0, lo), True, False, rows, seq, t.precision, streamed,
                                     t.stream_window).host_bytes if streamed else 0
-            need = max(need, prefix + staging)
+            loading = file_bytes(mcfg, plan, range(b))  # the prefix is blocks [0, b): one file at a time
+            if prefix + staging + loading > need:
+                need = prefix + staging + loading
+                what = (f"block {b}'s pre-inference: {prefix / 1e9:.1f} GB of streamed prefix layers, "
+                        f"{staging / 1e9:.1f} GB of output buffers, {loading / 1e9:.1f} GB of the largest block file")
     have = psutil.virtual_memory().available
     if need > have:
         raise BadInput(f"train.offload: the streamed frozen layers of a visit (or its pre-inference prefix and "
-                       f"output buffers) take {need / 1e9:.1f} GB of host memory (pinned, as allocated) and this "
-                       f"machine has {have / 1e9:.1f} GB available (use more blocks, train.precision=bf16, "
-                       "a smaller bcd.shard_rows, or a machine with more memory)")
+                       f"output buffers) and what it loads take {need / 1e9:.1f} GB of host memory at their peak "
+                       f"({what}) and this machine has {have / 1e9:.1f} GB available (use more blocks, "
+                       "train.precision=bf16, a smaller bcd.shard_rows, or a machine with more memory)")
 
 
 class RunContext:
@@ -287,7 +333,10 @@ class RunContext:
 
     @cached_property
     def device(self) -> torch.device:
-        return resolve_device(self.cfg.train.device)
+        """The run's device, indexed (``cuda:N``), its allocator capped at ``train.memory_gb`` (:func:`cap_allocator`)."""
+        dev = resolve_device(self.cfg.train.device)
+        cap_allocator(self.cfg, dev)
+        return dev
 
     # -- weights ------------------------------------------------------------------------------------
     def manifest(self, version: int) -> dict:
@@ -308,23 +357,35 @@ class RunContext:
 
         ``stream``: frozen layers whose weights stay in host memory and are copied through the device's slot buffers
         as they compute (``train.offload``; models/stream.py; ``grad_from``: the first layer a backward reaches);
-        the part's ``stream`` attribute holds them. The other layers are resident."""
+        the part's ``stream`` attribute holds them. The other layers are resident.
+
+        The part is built on the meta device and each layer's storage made where it lives (the device, or a streamed
+        layer's flat host buffer); the stored tensors are read one block file at a time and copied straight there.
+        So the host holds the streamed buffers and one block file at most (``host_load_bytes``, which the plan check
+        counts), never the whole part nor every tensor it loads at once."""
         low = torch.bfloat16 if self.cfg.train.precision == "bf16" and trainable is not None else None
-        where = torch.device("cpu") if stream else self.device  # streamed layers are built on the host
-        model = build_model(self.model_cfg, layers=layers, embed=embed, head=head, device=where, init=False,
+        model = build_model(self.model_cfg, layers=layers, embed=embed, head=head, device="meta", init=False,
                             frozen_dtype=low, trainable=trainable or ())
-        names = [n for n, _ in model.named_parameters()]
-        owners = sorted({self.plan.owner(n) for n in names})
-        tensors = checkpoints.load_from_manifest(self.store, self.run_id, manifest, owners, names=names,
-                                                 device="cpu")
-        model.load_state_dict(tensors, strict=True)
-        del tensors
         model.stream = None
         if stream:
             for i in stream:
                 model.h[str(i)].requires_grad_(False)
+            # flat host buffers from the meta shapes; the layers' parameters point at device placeholders
             model.stream = LayerStream(model, stream, self.device, self.cfg.train.stream_window, grad_from=grad_from)
-            model.to(self.device)
+        materialize(model, self.device)  # what is not streamed: storage on the device, never on the host first
+        names = [n for n, _ in model.named_parameters()]
+        params = dict(model.named_parameters())
+        owners = sorted({self.plan.owner(n) for n in names})
+        loaded: set[str] = set()
+        with torch.no_grad():  # one block file on the host at a time, each tensor copied where it lives
+            for name, t in checkpoints.iter_from_manifest(self.store, self.run_id, manifest, owners, names=names):
+                dst = model.stream.host_tensor(name) if model.stream is not None else None
+                (params[name] if dst is None else dst).copy_(t)
+                loaded.add(name)
+                del t  # a view of its block file's bytes: not kept while the next file is read
+        if missing := [n for n in names if n not in loaded]:
+            raise checkpoints.CheckpointError(f"version {manifest.get('version')} of run {self.run_id!r} lacks "
+                                              f"{len(missing)} tensor(s) of the part it loads: {missing[:3]}")
         return model
 
     def budget(self) -> float | None:

@@ -34,7 +34,7 @@ def add_parser(sub, common) -> None:
     sp.add_argument("--pcie-gbs", type=float, default=None,
                     help="host-to-device bandwidth for streamed layers, GB/s (default: train.pcie_gbs, 25)")
     sp.add_argument("--tflops", type=float, default=None,
-                    help="matmul throughput a step reaches, TFLOP/s (default: train.tflops, 80)")
+                    help="matmul throughput a step reaches, TFLOP/s (default: train.tflops, else 40 in fp32, 80 in bf16)")
     sp.add_argument("--json", action="store_true", help="the tables and the recommendation as JSON")
     sp.set_defaults(fn=cmd_plan_memory)
 
@@ -54,7 +54,7 @@ def plan(cfg, gpu_gb: float) -> dict:
     the recommendation with its own visits."""
     from bcdflow.core.context import model_config  # torch: not for `bcdflow --help` (flows/cli.py)
     from bcdflow.models import model_plan
-    from bcdflow.models.holding import plan_holdings, recommend
+    from bcdflow.models.holding import plan_holdings, recommend, tflops_for
     from bcdflow.models.memory import GB, device_budget, visit_memory
 
     mcfg = model_config(cfg)
@@ -87,7 +87,7 @@ def plan(cfg, gpu_gb: float) -> dict:
            "budget": {"card": budget.card, "free": budget.free, "reserve": budget.reserve, "usable": budget.usable,
                       "line": budget.line()},
            "blocks": cfg.bcd.blocks, "full": dict(full.to_dict(), fits=full.peak <= budget.usable),
-           "pcie_gbs": t.pcie_gbs, "tflops": t.tflops, "stream_window": t.stream_window,
+           "pcie_gbs": t.pcie_gbs, "tflops": tflops_for(p, t.tflops), "stream_window": t.stream_window,
            "recompute": cfg.bcd.recompute, "offload": offload, "visits": visits(cfg.bcd.blocks),
            "recommendation": {"blocks": rec.blocks, "host_bytes": rec.host_bytes, "worst_peak": rec.worst_peak,
                               "line": rec.line() + (f"; {rec.hint}" if rec.hint else ""), "visits": []}}

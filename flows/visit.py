@@ -17,14 +17,13 @@ import dataclasses
 import math
 import time
 
-import torch
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, open_store
+from bcdflow.core.context import RunContext, open_store, resolve_device
 from bcdflow.core.rules import rate_to_beat
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows import artifacts
@@ -190,7 +189,7 @@ def shard_runner(cfg: RunConfig):
             return DaskTaskRunner(address=cfg.fleet.dask_address)
         return DaskTaskRunner(cluster_kwargs={"n_workers": cfg.fleet.dask_workers, "threads_per_worker": 1,
                                               "processes": True, "resources": {"GPU": 1}})
-    n = cfg.bcd.preinfer_workers or (2 if cfg.train.device != "cpu" and torch.cuda.is_available() else 1)
+    n = cfg.bcd.preinfer_workers or (2 if resolve_device(cfg.train.device).type == "cuda" else 1)
     return ThreadPoolTaskRunner(max_workers=n)
 
 

@@ -39,9 +39,36 @@ def build_model(cfg: ModelConfig, layers: tuple[int, int] | None = None, embed: 
         model = cls(cfg, layers, embed, head)
         if frozen_dtype is not None:
             frozen_in(model, frozen_dtype, trainable)
-    model = model.to_empty(device=device)
-    model._init_buffers()
+    if torch.device(device).type == "meta":  # placed later (materialize), where each part lives
+        return model
+    # not model.to_empty(): on meta tensors it runs torch's Python reference ops, seconds of imports (sympy) the
+    # first time in every process that loads a model
+    return materialize(model, device)
+
+
+def materialize(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+    """Give every parameter and buffer of ``model`` still on the meta device uninitialised storage on ``device``, in
+    place (each ``Parameter`` stays the same object, so what holds it, a layer stream's layout, still does), and
+    rebuild the derived tables; what is already elsewhere (a streamed layer's placeholders) is left alone."""
+    for mod in model.modules():  # torch.empty, not empty_like: that one of a meta tensor runs torch's Python
+        for name, p in mod._parameters.items():  # reference ops (seconds of imports, the first time in a process)
+            if p is not None and p.is_meta:
+                place(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+        for name, b in mod._buffers.items():
+            if b is not None and b.is_meta:
+                mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    if hasattr(model, "_init_buffers"):
+        model._init_buffers()
     return model
+
+
+def place(p: torch.nn.Parameter, data: torch.Tensor) -> None:
+    """Point parameter ``p`` at ``data`` in place, also from the meta device (where ``p.data = data`` is refused
+    as an incompatible tensor type): the Python object stays the same, so whoever holds it keeps holding it."""
+    if p.is_meta and not data.is_meta:
+        torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+    else:
+        p.data = data
 
 
 class _NoMetaInit(TorchFunctionMode):
@@ -51,7 +78,7 @@ class _NoMetaInit(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) == "normal_":
+        if getattr(func, "__name__", None) in ("normal_", "uniform_"):  # nn.Linear's kaiming_uniform_ too
             t = args[0] if args else kwargs.get("tensor")
             if isinstance(t, torch.Tensor) and t.is_meta:
                 return t

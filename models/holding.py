@@ -30,8 +30,15 @@ from bcdflow.models.plan import Plan
 
 PCIE_GBS = 25.0
 """Host-to-device copy bandwidth a streamed layer gets, GB/s: PCIe 4.0 x16 in practice (an RTX 4090's bus)."""
-TFLOPS = 80.0
-"""Matmul throughput a training step reaches, TFLOP/s: about half an RTX 4090's dense bf16 peak."""
+TFLOPS = {"fp32": 40.0, "bf16": 80.0}
+"""Matmul throughput a training step reaches, TFLOP/s, by ``train.precision``: about half an RTX 4090's dense peak
+in each (bf16 on tensor cores, 165; fp32 on the CUDA cores, 82.6: torch leaves TF32 off). ``train.tflops``
+overrides it; ``make gpu-check`` measures both on the card it runs on."""
+
+
+def tflops_for(precision: str, tflops: float | None = None) -> float:
+    """The matmul throughput the time model uses: ``tflops`` where given, else :data:`TFLOPS` of the precision."""
+    return float(tflops) if tflops else TFLOPS.get(precision, TFLOPS["fp32"])
 
 
 @dataclass(frozen=True)
@@ -98,14 +105,15 @@ def _pipeline(events: list[tuple], uses: list[tuple[int, bool, list[int]]], size
 def step_time(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int, seq: int, *, preinfer: bool = True,
               freeze: Sequence[str] = (), recompute: bool = False, recompute_active: bool = False,
               streamed: Sequence[int] = (), sizes: dict[int, int] | None = None, window: int = 2,
-              pcie_gbs: float = PCIE_GBS, tflops: float = TFLOPS) -> StepTime:
+              pcie_gbs: float = PCIE_GBS, tflops: float | None = None, precision: str = "fp32") -> StepTime:
     """Predicted step time of a visit (``block`` None: full training), resident and with ``streamed`` layers copied
-    through ``window`` slots (``sizes``: their flat bytes, ``Estimate.layer_sizes``)."""
+    through ``window`` slots (``sizes``: their flat bytes, ``Estimate.layer_sizes``); compute at ``tflops``, else
+    the precision's (:func:`tflops_for`)."""
     shapes = _shapes(cfg)
     trainable = set(shapes) if block is None else plan[block].trainable(freeze, cfg.tied)
     lo = 0 if block is None else plan[block].layers[0]
     events = _events(cfg, plan, block, seq, preinfer, trainable, recompute, recompute_active, shapes)
-    N, rate, pcie = batch * seq, tflops * 1e12, pcie_gbs * 1e9
+    N, rate, pcie = batch * seq, tflops_for(precision, tflops) * 1e12, pcie_gbs * 1e9
     resident = sum(f for _, _, f in events) * N / rate
     if not streamed:
         return StepTime(resident, resident, tokens=N)
@@ -188,7 +196,7 @@ def _fewest_streamed(est: Estimate, budget: float, window: int) -> int:
 
 def choose_holding(cfg: ModelConfig, plan: Plan, block: int, batch: int, seq: int, precision: str,
                    budget: float | None, optim: str = "adamw", *, recompute: str = "auto", offload: str = "auto",
-                   window: int = 2, pcie_gbs: float = PCIE_GBS, tflops: float = TFLOPS, preinfer: bool = True,
+                   window: int = 2, pcie_gbs: float = PCIE_GBS, tflops: float | None = None, preinfer: bool = True,
                    freeze: Sequence[str] = (), timed: bool = True, **kw) -> Holding:
     """Block ``block``'s visit held within ``budget`` bytes (None: no limit): ``recompute`` (``bcd.recompute``: auto,
     on, off, all) and ``offload`` (``train.offload``: auto streams the fewest frozen layers that make it fit, stream
@@ -222,14 +230,14 @@ def choose_holding(cfg: ModelConfig, plan: Plan, block: int, batch: int, seq: in
             o.time = step_time(cfg, plan, block, batch, seq, preinfer=preinfer, freeze=freeze, recompute=o.recompute,
                                recompute_active=recompute == "all", streamed=o.streamed,
                                sizes={i: f for i, (_, f) in o.estimate.layer_sizes.items()}, window=window,
-                               pcie_gbs=pcie_gbs, tflops=tflops)
+                               pcie_gbs=pcie_gbs, tflops=tflops, precision=precision)
         return min(fitting, key=lambda o: (o.time.streamed_s, len(o.streamed), o.recompute))
     pick = fitting[0] if fitting else min(options, key=lambda o: o.estimate.peak)
     if timed:
         pick.time = step_time(cfg, plan, block, batch, seq, preinfer=preinfer, freeze=freeze, recompute=pick.recompute,
                               recompute_active=recompute == "all", streamed=pick.streamed,
                               sizes={i: f for i, (_, f) in pick.estimate.layer_sizes.items()}, window=window,
-                              pcie_gbs=pcie_gbs, tflops=tflops)
+                              pcie_gbs=pcie_gbs, tflops=tflops, precision=precision)
     return pick
 
 

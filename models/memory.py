@@ -45,7 +45,7 @@ from bcdflow.models.families import decoder_class
 from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import Plan
-from bcdflow.models.stream import Schedule, SlotPlan, layer_bytes
+from bcdflow.models.stream import Schedule, SlotPlan, aligned, layer_bytes
 
 GB = 1e9
 PARTS = ("weights", "grads", "optim", "activations", "logits", "input", "temporaries")
@@ -359,6 +359,31 @@ def plan_visits(cfg: ModelConfig, blocks: int, batch: int, seq: int, precision: 
 
 
 # -- the device budget ------------------------------------------------------------------------------------------
+def load_bytes(cfg: ModelConfig, plan: Plan, block: int, preinfer: bool = True, stored_bytes: int = 4) -> int:
+    """Host bytes loading block ``block``'s visit part takes beside its streamed buffers: the largest block file it
+    reads (``RunContext.load_part`` reads one block file at a time and copies each tensor where it lives), at
+    ``stored_bytes`` a parameter (4: a trained version's fp32 files; version 0 keeps a checkpoint's own dtype)."""
+    lo = plan[block].layers[0] if plan[block].reads_activations(preinfer) else 0
+    owners = {b for b in range(len(plan)) if b >= block or not lo}
+    if lo and cfg.tied:
+        owners.add(plan.owner("wte.weight"))  # the tied head reads block 0's embedding
+    return file_bytes(cfg, plan, owners, stored_bytes)
+
+
+def file_bytes(cfg: ModelConfig, plan: Plan, blocks: Collection[int], stored_bytes: int = 4) -> int:
+    """The largest block file of ``blocks`` (0 for none), at ``stored_bytes`` a parameter, with its safetensors
+    header (under 256 bytes a tensor: name, dtype, shape, offsets)."""
+    sizes = {n: _numel(s) for n, s in _shapes(cfg).items()}
+    return max((sum(sizes[n] * stored_bytes + 256 for n in plan[b].params) for b in blocks), default=0)
+
+
+def stage_bytes(batch: int, seq: int, d_model: int, from_acts: bool, slots: int = 2) -> int:
+    """Page-locked host bytes of a training loop's batch slots on CUDA (models/stream.BatchStage, two by default):
+    each holds a batch's inputs (the prefix's fp32 states, or int64 token ids) and int64 targets, each aligned."""
+    inputs = batch * seq * (4 * d_model if from_acts else 8)
+    return slots * (aligned(inputs) + aligned(batch * seq * 8))
+
+
 CONTEXT_BYTES = int(0.5 * GB)
 """What the CUDA context takes before the first tensor (0.3-0.6 GB with recent drivers and lazy module loading):
 counted when the budget starts from a card's size; a measured budget starts from what is free once it exists."""

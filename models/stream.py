@@ -45,6 +45,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from bcdflow.models.build import place
 from bcdflow.models.errors import ConfigError
 
 _W = "bcdflow-stream"
@@ -72,12 +73,53 @@ def host_buffer(nbytes: int, pin: bool, device: torch.device | str | None = None
         with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
             err = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 1))
         if err:
+            clear_cuda_error()
             raise ConfigError(f"train.offload: page-locking {nbytes / 1e9:.2f} GB of host memory failed (cudaError "
                               f"{err}): raise the host's locked-memory limit (ulimit -l) or free memory, or hold "
                               "more layers on the device (train.offload=off)")
         fin = weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, buf.data_ptr())
         fin.atexit = False  # not after the CUDA context is gone
     return buf
+
+
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a call that failed and was handled (``cudaHostRegister``): left set,
+    torch's check after the next kernel launch (``cudaGetLastError``) would raise it there, from an unrelated op.
+    torch binds no ``cudaGetLastError``, so it is called in the runtime torch loaded; where none is found (a static
+    runtime), a one-element kernel launch consumes it (its check reads and resets the error, and raises it)."""
+    lib = _cudart_lib()
+    if lib is not None:
+        lib.cudaGetLastError()
+        return
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+    except RuntimeError:
+        pass
+
+
+def _cudart_lib():
+    try:
+        with open("/proc/self/maps") as f:
+            path = next((ln.split()[-1] for ln in f if "libcudart.so" in ln), None)
+    except OSError:
+        return None
+    if path is None:
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(path)  # already loaded by torch: the same handle, no second runtime
+    except OSError:
+        return None
+
+
+def canonical(device: torch.device | str) -> torch.device:
+    """``device`` as its tensors name it where that is an index: ``cuda`` -> ``cuda:N`` (N the current device).
+    Code here compares device types and storage addresses, never ``torch.device`` objects (``cuda`` != ``cuda:0``)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
@@ -171,7 +213,7 @@ class LayerStream:
                  grad_from: int | None = None):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        self.device = torch.device(device)
+        self.device = canonical(device)
         self.cuda = self.device.type == "cuda"
         self.sched = Schedule(layers, grad_from)
         self.order = self.sched.fwd
@@ -191,20 +233,27 @@ class LayerStream:
             flat = host_buffer(off, pin=self.cuda, device=self.device)
             with torch.no_grad():
                 for name, p, o, _, shape in entries:  # one copy, straight into the flat buffer (no staging)
-                    _view(flat, o, p.dtype, shape).copy_(p.detach())
-                    p.data = self._placeholder(p.dtype)
+                    if not p.is_meta:  # a meta-built layer's values are copied in later (host_tensor)
+                        _view(flat, o, p.dtype, shape).copy_(p.detach())
+                    place(p, self._placeholder(p.dtype))
             self.layout[i], self.host[i] = entries, flat
             layer = model.h[str(i)]
             layer.register_forward_pre_hook(self._before(i))
             layer.register_forward_hook(self._after(i))
         self.host_bytes = sum(h.numel() for h in self.host.values())
         """Host bytes the streamed layers take, as allocated (and, on CUDA, as page-locked)."""
+        self._by_name = {f"h.{i}.{e[0]}": (i, e) for i, es in self.layout.items() for e in es}
         self.slot_bytes = max((h.numel() for h in self.host.values()), default=0)
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(window)]
         self._slot_of_ptr = {s.untyped_storage().data_ptr(): k for k, s in enumerate(self.slots)}
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._ready = [torch.cuda.Event() for _ in range(window)] if self.cuda else []
         self._free = [torch.cuda.Event() for _ in range(window)] if self.cuda else []
+        # dropped without close() (an error mid-visit, a context evicted), the slots and page-locked buffers must not
+        # be freed (unregistered, reused) under a copy still in flight on the side stream: the finalizer holds them
+        # until that stream is done (it references no self, so it does not keep the stream object alive)
+        self._drain = weakref.finalize(self, _drain, self.copy_stream, self.slots, self.host)
+        self._drain.atexit = False
         self._pointed: int | None = None
         self._train = self._saving = False
         self.copies = self.bytes_copied = 0
@@ -302,7 +351,10 @@ class LayerStream:
 
     # -- the backward: saved weights as references ------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        if t.device != self.device or not t.numel():
+        # the type, not the device: an unindexed name (``cuda``) is not equal to the ``cuda:0`` a tensor reports, and
+        # a weight not packed here is saved as the slot view itself (read overwritten) or as an emptied placeholder.
+        # The slot address below is what identifies a streamed weight.
+        if not t.numel() or t.device.type != self.device.type:
             return t
         k = self._slot_of_ptr.get(t.untyped_storage().data_ptr())
         if k is None:
@@ -340,7 +392,98 @@ class LayerStream:
     def close(self) -> None:
         """Free the slots and the host buffers (the model's streamed layers are unusable after this)."""
         self.release()
-        if self.cuda:  # a prefetch may still be reading a host buffer: unregistering it under the copy is undefined
-            self.copy_stream.synchronize()
         self.slots, self.host, self._slot_of_ptr = [], {}, {}
+        self._drain()  # a prefetch may still be reading a host buffer: unregistering it under the copy is undefined
         self.plan.holds = [None] * self.window
+
+    # -- loading -----------------------------------------------------------------------------------------------
+    def host_tensor(self, name: str) -> torch.Tensor | None:
+        """The host view that holds streamed weight ``name`` (``h.{i}.…``; None: not a streamed weight): a loader
+        writes a stored tensor straight into it (``copy_`` casts to the compute dtype), so a part whose layers were
+        built on the meta device never holds its streamed weights twice."""
+        hit = self._by_name.get(name)
+        if hit is None:
+            return None
+        i, (_, p, off, _, shape) = hit
+        return _view(self.host[i], off, p.dtype, shape)
+
+
+def _drain(stream, slots: list, host: dict) -> None:
+    """What a stream's finalizer does: wait for the side stream's copies, then let the buffers go."""
+    if stream is not None:
+        stream.synchronize()
+    slots.clear()
+    host.clear()
+
+
+class BatchStage:
+    """The page-locked host buffers a training loop's batches pass through to a CUDA device: ``slots`` flat buffers
+    registered as the stream's are (exactly their size, counted by the planner: ``models/memory.stage_bytes``), not
+    torch's pinned allocator (which rounds each batch up to a power of two and keeps it cached). The reading thread
+    claims a slot and has the batch written into it (:meth:`alloc`: views of the slot's buffer), the loop thread
+    issues its copies (:meth:`to_device`, asynchronous) and records the slot's event; a slot is filled again only
+    once that event has passed (its copy has read it). On the CPU batches pass as they are (no slot).
+
+        stage = BatchStage(device)
+        k = stage.claim()                                          # reading thread: waits for the slot's last copy
+        h, y = stage.alloc(k, [((B, T, C), torch.float32), ((B, T), torch.long)])   # filled by the reader
+        h, y = stage.to_device(k, (h, y))                          # loop thread
+    """
+
+    def __init__(self, device: torch.device | str, slots: int = 2):
+        self.device = canonical(device)
+        self.cuda = self.device.type == "cuda"
+        self.bufs: list[torch.Tensor | None] = [None] * slots
+        self.events: list[torch.cuda.Event | None] = [None] * slots
+        self._next = 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the slots' buffers as allocated (page-locked)."""
+        return sum(b.numel() for b in self.bufs if b is not None)
+
+    def claim(self) -> int | None:
+        """The next slot, once the copy out of its last batch has completed (None on the CPU)."""
+        if not self.cuda:
+            return None
+        k = self._next
+        self._next = (k + 1) % len(self.bufs)
+        if self.events[k] is not None:
+            self.events[k].synchronize()
+        return k
+
+    def alloc(self, k: int | None, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+        """Host tensors of these shapes and dtypes for one batch: views of slot ``k``'s buffer (grown, registered
+        anew, when a batch needs more than it holds: the slot is free once claimed), or plain tensors on the CPU."""
+        if k is None:
+            return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+        sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+        need = sum(aligned(n) for n in sizes)
+        if self.bufs[k] is None or self.bufs[k].numel() < need:
+            self.bufs[k] = None  # unregistered and freed before the larger one is locked
+            self.bufs[k] = host_buffer(need, pin=True, device=self.device)
+        out, off = [], 0
+        for (shape, dtype), n in zip(specs, sizes):
+            out.append(_view(self.bufs[k], off, dtype, torch.Size(shape)))
+            off += aligned(n)
+        return out
+
+    def stage(self, tensors: tuple) -> tuple[int | None, tuple]:
+        """``tensors`` copied into a claimed slot (the reading thread, for a reader that cannot write into
+        :meth:`alloc`'s views) -> (slot, its tensors); on the CPU (None, the tensors as they are)."""
+        k = self.claim()
+        if k is None:
+            return None, tensors
+        ts = [t for t in tensors if isinstance(t, torch.Tensor)]
+        views = iter(self.alloc(k, [(tuple(t.shape), t.dtype) for t in ts]))
+        return k, tuple(next(views).copy_(t) if isinstance(t, torch.Tensor) else t for t in tensors)
+
+    def to_device(self, k: int | None, batch: tuple) -> tuple:
+        """The batch's tensors on the device (the loop thread): copies on the current stream, then slot ``k``'s
+        event, which :meth:`claim` waits for before the slot is written again."""
+        out = tuple(t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch)
+        if k is not None:
+            if self.events[k] is None:
+                self.events[k] = torch.cuda.Event()
+            self.events[k].record(torch.cuda.current_stream(self.device))
+        return out

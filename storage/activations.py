@@ -25,8 +25,8 @@ no Zarr call per batch), checks each against its marker's checksum the first tim
 its marker was written is refused at training time, naming the shard; a resume recomputes it), keeps the last
 chunks so the batches inside one chunk do not read it again, and reads the next chunk in a thread while the
 current one is used. Groups with zstd, or markers written before per-chunk checksums, are read through Zarr,
-each shard verified whole on first use. With ``pin=True`` batches come in pinned host memory (asynchronous
-copies to a GPU).
+each shard verified whole on first use. Batches are pageable host tensors; a training loop stages them into
+page-locked memory of its own for asynchronous copies to a GPU (tasks/engine.prefetched).
 
 Usage::
 
@@ -250,13 +250,14 @@ class ActivationReader:
     """Read-only view of a finished activation group; every shard must carry a completion marker.
 
     ``verify=True`` also re-hashes every shard on open (one full extra read of the group); without it each chunk
-    is checked when first read. ``pin=True`` returns batches in pinned host memory (for a CUDA device)."""
+    is checked when first read. Batches are pageable host tensors (a view of a chunk where a batch lies inside one);
+    the loop stages them into page-locked memory of its own (tasks/engine.prefetched)."""
 
     CACHE_CHUNKS = 2  # the chunks batches were last served from (a batch may straddle two)
     PREFETCH = 8  # chunks read ahead, each in its own thread: the disk sees several requests at once
 
-    def __init__(self, store: Store, key: str, verify: bool = False, pin: bool = False, prefetch: bool = True):
-        self.store, self.key, self.pin = store, key, pin
+    def __init__(self, store: Store, key: str, verify: bool = False, prefetch: bool = True):
+        self.store, self.key = store, key
         self._hidden, self._targets, attrs = _open(store, key, read_only=True)
         self.attrs = attrs
         self.n_rows, self.seq_len, self.d_model = attrs["n_rows"], attrs["seq_len"], attrs["d_model"]
@@ -304,12 +305,12 @@ class ActivationReader:
         if self._pool is not None:  # the chunks after this batch, read while it trains
             for c in range(end, min(end + self.PREFETCH, -(-self.n_rows // cr))):
                 self._prefetch(c)
-        if end - first == 1 and self.dtype == "float32" and not self.pin:  # inside one chunk: a view, no copy
+        if end - first == 1 and self.dtype == "float32":  # inside one chunk: a view, no copy
             ch, cy = self._chunk(first)
             a, b = lo - first * cr, hi - first * cr
             return torch.from_numpy(ch[a:b]), torch.from_numpy(cy[a:b].astype(np.int64))
-        h = torch.empty((hi - lo, T, d), dtype=torch.float32, pin_memory=self.pin)  # (B, T, d)
-        y = torch.empty((hi - lo, T), dtype=torch.long, pin_memory=self.pin)  # (B, T)
+        h = torch.empty((hi - lo, T, d), dtype=torch.float32)  # (B, T, d)
+        y = torch.empty((hi - lo, T), dtype=torch.long)  # (B, T)
         hn, yn = h.numpy(), y.numpy()
         for c in range(first, end):
             ch, cy = self._chunk(c)

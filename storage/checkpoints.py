@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 import uuid
@@ -209,10 +210,38 @@ def load_from_manifest(store: Store, run_id: str, manifest: dict[str, Any], bloc
                        names: list[str] | None = None, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Load blocks named by a manifest (possibly one not yet committed, for evaluation before the commit).
     ``names`` keeps only those tensors (a tied head needs one tensor of block 0, not the whole block)."""
+    out: dict[str, torch.Tensor] = {}
+    for b, key, data in _block_files(store, run_id, manifest, blocks):
+        _add(out, st_load(data), names, manifest, device)
+    return out
+
+
+def iter_from_manifest(store: Store, run_id: str, manifest: dict[str, Any], blocks: list[int],
+                       names: list[str] | None = None):
+    """The tensors of ``blocks`` of a manifest as ``(name, tensor)``, one block file at a time, each tensor a read-only
+    view of the file's bytes (verified first): a loader copies each where it belongs (a device parameter, a streamed
+    layer's host buffer), so the host holds one block file, never a model part's tensors at once. A view is valid
+    while its block is being iterated; copy it before the next."""
+    seen: set[str] = set()
+    keep = set(names) if names is not None else None
+    for b, key, data in _block_files(store, run_id, manifest, blocks):
+        views = _views(data, key)
+        del data  # the views hold the bytes while they are iterated, and nothing holds them after
+        for name, t in views:
+            if keep is not None and name not in keep:
+                continue
+            if name in seen:
+                raise CheckpointError(f"tensor {name!r} appears in more than one block of version "
+                                      f"{manifest.get('version')}")
+            seen.add(name)
+            yield name, t
+            del t  # not alive while the next block file is read
+
+
+def _block_files(store: Store, run_id: str, manifest: dict[str, Any], blocks: list[int] | None):
+    """(block, key, bytes) of each wanted block file of ``manifest``, read whole and checked against its sha256."""
     entries, version = manifest["blocks"], manifest.get("version")
     wanted = sorted(int(b) for b in entries) if blocks is None else [int(b) for b in blocks]
-    keep = set(names) if names is not None else None
-    out: dict[str, torch.Tensor] = {}
     for b in wanted:
         if str(b) not in entries:
             raise CheckpointError(f"block {b} is not in manifest runs/{run_id}/versions/{version}.json "
@@ -226,13 +255,54 @@ def load_from_manifest(store: Store, run_id: str, manifest: dict[str, Any], bloc
         sha = sha256_bytes(data)
         if sha != entry["sha256"]:
             raise CheckpointError(f"block file {key} is corrupt: sha256 {sha} != manifest {entry['sha256']}")
-        for name, t in st_load(data).items():
-            if keep is not None and name not in keep:
-                continue
-            if name in out:
-                raise CheckpointError(f"tensor {name!r} appears in more than one block of version {version}")
-            out[name] = t.to(device)
-    return out
+        yield b, key, data
+        del data  # before the next file is read: one file's bytes at a time
+
+
+def _add(out: dict, tensors: dict, names, manifest: dict, device) -> None:
+    keep = set(names) if names is not None else None
+    for name, t in tensors.items():
+        if keep is not None and name not in keep:
+            continue
+        if name in out:
+            raise CheckpointError(f"tensor {name!r} appears in more than one block of version "
+                                  f"{manifest.get('version')}")
+        out[name] = t.to(device)
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def _views(data: bytes, key: str):
+    """The tensors of a safetensors file's bytes as zero-copy views, in file order (the format: an 8-byte
+    little-endian header length, a JSON header of name -> dtype, shape, [begin, end) in the data, then the data).
+    ``safetensors.torch.load`` would copy every tensor out at once; the file was verified by its sha256 already."""
+    import warnings
+
+    try:
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        header.pop("__metadata__", None)
+        items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"block file {key} is not a safetensors file ({e})"[:300]) from None
+    for name, h in items:
+        dtype = _ST_DTYPES.get(h.get("dtype"))
+        a, b = h["data_offsets"]
+        shape = tuple(h["shape"])
+        if dtype is None or not 0 <= a <= b <= len(data) - 8 - n:
+            raise CheckpointError(f"block file {key}: tensor {name!r} has an unreadable header entry {h!r}"[:300])
+        size = torch.empty((), dtype=dtype).element_size()
+        if (b - a) != math.prod(shape) * size:
+            raise CheckpointError(f"block file {key}: tensor {name!r} has {b - a} bytes for shape {shape}"[:300])
+        if a == b:
+            yield name, torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():  # bytes are read-only: the view is only ever read (copied from)
+            warnings.simplefilter("ignore", UserWarning)
+            yield name, torch.frombuffer(data, dtype=dtype, count=(b - a) // size, offset=8 + n + a).view(shape)
 
 
 def commit_version(store: Store, run_id: str, base_version: int, new_version: int,

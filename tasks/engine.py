@@ -29,6 +29,7 @@ from bcdflow.core.spend import spent_at
 from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import no_grad_memory, no_grad_rows, visit_memory
 from bcdflow.models.plan import block_tensors
+from bcdflow.models.stream import BatchStage
 from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
 from bcdflow.models.visit_compute import autocast, prefix_hidden, visit_loss
 from bcdflow.storage import activations, checkpoints, trainckpt
@@ -123,27 +124,21 @@ def counted(fetch: Callable) -> Callable:
     return fetch_counted
 
 
-def pinned(fetch: Callable, device: torch.device) -> Callable:
-    """``fetch`` whose tensors are page-locked (CUDA), in the reading thread: the copy to the device is then
-    asynchronous on the compute stream; from pageable memory it would be a staged, synchronous one."""
-    if device.type != "cuda":
-        return fetch
-
-    def fetch_pinned(a: int, b: int):
-        return tuple(t.pin_memory() if isinstance(t, torch.Tensor) and not t.is_pinned() else t for t in fetch(a, b))
-    return fetch_pinned
-
-
 def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> Iterator:
     """Read batch k+1 from the store while batch k trains (tensors of a batch go to the device, other items as
-    they are)."""
-    fetch = pinned(fetch, torch.device(device))
+    they are). On CUDA a batch passes through a page-locked slot of a :class:`~bcdflow.models.stream.BatchStage`
+    (exactly its bytes, counted by the planner), so its copy to the device is asynchronous on the compute stream."""
+    stage = BatchStage(device)
+
+    def fetch_staged(a: int, b: int):
+        return stage.stage(fetch(a, b))  # (slot, batch): in the reading thread
+
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(fetch, *next(ranges))
+        fut = pool.submit(fetch_staged, *next(ranges))
         while True:
-            batch = fut.result()
-            fut = pool.submit(fetch, *next(ranges))
-            yield tuple(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch)
+            k, batch = fut.result()
+            fut = pool.submit(fetch_staged, *next(ranges))  # two slots: this one waits for batch k-1's copy only
+            yield stage.to_device(k, batch)
 
 
 def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single",
@@ -454,8 +449,7 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held: VisitHolding, val: list, *
 
     rows = visit_rows(cfg, ds.n_train, vs.cycle, block)
     if vs.from_acts:
-        read = activations.ActivationReader(ctx.store, ctx.acts_key(vs.cycle, block),
-                                            pin=device.type == "cuda").read  # (B, T, C), (B, T)
+        read = activations.ActivationReader(ctx.store, ctx.acts_key(vs.cycle, block)).read  # (B, T, C), (B, T)
     else:
         def read(a: int, b: int):
             return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE_INDEX)

@@ -43,16 +43,16 @@ def preinfer_shard(ctx: RunContext, cycle: int, block: int, version: int, shard:
     inputs, targets = ctx.dataset.train_pairs(rows)  # (n, T) each; masked targets are -100
     layer = ctx.plan[block].layers[0]
     cuda = ctx.device.type == "cuda"
-    if cuda:
-        inputs = inputs.pin_memory()  # (n, T) int64: a few MB; the copies below are then asynchronous
+    # the shard's token ids to the device in one copy (n, T) int64, a few MB: not through torch's pinned allocator
+    # (rounded to a power of two, cached, uncounted), and the batches below are slices of it
+    inputs = inputs.to(ctx.device)
     step = ctx.preinfer_rows(block)  # the no-grad batch: the most rows that fit the device, not the training batch
     with ctx.staging((len(rows), ctx.dataset.seq_len, ctx.model_cfg.d_model)) as hidden:  # (n, T, C) on the host
         # one shard computes at a time: shard tasks share the prefix (its stream, a batch's worth of memory); the
         # other writes its shard to the store meanwhile
         with ctx.prefix_lock, torch.inference_mode(), autocast(ctx.device, cfg.train.precision):
             for a in range(0, len(rows), step):  # each batch's states copied out without a host sync
-                x = inputs[a:a + step].to(ctx.device, non_blocking=True)
-                hidden[a:a + step].copy_(prefix_hidden(prefix, x, layer).float(), non_blocking=True)
+                hidden[a:a + step].copy_(prefix_hidden(prefix, inputs[a:a + step], layer).float(), non_blocking=True)
             if cuda:
                 torch.cuda.current_stream(ctx.device).synchronize()  # once per shard: the states are on the host
         failpoints.hit("preinfer-computed")

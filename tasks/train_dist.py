@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from bcdflow.core import stop_signals
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, check_gpus
+from bcdflow.core.context import RunContext, check_gpus, resolve_device
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.models import build_model
 from bcdflow.models import parallel as par
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(str(os.getpid()))
     with stop_signals.training():  # from the start: a SIGTERM while loading is a checkpoint after the first step
         cfg = RunConfig.model_validate(spec["cfg"])
-        cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+        cuda = resolve_device(cfg.train.device).type == "cuda"
         device = par.local_device() if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)
