@@ -158,3 +158,40 @@ def test_cuda_peak_matches_the_planner():
             assert abs(est.peak / measured - 1) <= 0.10, (blk.index, recompute, measured, est.peak)
             del v
             torch.cuda.empty_cache()
+
+
+def test_one_device_identity_and_no_device_compared_whole():
+    """``train.device`` resolves to the name its tensors report where that is an index (``auto``/``cuda`` ->
+    ``cuda:N``; ``cpu:0``, the CPU's stand-in for an indexed name, is accepted and kept), and no code of the package
+    compares ``torch.device`` objects: ``torch.device("cuda") != torch.device("cuda", 0)``, which is how the first
+    streamed path packed no saved weight on a GPU. Device types and storage addresses are what the code compares."""
+    import pathlib
+    import re
+
+    from bcdflow.core.context import resolve_device
+
+    assert resolve_device("cpu:0") == torch.device("cpu", 0) and resolve_device("cpu").type == "cpu"
+    assert load_config(sets=[*TINY, "train.device=cpu:0"]).train.device == "cpu:0"
+    with pytest.raises(ConfigError, match=r"^train\.device: "):
+        load_config(sets=[*TINY, "train.device=cpu:1"])
+    root = pathlib.Path(__file__).resolve().parent.parent
+    whole = re.compile(r"\.device\s*[!=]=|[!=]=\s*[\w.]*\.device\b(?!\.)|torch\.device\([^)]*\)\s*[!=]=")
+    hits = [f"{p.relative_to(root)}:{n}" for layer in ("core", "models", "tasks", "flows", "storage", "tracking")
+            for p in (root / layer).rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
+            if whole.search(line.split("#")[0]) and '"""' not in line and "``" not in line]
+    assert not hits, hits
+
+
+def test_train_memory_gb_caps_the_allocator_at_that_card_less_its_context():
+    """The fraction of a bigger GPU the run's allocator may use for ``train.memory_gb`` (core/context.cap_fraction;
+    on CUDA ``RunContext.device`` sets it: tests/test_gpu.py): the card less the CUDA context; a card bigger than the
+    GPU is bad input naming the key."""
+    from bcdflow.core.context import cap_fraction
+    from bcdflow.errors import BadInput
+    from bcdflow.models.memory import CONTEXT_BYTES, GB
+
+    total = 80 * GB
+    assert cap_fraction(24, total) == pytest.approx((24 * GB - CONTEXT_BYTES) / total)
+    assert cap_fraction(80.5, total) == pytest.approx(1.0)
+    with pytest.raises(BadInput, match=r"^train\.memory_gb: 96 GB asked for, but this GPU has 80\.0 GB"):
+        cap_fraction(96, total)

@@ -68,18 +68,41 @@ def test_the_time_model_counts_copies_per_phase_and_when_they_hide():
     plan = model_plan(cfg, 12)
     e = visit_memory(cfg, plan, 0, 2, 1024, "bf16", stream=True)
     sizes = {i: f for i, (_, f) in e.layer_sizes.items()}
-    t = step_time(cfg, plan, 0, 2, 1024, recompute=True, streamed=e.streamed, sizes=sizes)
+    t = step_time(cfg, plan, 0, 2, 1024, recompute=True, streamed=e.streamed, sizes=sizes, precision="bf16")
     assert t.streamed_s > t.resident_s > 0 and t.copy_fwd_bytes > 0 and t.copy_bwd_bytes > 0
     assert t.copy_fwd_bytes + t.copy_bwd_bytes == e.copy_bytes  # the same slot plan as the memory estimate
     # a fully streamed forward at 2x1024 is PCIe-bound: each Llama-3-8B layer copies in 17 ms at 25 GB/s and
     # computes in 11 ms at 80 TFLOP/s; from the tokens the model names, the copies hide (within 1%)
     assert t.hides_at_tokens and t.hides_at_tokens > 2048
     rows = math.ceil(t.hides_at_tokens / 1024)
-    big = step_time(cfg, plan, 0, rows, 1024, recompute=True, streamed=e.streamed, sizes=sizes)
+    big = step_time(cfg, plan, 0, rows, 1024, recompute=True, streamed=e.streamed, sizes=sizes, precision="bf16")
     assert big.overhead <= 0.011
     # resident: no copies, no overhead; recompute adds the suffix's forward to the resident time
-    plain = step_time(cfg, plan, 0, 2, 1024, recompute=False)
+    plain = step_time(cfg, plan, 0, 2, 1024, recompute=False, precision="bf16")
     assert plain.overhead == 0 and plain.resident_s < t.resident_s
+
+
+def test_the_time_model_is_per_precision():
+    """fp32 (the default precision) computes at about half bf16's rate on a 4090 (CUDA cores, no TF32): the same
+    visit's resident step takes twice as long, so the same copies hide behind it from half the tokens; a given
+    ``train.tflops`` overrides both. One constant for both (80) made fp32 visits look twice as fast as they run."""
+    from bcdflow.models.holding import TFLOPS, tflops_for
+
+    cfg = llama8b()
+    plan = model_plan(cfg, 12)
+    e = visit_memory(cfg, plan, 0, 2, 1024, "bf16", stream=True)
+    sizes = {i: f for i, (_, f) in e.layer_sizes.items()}
+    t = {p: step_time(cfg, plan, 0, 2, 1024, recompute=True, streamed=e.streamed, sizes=sizes, precision=p)
+         for p in ("fp32", "bf16")}
+    assert TFLOPS["fp32"] == TFLOPS["bf16"] / 2 and tflops_for("bf16", 120.0) == 120.0
+    assert t["fp32"].resident_s == pytest.approx(2 * t["bf16"].resident_s)
+    assert t["fp32"].overhead < t["bf16"].overhead and t["fp32"].hides_at_tokens < t["bf16"].hides_at_tokens
+    given = step_time(cfg, plan, 0, 2, 1024, recompute=True, precision="fp32", tflops=TFLOPS["bf16"])
+    assert given.resident_s == pytest.approx(t["bf16"].resident_s)
+    # the holding a run chooses times it at its precision
+    h = {p: choose_holding(cfg, plan, 0, 2, 1024, p, device_budget(80 * GB).usable, recompute="on", offload="stream")
+         for p in ("fp32", "bf16")}
+    assert h["fp32"].time.resident_s == pytest.approx(2 * h["bf16"].time.resident_s)
 
 
 def test_auto_picks_the_faster_way_that_fits():
