@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # 2 cores the load made 2 of 8 such runs fail a timing-sensitive test, so it is not the default
 TEST_WORKERS ?= 0
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench gpu-wheels gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,15 @@ test-fast: $(STAMP)   # the inner loop: everything but the end-to-end runs (4.4 
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks run --quick
+
+gpu-wheels:   # here, with network: the cp312 wheels the GPU machine lacks, into .whl/ (git-ignored; carry it there)
+	bash benchmarks/gpu/wheels.sh
+
+# on a GPU machine: the GPU tests and figures into $(GPU_OUT) (gpu_check.json, gpu_check.md; under 8 min on an H100),
+# with the .venv's CUDA torch or the machine's own python3 and the wheels of .whl/; without a GPU a CPU smoke run
+GPU_OUT ?= gpu-check-out
+gpu-check:
+	bash benchmarks/gpu/check.sh $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) bcdflow-store

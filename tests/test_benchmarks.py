@@ -269,6 +269,8 @@ def test_streaming_benchmark_runs_the_engine_on_every_holding(tmp_path):
         assert s["host_bytes"] == s["planned_host_bytes"] and s["copied_bytes_per_step"] == s["planned_copy_bytes"]
         assert s["device_buffers"] <= 2 and s["resident_layers"] == 0
     assert res["visits"][0]["stream"]["copied_bytes_per_step"] > 0  # block 0 holds the whole frozen suffix
+    # bcd.expand=lora is the default: the suffix's adapters are built, attached and stepped as a visit's are
+    assert [v["stream"]["expand_rank"] for v in res["visits"]] == [16, 16, 0]
 
 
 def test_finetune_tiny_end_to_end(tmp_path, monkeypatch, prefect_server):
@@ -308,3 +310,41 @@ def test_the_benchmark_command_line_leaves_prefect_to_its_settings():
     out = subprocess.run([sys.executable, "-c", "import benchmarks.cli, sys; print('prefect' in sys.modules)"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_make_gpu_check_runs_its_smoke_mode_without_a_gpu(tmp_path):
+    """``make gpu-check`` on a machine without a GPU (CI, this CPU): the same check at tiny shapes on the CPU, exit 0,
+    a report that says no GPU figures were taken, every section run without an error, and the engine's streamed
+    visit (train.device=cpu:0, expansion on) bitwise the resident one. So the check a GPU session runs cannot rot."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run(["bash", "benchmarks/gpu/check.sh", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["smoke"] and "no GPU figures were taken" in (tmp_path / "gpu_check.md").read_text()
+    assert not [k for k, v in report["sections"].items() if "error" in v], report["sections"]
+    assert report["sections"]["gpu_tests"]["skipped"] == report["sections"]["gpu_tests"]["tests"] > 0
+    rows = [v for v in report["sections"]["llama8b"].values() if isinstance(v, dict)]
+    assert len(rows) == 2 and all(r["streamed_layers"] > 0 and r["host_bytes"] == r["planned_host_bytes"] for r in rows)
+    e = report["sections"]["engine"]
+    assert e["bitwise"] and e["streamed_layers"] > 0 and e["expanded_blocks"]
+
+
+def test_gpu_check_refuses_a_machine_with_a_gpu_but_no_cuda_torch(tmp_path):
+    """A GPU on the machine (nvidia-smi answers) but no Python there whose torch sees CUDA: one line naming the
+    Pythons it tried, exit 2, nothing run."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SYS_PY": sys.executable}
+    p = subprocess.run(["bash", "benchmarks/gpu/check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "no Python here has a CUDA torch" in err[0] and sys.executable in err[0], err
+    assert not (tmp_path / "out" / "gpu_check.json").exists()
