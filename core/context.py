@@ -162,12 +162,14 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False) -> None:
             return
     if not cfg.fleet.visit_pool:
         check_gpus(cfg)  # the device, and train.gpus against this machine
-        check_plan_fits(cfg)  # the visits fit the device; the host holds what they stream
+        check_model_size(cfg)  # before the plan's fit: a model no machine builds says so, not its host peak
+        check_plan_fits(cfg)  # the visits fit the device; the host holds what they stream and load
     if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
         raise BadInput(f"data.tokenizer: no such file {cfg.data.tokenizer!r}")
     if cfg.model.from_hf:  # every shard, tensor and the tokenizer
         hf_import.check_checkpoint(cfg)
-    check_model_size(cfg)  # version 0 is built by the run's process, whoever trains the visits
+    if cfg.fleet.visit_pool:
+        check_model_size(cfg)  # version 0 is built by the run's process, whoever trains the visits
     if cfg.data.files:
         files = data_files(cfg)
         if sum(os.path.getsize(f) for f in files) == 0:
