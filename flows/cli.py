@@ -20,9 +20,11 @@ Prefect nor torch, so they answer at once; what needs them imports them inside t
 What goes wrong is said in one line on stderr, never with a traceback (``--debug`` shows them):
 
 - bad input (an unknown key or value, a missing data file, an empty or binary corpus, an invalid run id, a
-  device this machine lacks, a store that cannot be reached): exit 2, checked before anything is written;
+  device this machine lacks, a store, MLflow server or PREFECT_HOME that cannot be reached or written, an
+  argument out of its bounds): exit 2, checked before anything is written;
 - a damaged store (a truncated state.json, a missing config.json, manifest or block file, a corrupt shard or
-  checkpoint): exit 1, naming the object and what to do;
+  checkpoint, any record out of its type or range): exit 1, naming the object and what to do;
+- a closed output pipe (``bcdflow runs | head -1``): exit 141, quietly;
 - a fault during a run (the store stayed down through the retries): exit 1, with the line that resumes it;
 - Ctrl-C: the trainer checkpoints, exit 130 with the line that resumes it.
 """
