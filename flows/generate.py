@@ -105,12 +105,12 @@ def generate(store, run_id: str, prompt: str, version: int | None = None, max_ne
         if i != eos:
             drawn.append(i)
         text = tok.decode(drawn)
-        if on_text is not None and text.startswith(shown) and not text.endswith("\ufffd") and len(text) > len(shown):
+        if text.startswith(shown) and not text.endswith("\ufffd") and len(text) > len(shown):
             on_text(text[len(shown):])
             shown = text
 
     out = sample(model, ids, max_new_tokens, temperature, top_k, gen, stop_id=eos, vocab=tok.get_vocab_size(),
-                 on_token=show)
+                 on_token=show if on_text is not None else None)
     text = tok.decode([i for i in out if i != eos])
     if on_text is not None and text.startswith(shown) and len(text) > len(shown):
         on_text(text[len(shown):])
