@@ -20,6 +20,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from bcdflow.constants import MAX_LEASE_SECONDS
 from bcdflow.core.orders import ORDERS
 from bcdflow.core.spend import DEFAULT_KIND, DEFAULT_PRICES, parse_prices
 from bcdflow.models.model_config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelConfig, get_config
@@ -406,7 +407,7 @@ class FleetSection(_Section):
     """An existing Dask scheduler (tcp://host:8786); None = a LocalCluster of ``dask_workers`` processes."""
     dask_workers: int = Field(2, ge=1)
     """Worker processes of the local Dask cluster (no ``dask_address``)."""
-    lease_seconds: float = Field(60.0, ge=2, le=86400)
+    lease_seconds: float = Field(60.0, ge=2, le=MAX_LEASE_SECONDS)
     """How long a run's (or a visit's) lease lasts without renewal (renewed every third of it): after a crash
     elsewhere, the wait before another process may take the run over. At most a day: longer can only be a
     mistake (and overflows the keep-alive thread's timer)."""
@@ -442,7 +443,8 @@ class RunConfig(_Section):
     store: str = "./bcdflow-store"
     """Any fsspec URL: a local path, memory://, s3://bucket/prefix."""
     tracking_uri: str | None = None
-    """MLflow tracking URI; None = a SQLite file next to a local store; "none" = tracking off."""
+    """MLflow tracking URI; None = ``MLFLOW_TRACKING_URI`` from the environment, else a SQLite file next to a local
+    store; "none" = tracking off."""
     experiment: str = "bcdflow"
     """The MLflow experiment runs are logged to."""
     log_model: bool = True
@@ -512,8 +514,12 @@ class RunConfig(_Section):
         return backend.options(getattr(self, backend.name)) if backend is not None else {}
 
     def resolved_tracking_uri(self) -> str:
+        """``tracking_uri``, else ``MLFLOW_TRACKING_URI`` from the environment (as MLflow itself honours it), else a
+        SQLite database in a local store (or the working directory)."""
         if self.tracking_uri:
             return self.tracking_uri
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            return os.environ["MLFLOW_TRACKING_URI"]
         if "://" not in self.store or self.store.startswith("file://"):
             root = os.path.abspath(os.path.expanduser(self.store.removeprefix("file://")))
             return f"sqlite:///{root}/mlflow.db"
@@ -640,10 +646,16 @@ def _flat(msg) -> str:
     return " ".join(str(msg).split())
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a run config is a few kB; anything near this is not one (a corpus given as -c)
+
+
 def _read_config_file(file: str) -> dict:
     if not os.path.isfile(file):
         what = "is not a regular file" if os.path.exists(file) else "does not exist"
         raise ConfigError(f"config file {file!r} {what}")
+    if (size := os.path.getsize(file)) > MAX_CONFIG_BYTES:  # refused before it is read
+        raise ConfigError(f"config file {file!r} is {size} bytes: a run config is at most {MAX_CONFIG_BYTES} bytes "
+                          "(is it the right file?)")
     try:
         with open(file, "rb") as f:
             data = f.read()

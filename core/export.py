@@ -53,10 +53,84 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "generation_config.json")
 
 
+def stored_model(store: Store, run_id: str, version: int) -> tuple[dict, ModelConfig, dict]:
+    """(the run's config, its model config, manifest ``version``), each checked before anything is read or written:
+    the model config must build, and the manifest must hold exactly the blocks of the run's plan, so no export and no
+    sample is made of a model with a block missing (damage naming the file: exit 1)."""
+    conf = runs.read_config(store, run_id)
+    try:
+        mcfg = ModelConfig.from_dict(conf["model_resolved"])
+        blocks = [int(b["index"]) for b in conf["plan"]["blocks"]]
+    except (BadInput, KeyError, TypeError, ValueError) as e:
+        raise runs.RunStateError(f"run config {store.url_of(layout.config_key(run_id))} is damaged (its model or plan: "
+                                 f"{type(e).__name__}: {str(e)[:200]}); restore the object") from None
+    return conf, mcfg, checkpoints.read_manifest(store, run_id, version, blocks=blocks)
+
+
+def load_block(store: Store, run_id: str, conf: dict, mcfg: ModelConfig, manifest: dict, b: int,
+               device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Block ``b``'s tensors of ``manifest`` (checksum verified on load), checked to be exactly the parameters the
+    run's plan gives the block, at the model's shapes: a file that reads but holds another model is damage."""
+    tensors = checkpoints.load_from_manifest(store, run_id, manifest, [b], device=device)
+    block = next(x for x in conf["plan"]["blocks"] if int(x["index"]) == b)
+    shapes = param_shapes(mcfg)
+    want = set(block.get("params") or [])
+    wrong = sorted(set(tensors) ^ want) or [n for n in sorted(want) if tuple(tensors[n].shape) != shapes.get(n)]
+    if wrong:
+        entry = manifest["blocks"][str(b)]["file"]
+        raise checkpoints.CheckpointError(f"block file {store.url_of(layout.run_key(run_id, entry))} (block {b} of "
+                                          f"version {manifest['version']}) does not hold the block's tensors as the "
+                                          f"run's plan names them ({', '.join(wrong[:3])}...); restore it")
+    return tensors
+
+
+def load_model_state(store: Store, run_id: str, version: int,
+                     device: str | torch.device = "cpu") -> tuple[dict, ModelConfig, dict[str, torch.Tensor]]:
+    """(config, model config, every tensor of ``version``), checked block by block (``stored_model``, ``load_block``)."""
+    conf, mcfg, manifest = stored_model(store, run_id, version)
+    tensors: dict[str, torch.Tensor] = {}
+    for b in sorted(int(k) for k in manifest["blocks"]):
+        tensors.update(load_block(store, run_id, conf, mcfg, manifest, b, device))
+    return conf, mcfg, tensors
+
+
+def export_bytes(store: Store, run_id: str, version: int, fmt: str = "bcdflow", dtype: str | None = None) -> int:
+    """About how many bytes an export writes: the version's block files (``bcdflow``), or its parameters in the export
+    dtype (``hf``); what ``check_room`` asks of the target's file system before anything is written."""
+    conf, mcfg, manifest = stored_model(store, run_id, version)
+    if fmt != "hf":
+        return sum(e["bytes"] for e in manifest["blocks"].values())
+    name = DTYPE_NAMES.get(dtype, dtype) or ((conf.get("hf") or {}).get("dtype") or "float32")
+    itemsize = hfmap.DTYPES[name].itemsize if name in hfmap.DTYPES else 4
+    return sum(torch.Size(s).numel() for s in param_shapes(mcfg).values()) * itemsize
+
+
+def check_room(out_dir: str, need: int) -> None:
+    """BadInput, before anything is written, when the file system that would hold ``out_dir`` has less room free
+    than ``need`` bytes (and a margin of 1%)."""
+    at = os.path.abspath(os.path.expanduser(out_dir))
+    while not os.path.exists(at):
+        at = os.path.dirname(at)
+    free = shutil.disk_usage(at).free
+    if free < need * 1.01:
+        raise BadInput(f"export: {out_dir} needs about {need / 1e6:.1f} MB and {at} has {free / 1e6:.1f} MB free; "
+                       "export elsewhere or free space")
+
+
+def check_outside_store(out_dir: str, store: Store) -> None:
+    """BadInput when ``out_dir`` lies inside a local store's folder (as the file system resolves both): an export
+    there would put files bcdflow did not make among the run's objects, and ``rm``/``prune`` of a run remove them."""
+    if not store.is_local:
+        return
+    out = os.path.realpath(os.path.abspath(os.path.expanduser(out_dir)))
+    root = os.path.realpath(store.root)
+    if out == root or out.startswith(root + os.sep):
+        raise BadInput(f"export: {out_dir} is inside store {store.url}: export outside the store's folders")
+
+
 def export_version(store: Store, run_id: str, version: int, out_dir: str) -> int:
     """Write version ``version`` of ``run_id`` to ``out_dir``; returns the number of tensors."""
-    tensors = checkpoints.load_blocks(store, run_id, version)
-    cfg = runs.read_config(store, run_id)
+    cfg, _, tensors = load_model_state(store, run_id, version)
     os.makedirs(out_dir, exist_ok=True)
     with _writing(os.path.join(out_dir, "model.safetensors")) as path:
         _save(tensors, path, metadata={"run_id": run_id, "version": str(version)})
@@ -72,8 +146,11 @@ def export_version(store: Store, run_id: str, version: int, out_dir: str) -> int
 
 
 def check_target(out_dir: str) -> str:
-    """The absolute export directory: new or empty, never a file, in a directory that can be created."""
+    """The absolute export directory: new or empty, never a file or a link (the export is renamed into place, which
+    would replace a link, not fill where it leads), in a directory that can be created."""
     out = os.path.abspath(os.path.expanduser(out_dir))
+    if os.path.islink(out):
+        raise BadInput(f"export: {out_dir} is a symbolic link (to {os.readlink(out)}): give the directory itself")
     if os.path.exists(out) and not os.path.isdir(out):
         raise BadInput(f"export: {out_dir} exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out):
@@ -159,8 +236,7 @@ def export_hf(store: Store, run_id: str, version: int, out_dir: str, dtype: str 
               max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
     """Write version ``version`` of ``run_id`` as a Hugging Face model directory; returns the tensor count.
     ``dtype``: ``bf16``/``fp16``/``fp32`` (or torch's names); None = the source checkpoint's, fp32 otherwise."""
-    conf = runs.read_config(store, run_id)
-    mcfg = ModelConfig.from_dict(conf["model_resolved"])
+    conf, mcfg, _ = stored_model(store, run_id, version)
     src = conf.get("hf")
     dtype = DTYPE_NAMES.get(dtype, dtype) or (src["dtype"] if src else "float32")
     if dtype not in hfmap.DTYPES:
@@ -181,11 +257,11 @@ def _write_weights(store: Store, run_id: str, version: int, mcfg: ModelConfig, p
     """One model.safetensors, or above ``max_shard_bytes`` one shard per block plus the index."""
     total = sum(torch.Size(s).numel() for s in param_shapes(mcfg).values()) * dtype.itemsize
     blocks = [b["index"] for b in plan["blocks"]]
-    manifest = checkpoints.read_manifest(store, run_id, version)
+    conf, _, manifest = stored_model(store, run_id, version)
 
     def hf_block(b: int) -> dict[str, torch.Tensor]:
         out = {}
-        for name, t in checkpoints.load_from_manifest(store, run_id, manifest, [b]).items():
+        for name, t in load_block(store, run_id, conf, mcfg, manifest, b).items():
             key, t = hfmap.to_hf(mcfg, name, t)
             out[key] = t.to(dtype).contiguous()
         return out
@@ -216,6 +292,7 @@ def _hf_config_and_files(store: Store, run_id: str, conf: dict, mcfg: ModelConfi
     src = conf.get("hf")
     if src:  # the source checkpoint's own files: the model is the same architecture, only trained
         config = json.loads(store.read_bytes(layout.hf_key(run_id, "config.json")))
+        config = hfmap.with_defaults_stated(config, mcfg, dtype)  # a null read as a default: that default, written
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":
                 config[key] = dtype

@@ -33,7 +33,7 @@ from bcdflow.tasks.data import prepare_data
 from bcdflow.tasks.report import report_run
 from bcdflow.tasks.run import init_run, note_state
 from bcdflow.tasks.train import choose_block
-from bcdflow.tracking.tracker import Tracker
+from bcdflow.tracking.tracker import Tracker, check_reachable
 
 
 def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
@@ -42,6 +42,7 @@ def run_bcd(cfg: RunConfig, run_id: str, mode: str) -> dict:
     get_run_logger().info("bcdflow run %s (%s) on store %s", run_id, mode, cfg.store)
     check_run_id(run_id)
     preflight(cfg, in_flow=True)  # done already when the CLI started this flow; a deployment's run checks here
+    check_reachable(cfg.resolved_tracking_uri())  # an MLflow server that does not answer: refused before any write
     store = open_store(cfg)
     dataset_id = prepare_data(cfg, store)  # shared and content-addressed: needs no lease (bad data: no run)
     lease = Lease(store, layout.run_key(run_id), f"run {run_id!r}", ttl=cfg.fleet.lease_seconds,
@@ -86,7 +87,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
                            tags={**prefect_tags(), "bcdflow.run_id": run_id,
                                  "bcdflow.mode": mode, "bcdflow.dataset": dataset_id},
                            resume_id=state.mlflow_run_id, system_metrics=True)
-    if parent and not state.mlflow_run_id:
+    if parent and parent != state.mlflow_run_id:  # a new run, or one continuing a run this backend lacks
         state = note_state(cfg, run_id, run_fence, mlflow_run_id=parent)
     visits = list(state.visits)
     art = artifacts.RunArtifacts(run_id, store.url, cfg.bcd.cycles * n_blocks)

@@ -20,9 +20,11 @@ Prefect nor torch, so they answer at once; what needs them imports them inside t
 What goes wrong is said in one line on stderr, never with a traceback (``--debug`` shows them):
 
 - bad input (an unknown key or value, a missing data file, an empty or binary corpus, an invalid run id, a
-  device this machine lacks, a store that cannot be reached): exit 2, checked before anything is written;
+  device this machine lacks, a store, MLflow server or PREFECT_HOME that cannot be reached or written, an
+  argument out of its bounds): exit 2, checked before anything is written;
 - a damaged store (a truncated state.json, a missing config.json, manifest or block file, a corrupt shard or
-  checkpoint): exit 1, naming the object and what to do;
+  checkpoint, any record out of its type or range): exit 1, naming the object and what to do;
+- a closed output pipe (``bcdflow runs | head -1``): exit 141, quietly;
 - a fault during a run (the store stayed down through the retries): exit 1, with the line that resumes it;
 - Ctrl-C: the trainer checkpoints, exit 130 with the line that resumes it.
 """
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import os
 import subprocess
@@ -40,11 +41,12 @@ from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows.compare import BRACKET_TOL, TOL
 from bcdflow.flows.status import cmd_runs, cmd_status, existing_state as _existing_state, status_dict, status_table
 from bcdflow.flows.store_admin import cli_store as _store
+from bcdflow.tracking.tables import strict_json
 
 # Prefect, torch and what imports them (flows, tasks, core.context, core.config) are imported inside the commands
 # that need them, after _env_defaults: Prefect reads PREFECT_HOME and its other settings when it is first imported,
 # and the read-only commands answer at once (tests/test_cli.py checks what `bcdflow --help` imports).
-EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
+EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PIPE = 2, 1, 130, 141  # 141: 128 + SIGPIPE, as `yes | head`
 
 DEMO = [
     "model.name=tiny", "data.seq_len=128", "data.vocab_size=2048", "bcd.blocks=3", "bcd.cycles=2",
@@ -201,6 +203,29 @@ def check_prefect_api() -> None:
                        f"server, or unset the setting to run on bcdflow's embedded default: {how}") from None
 
 
+def check_prefect_home() -> None:
+    """Prefect keeps its database, profiles and logs in ``PREFECT_HOME`` (default ``~/.prefect``): one that cannot be
+    written (below a file, no permission) would make the temporary server retry for minutes. Bad input naming the
+    variable, checked before Prefect is imported."""
+    home = os.path.abspath(os.path.expanduser(os.environ.get("PREFECT_HOME") or "~/.prefect"))
+    at = home
+    while not os.path.exists(at) and os.path.dirname(at) != at:
+        at = os.path.dirname(at)
+    if not (os.path.isdir(at) and os.access(at, os.W_OK | os.X_OK)):
+        why = "is not a directory" if at == home else f"cannot be created ({at} is not a writable directory)"
+        raise BadInput(f"PREFECT_HOME: {home} {why}: set PREFECT_HOME to a writable directory "
+                       "(e.g. export PREFECT_HOME=$PWD/.prefect)")
+
+
+def check_tracking(cfg) -> None:
+    """An MLflow tracking server the run would log to must answer before anything is written (tracking/tracker.py):
+    the one line names where its address came from (``tracking_uri``, or ``MLFLOW_TRACKING_URI``)."""
+    from bcdflow.tracking.tracker import check_reachable
+
+    setting = "tracking_uri" if cfg.tracking_uri else "MLFLOW_TRACKING_URI (in the environment)"
+    check_reachable(cfg.resolved_tracking_uri(), setting)
+
+
 def _check_run_id(run_id: str | None) -> None:
     from bcdflow.storage.layout import check_run_id
 
@@ -233,7 +258,9 @@ def _config(args, base: list[str] | None = None, mode: str = "bcd"):
     if getattr(args, "store", None):
         sets.append(f"store={args.store}")
     cfg = load_config(args.config, sets)
+    check_prefect_home()
     check_prefect_api()
+    check_tracking(cfg)
     _preflight(cfg, mode)
     return cfg
 
@@ -291,7 +318,7 @@ def _run(args, mode: str, base: list[str] | None = None) -> dict:
     _check_continuable(open_store(cfg), run_id)
     _check_same_data(open_store(cfg), run_id, cfg)
     summary = _call(full_train_config if mode == "full" else bcd_train_config, cfg, run_id, args.debug)
-    print(json.dumps(summary, indent=2))
+    print(strict_json(summary))
     return {"cfg": cfg, "run_id": run_id, "summary": summary}
 
 
@@ -309,7 +336,7 @@ def cmd_resume(args) -> int:
     """Continue a run from its stored config: committed visits are skipped, complete shards reused, an
     interrupted visit continues from its last checkpoint, the MLflow run is continued."""
     from bcdflow.core.config import RunConfig, parse_config, with_former_defaults
-    from bcdflow.storage import runs
+    from bcdflow.storage import layout, runs
 
     store = _store(args.store, args)
     state = _existing_state(store, args.run_id)
@@ -319,14 +346,20 @@ def cmd_resume(args) -> int:
         return 0
     stored = with_former_defaults(runs.read_config(store, args.run_id))  # a run continues as it was trained
     raw = {k: v for k, v in stored.items() if k in RunConfig.model_fields}
-    cfg = parse_config({**raw, "store": args.store})
+    try:
+        cfg = parse_config({**raw, "store": args.store})
+    except BadInput as e:  # the stored config, not the command line (the store was checked above)
+        raise runs.RunStateError(f"run config {store.url_of(layout.config_key(args.run_id))} is damaged ({e}); "
+                                 "restore the object") from None
+    check_prefect_home()
     check_prefect_api()
+    check_tracking(cfg)
     _preflight(cfg, stored.get("mode", "bcd"))
     _check_same_data(store, args.run_id, cfg)
     from bcdflow.flows.bcd import bcd_train_config, full_train_config
 
     fn = full_train_config if stored.get("mode") == "full" else bcd_train_config
-    print(json.dumps(_call(fn, cfg, args.run_id, args.debug), indent=2))
+    print(strict_json(_call(fn, cfg, args.run_id, args.debug)))
     return 0
 
 
@@ -381,13 +414,14 @@ def next_steps(run_id: str, store: str) -> str:
 
 
 def cmd_compare(args) -> int:
-    from bcdflow.flows.compare import check_plot_path, compare, plot
+    from bcdflow.flows.compare import check_plot_path, check_tolerances, compare, plot
 
+    check_tolerances(args.tol, args.bracket_tol)
     if args.plot:
         check_plot_path(args.plot)
     store = _store(args.store, args, write=False)
     result = compare(store, args.run_ids, target=args.target, tol=args.tol, bracket_tol=args.bracket_tol)
-    print(json.dumps(result, indent=2) if args.json else result["markdown"])
+    print(strict_json(result) if args.json else result["markdown"])
     if args.plot:
         plot(store, result, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
@@ -395,14 +429,18 @@ def cmd_compare(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from bcdflow.core.export import check_target, export_hf, export_version, written_whole
+    from bcdflow.core.export import (check_outside_store, check_room, check_target, export_bytes, export_hf,
+                                     export_version, written_whole)
     from bcdflow.flows.status import stored_version
 
     check_target(args.out_dir)
     if args.dtype and args.format != "hf":
         raise BadInput("--dtype: only with --format hf (the bcdflow format keeps the stored tensors as they are)")
     store = _store(args.store, args, write=False)
+    check_outside_store(args.out_dir, store)
     _, version = stored_version(store, args.run_id, args.version)
+    # before anything is written: the version is whole (its manifest holds every block of the plan) and fits
+    check_room(args.out_dir, export_bytes(store, args.run_id, version, args.format, args.dtype))
     with written_whole(args.out_dir) as tmp:
         n = (export_hf(store, args.run_id, version, tmp, dtype=args.dtype) if args.format == "hf"
              else export_version(store, args.run_id, version, tmp))
@@ -502,8 +540,14 @@ def main(argv: list[str] | None = None) -> int:
         for run_id in [getattr(args, "run_id", None), *getattr(args, "run_ids", [])]:
             _check_run_id(run_id)
         if args.command == "worker":
+            check_prefect_home()
             _quiet_console(args.debug)  # Prefect's console filter; the run commands set it where a flow starts
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # a reader that closed the pipe (`bcdflow runs | head -1`) shows here, not at exit
+        return code
+    except BrokenPipeError:  # the reader has what it wanted: no message, no traceback at exit
+        _drop_stdout()
+        return EXIT_PIPE
     except BadInput as e:
         _say(e, args)
         return EXIT_BAD_INPUT
@@ -518,12 +562,25 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
 
 
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush does not raise on a closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (a test's captured stdout)
+        pass
+
+
+MAX_LINE = 1000  # an error line is cut to this: a value it echoes may be anything a user or a store handed over
+
+
 def _say(err, args) -> None:
     if getattr(args, "debug", False) and isinstance(err, BaseException):
         import traceback
 
         traceback.print_exception(err, file=sys.stderr)
-    print(f"bcdflow: error: {err}", file=sys.stderr)
+    lines = [ln if len(ln) <= MAX_LINE else f"{ln[:MAX_LINE - 200]} … {ln[-180:]}" for ln in str(err).split("\n")]
+    print("bcdflow: error: " + "\n".join(lines), file=sys.stderr)
 
 
 if __name__ == "__main__":

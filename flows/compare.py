@@ -23,7 +23,7 @@ import math
 
 from bcdflow.core import spend
 from bcdflow.errors import BadInput
-from bcdflow.storage import runs
+from bcdflow.storage import layout, runs
 from bcdflow.storage.store import Store, raise_naming
 from bcdflow.tracking.tables import md_table
 
@@ -43,7 +43,7 @@ class CompareError(BadInput):
 
 
 def _run_summary(store: Store, run_id: str) -> dict:
-    state = runs.read_state(store, run_id)
+    state = runs.read_state(store, run_id)  # every record checked (storage/runs.py): damage names the file
     if state is None:
         raise CompareError(f"run {run_id!r} not found in store {store.url}")
     if not state.visits:
@@ -52,7 +52,12 @@ def _run_summary(store: Store, run_id: str) -> dict:
     sp = cfg.get("spend") or {}  # as the run validated it (core/config.SpendSection), defaults filled in
     gpus, kind = spend.priced_as(cfg)
     pts = spend.curve(state.visits)
-    return {"run_id": run_id, "mode": state.mode, "prices": spend.parse_prices(sp.get("prices") or []),
+    try:
+        prices = spend.parse_prices(sp.get("prices") or [])
+    except ValueError as e:
+        raise runs.RunStateError(f"run config {store.url_of(layout.config_key(run_id))} is damaged (spend.prices: "
+                                 f"{e}); restore the object") from None
+    return {"run_id": run_id, "mode": state.mode, "prices": prices,
             "curve": pts, "window": (cfg.get("bcd") or {}).get("window", 20),
             "device": f"{gpus}×{kind}" + ("*" if kind == spend.DEFAULT_KIND else ""),
             "stop_reason": state.stop_reason, "final_val_loss": state.visits[-1].val_loss,
@@ -137,9 +142,20 @@ def _multiplier(r: dict, base: dict, tol: float) -> None:
     r["tokens_multiplier"] = r["tokens_to_target"] / base["tokens_to_target"] if base["tokens_to_target"] else None
 
 
+def check_tolerances(tol: float, bracket_tol: float) -> None:
+    """``--tol`` a finite loss >= 0, ``--bracket-tol`` a finite fraction > 0 (bad input, before anything is read)."""
+    if not (math.isfinite(tol) and tol >= 0):
+        raise CompareError(f"--tol: a finite loss >= 0, got {tol}")
+    if not (math.isfinite(bracket_tol) and bracket_tol > 0):
+        raise CompareError(f"--bracket-tol: a finite fraction > 0 of a crossing's step, got {bracket_tol}")
+
+
 def compare(store: Store, run_ids: list[str], target: str | float | None = None, tol: float = TOL,
             bracket_tol: float = BRACKET_TOL) -> dict:
-    """The comparison of ``run_ids`` (the first is the baseline) as a JSON-able dict with its markdown."""
+    """The comparison of ``run_ids`` (the first is the baseline) as a JSON-able dict with its markdown. A crossing
+    whose bracket is wider than ``bracket_tol`` gives no multiplier, and no cost or saving either: its tokens,
+    seconds, GPU-hours and USD to L* (and a baseline's, every run's saving against it) are withheld with it."""
+    check_tolerances(tol, bracket_tol)
     if len(run_ids) < 2:
         raise CompareError(f"compare needs at least two runs, got {len(run_ids)}")
     rows = [_run_summary(store, r) for r in run_ids]
@@ -152,23 +168,28 @@ def compare(store: Store, run_ids: list[str], target: str | float | None = None,
         r["reached"] = hit is not None
         r["not_reached"] = None if hit else f"not reached: ended at {r['final_val_loss']:.4f} after {r['steps']} steps"
         at, (lo, hi) = hit if hit else ({k: None for k in COSTS}, (None, None))
-        r.update(steps_to_target=at["step"], tokens_to_target=at["tokens"], seconds_to_target=at["seconds"],
-                 gpu_hours_to_target=at["gpu_hours"], spend_to_target_usd=at["spend_usd"],
-                 bracket=None if hit is None else [lo, hi],
-                 bracket_width=None if hit is None else (hi - lo) / max(at["step"], 1e-9),
-                 crossing={"step": at["step"], "spend_usd": at["spend_usd"]} if hit else None,
-                 what_if_usd={k: spend.cost_on(at["gpu_hours"], k, prices) for k in prices} if hit else None)
+        width = None if hit is None else (hi - lo) / max(at["step"], 1e-9)
+        priced = hit is not None and width <= bracket_tol  # a crossing too imprecise for a multiplier: no cost either
+        cost = at if priced else {k: None for k in COSTS}
+        r.update(steps_to_target=at["step"], tokens_to_target=cost["tokens"], seconds_to_target=cost["seconds"],
+                 gpu_hours_to_target=cost["gpu_hours"], spend_to_target_usd=cost["spend_usd"],
+                 bracket=None if hit is None else [lo, hi], bracket_width=width,
+                 cost_withheld=None if priced or hit is None else
+                 f"its crossing of L* lies between steps {lo} and {hi}, wider than {bracket_tol:.0%} of the step",
+                 crossing={"step": at["step"], "spend_usd": at["spend_usd"] if priced else None} if hit else None,
+                 what_if_usd={k: spend.cost_on(at["gpu_hours"], k, prices) for k in prices} if priced else None)
     base = rows[0]
     for r in rows:
         _multiplier(r, base, bracket_tol)
     # paper Tables 5-7: each run as it ran against the baseline priced on each kind
     reduction = {}
     for kind in prices:
-        ref = base["what_if_usd"][kind] if base["reached"] else None
+        ref = base["what_if_usd"][kind] if base["what_if_usd"] else None
         reduction[kind] = [{"run_id": base["run_id"], "device": f"{base['device'].split('×')[0]}×{kind}",
                             "cost_usd": ref, "reduction": 0.0 if ref is not None else None}]
         reduction[kind] += [{"run_id": r["run_id"], "device": r["device"], "cost_usd": r["spend_to_target_usd"],
-                             "reduction": 1 - r["spend_to_target_usd"] / ref if ref and r["reached"] else None}
+                             "reduction": 1 - r["spend_to_target_usd"] / ref
+                             if ref and r["spend_to_target_usd"] is not None else None}
                             for r in rows[1:]]
     out = {"baseline": base["run_id"], "target_val_loss": value, "target_rule": rule, "bracket_tol": bracket_tol,
            "catalog": prices, "runs": [{k: v for k, v in r.items() if k not in ("prices", "curve", "window")}

@@ -11,9 +11,9 @@ store, and nothing is written.
 """
 from __future__ import annotations
 
-import json
-
 import yaml
+
+from bcdflow.tracking.tables import strict_json
 
 
 def add_parser(sub, common) -> None:
@@ -62,5 +62,5 @@ def cmd_config_show(args) -> int:
     from bcdflow.core.config import load_config
 
     keys = described(load_config(args.config, args.set or []))
-    print(json.dumps(keys, indent=2) if args.json else as_yaml(keys))
+    print(strict_json(keys) if args.json else as_yaml(keys))
     return 0

@@ -16,9 +16,8 @@ from which the copies hide.
 """
 from __future__ import annotations
 
-import json
-
 from bcdflow.errors import BadInput
+from bcdflow.tracking.tables import strict_json
 
 COLS = ("weights", "grads_total", "optim", "activations", "logits")
 NAMES = {"grads_total": "grads"}
@@ -160,5 +159,5 @@ def cmd_plan_memory(args) -> int:
     sets += [f"train.pcie_gbs={args.pcie_gbs}"] if args.pcie_gbs else []
     sets += [f"train.tflops={args.tflops}"] if args.tflops else []
     res = plan(load_config(args.config, sets), args.gpu_gb)
-    print(json.dumps(res, indent=2) if args.json else table(res))
+    print(strict_json(res) if args.json else table(res))
     return 0

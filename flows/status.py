@@ -6,11 +6,10 @@ running anything and without importing Prefect or torch.
 """
 from __future__ import annotations
 
-import json
-
 from bcdflow.core.spend import DEFAULT_KIND, priced_as
 from bcdflow.errors import BadInput
 from bcdflow.flows.store_admin import cli_store
+from bcdflow.tracking.tables import strict_json
 
 
 def existing_state(store, run_id: str):
@@ -48,7 +47,7 @@ def status_dict(store, run_id: str) -> dict:
     live = overview.overview(store, run_id)
     gpus, kind = priced_as(cfg)
     return {"run_id": run_id, "version": state.version, "status": state.status, "mode": state.mode,
-            "blocks": cfg["plan"]["blocks"], "visits": [v.model_dump(include=keep) for v in state.visits],
+            "blocks": (cfg.get("plan") or {}).get("blocks") or [], "visits": [v.model_dump(include=keep) for v in state.visits],
             "priced_as": f"{gpus}×{kind}", "default_price_kind": kind == DEFAULT_KIND,
             "live": {k: live[k] for k in ("status", "visits_done", "visits_planned", "spend_usd", "changed",
                                           "lease_owner", "training")}}
@@ -81,7 +80,7 @@ def status_table(st: dict) -> str:
 
 def cmd_status(args) -> int:
     st = status_dict(cli_store(args.store, args, write=False), args.run_id)
-    print(json.dumps(st, indent=2) if args.json else status_table(st))
+    print(strict_json(st) if args.json else status_table(st))
     return 0
 
 
@@ -91,11 +90,16 @@ def runs_table(rows: list[dict]) -> str:
     head = f"{'run':<24} {'mode':<4} {'status':<16} {'ver':>4} {'visits':>7} {'val loss':>9} {'spend $':>9}  changed"
     lines = [head]
     for o in rows:
+        if o.get("damage"):
+            lines.append(f"{o['run_id']:<24} {'–':<4} {'damaged (below)':<16} {'–':>4} {'–':>7} {'–':>9} {'–':>9}  "
+                         f"{ago(o['changed'])}")
+            continue
         status = o["status"] + (f" ({o['training']['visit']})" if o["status"] == "running" and o["training"] else "")
         visits = f"{o['visits_done']}/{o['visits_planned'] or '?'}"
         val = "–" if o["val_loss"] is None else f"{o['val_loss']:.4f}"
         lines.append(f"{o['run_id']:<24} {o['mode']:<4} {status:<16} {o['version']:>4} {visits:>7} {val:>9} "
                      f"{o['spend_usd']:>9.4f}  {ago(o['changed'])}")
+    lines += [f"{o['run_id']}: damaged: {o['damage']}" for o in rows if o.get("damage")]
     return "\n".join(lines)
 
 
@@ -107,7 +111,7 @@ def cmd_runs(args) -> int:
     store = cli_store(args.store, args, write=False)
     rows = overviews(store)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(strict_json(rows))
     else:
         print(runs_table(rows) if rows else f"no runs in store {store.url}")
     return 0

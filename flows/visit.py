@@ -118,11 +118,11 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     store.rm(layout.outcome_key(run_id, cycle, block))
     # an interrupted visit continues its MLflow run instead of opening a second one
     mlkey = layout.mlflow_key(run_id, cycle, block)
-    known = store.read_json(mlkey)["run_id"] if store.exists(mlkey) else None
+    known = (store.read_json(mlkey) if store.exists(mlkey) else {}).get("run_id")
     mlrun = tracker.start(f"c{cycle}-b{block}", params={"cycle": cycle, "block": block, "base_version": version},
                           tags={**prefect_tags(), "bcdflow.run_id": run_id}, parent=state.mlflow_run_id,
-                          resume_id=known)
-    if mlrun and not known:
+                          resume_id=known if isinstance(known, str) else None)
+    if mlrun and mlrun != known:  # a new run (or a new one continuing a run this tracking backend lacks)
         store.write_json({"run_id": mlrun}, mlkey)
     track_runs = tuple(r for r in (mlrun, state.mlflow_run_id) if r)
     track = TrackTarget(tracker.uri, cfg.experiment, track_runs, state.steps) if track_runs else None

@@ -308,6 +308,19 @@ def attention_window(d: dict) -> int | None:
 
 
 # -- ModelConfig -> config.json -----------------------------------------------------------------------------
+def with_defaults_stated(d: dict, cfg: ModelConfig, dtype: str) -> dict:
+    """A checkpoint's own config.json for the model trained from it (``cfg``, what ``config_from_hf`` read): each field
+    it holds as null, which this reader took as its default, written as that value, so a reader with other defaults
+    (transformers reads a null ``tie_word_embeddings`` as untied, a null epsilon as no number at all) loads the model
+    that was trained. Every other field stays as the checkpoint has it."""
+    stated = config_to_hf(cfg, architecture(d), dtype)
+    out = {k: (stated[k] if v is None and stated.get(k) is not None else v) for k, v in d.items()}
+    params = out.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None:
+        out["rope_parameters"] = {**params, "rope_theta": cfg.rope_theta}
+    return out
+
+
 def default_architecture(cfg: ModelConfig) -> str:
     """The HF architecture a run that did not start from a checkpoint exports as."""
     return "Qwen2ForCausalLM" if cfg.family == "llama" and cfg.qkv_bias else NATURAL_ARCH[cfg.family]

@@ -8,6 +8,8 @@ learned, not for serving), the window cut to the model's context; temperature 0 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from bcdflow.models.base import Decoder
@@ -16,11 +18,13 @@ from bcdflow.models.base import Decoder
 @torch.no_grad()
 def sample(model: Decoder, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, generator: torch.Generator | None = None,
-           stop_id: int | None = None, vocab: int | None = None) -> list[int]:
+           stop_id: int | None = None, vocab: int | None = None,
+           on_token: Callable[[int], None] | None = None) -> list[int]:
     """The ids ``model`` continues ``prompt`` with: at most ``max_new_tokens``, ending early at ``stop_id``
     (included). Each step draws from the softmax of the last position's logits over ``temperature`` (0: the
     most likely token), cut to the ``top_k`` most likely and to the tokenizer's ``vocab`` ids (an embedding padded
-    past the tokenizer has rows no text decodes to)."""
+    past the tokenizer has rows no text decodes to). ``on_token`` is called with each id as it is drawn (the CLI
+    prints text as it comes)."""
     if not prompt:
         raise ValueError("an empty prompt (give at least one token)")
     model.eval()
@@ -39,6 +43,8 @@ def sample(model: Decoder, prompt: list[int], max_new_tokens: int, temperature: 
             probs = torch.softmax(logits, dim=-1)
             nxt = int(torch.multinomial(probs.cpu(), 1, generator=generator))
         out.append(nxt)
+        if on_token is not None:
+            on_token(nxt)
         if nxt == stop_id:
             break
         idx = torch.cat([idx, torch.tensor([[nxt]], device=device)], dim=1)

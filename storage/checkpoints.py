@@ -34,7 +34,8 @@ from safetensors.torch import save_file as st_save_file
 
 from bcdflow.errors import DamagedArtifact
 
-from .layout import block_file, block_file_key, block_name, blocks_key, manifest_key, run_key, versions_key
+from .layout import (block_file, block_file_key, block_name, block_tmp_name, blocks_key, manifest_key, run_key,
+                     versions_key)
 from .store import Store, file_mode, raise_naming, sha256_bytes
 
 
@@ -74,7 +75,7 @@ def save_block(store: Store, run_id: str, tensors: dict[str, torch.Tensor]) -> d
     # a local store gets the temporary file beside its final name (an atomic rename); others upload it
     tmp_dir = store.path(blocks_key(run_id)) if store.is_local else tempfile.gettempdir()
     os.makedirs(tmp_dir, exist_ok=True)
-    tmp = os.path.join(tmp_dir, f".tmp-{uuid.uuid4().hex}.safetensors")
+    tmp = os.path.join(tmp_dir, block_tmp_name(uuid.uuid4().hex))
     try:  # the temporary file goes whatever happens (a full disk: docs/DESIGN.md §8)
         try:
             st_save_file(tensors, tmp)
@@ -125,8 +126,8 @@ def _check_entry(block: Any, entry: Any, where: str = "manifest") -> dict[str, A
         why = f"must have file, sha256 and bytes; got {entry!r}"
     elif block_name(entry["file"]) is None:
         why = f"names {entry['file']!r}, not a file in the run's blocks/ folder"
-    elif not isinstance(entry["sha256"], str) or type(entry["bytes"]) is not int:
-        why = f"has a sha256 or byte count of the wrong type: {entry!r}"
+    elif not isinstance(entry["sha256"], str) or type(entry["bytes"]) is not int or entry["bytes"] < 0:
+        why = f"has a sha256 or byte count of the wrong type or range: {entry!r}"
     else:
         return entry
     raise CheckpointError(f"{where}: the entry of block {block} {why}"[:400])
@@ -164,7 +165,10 @@ def _manifest(version: int, blocks: dict[int, dict[str, Any]]) -> dict[str, Any]
     return {"version": version, "blocks": {str(int(b)): dict(_check_entry(b, e)) for b, e in items}}
 
 
-def read_manifest(store: Store, run_id: str, version: int) -> dict[str, Any]:
+def read_manifest(store: Store, run_id: str, version: int, blocks: list[int] | None = None) -> dict[str, Any]:
+    """Manifest ``version`` of the run, checked: every entry names a block file of the run (``_check_entry``), it says
+    its own version, and (``blocks``: the run's plan) it has exactly those blocks, so no reader takes a model with a
+    block missing for a whole one. CheckpointError naming the file otherwise."""
     key = manifest_key(run_id, version)
     try:
         manifest = store.read_json(key)
@@ -176,11 +180,18 @@ def read_manifest(store: Store, run_id: str, version: int) -> dict[str, Any]:
         raise CheckpointError(f"manifest {store.url_of(key)} is damaged (not valid JSON: {e}); restore it, or export "
                               f"an earlier version with bcdflow export {run_id} OUT --version N") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("blocks"), dict):
-        raise CheckpointError(f"manifest {key} has no 'blocks' mapping")
+        raise CheckpointError(f"manifest {store.url_of(key)} is damaged (no 'blocks' mapping); restore it")
     where = (f"manifest {store.url_of(key)} is damaged (restore it, or export an earlier version with bcdflow export "
              f"{run_id} OUT --version N)")
+    if manifest.get("version") != version or type(manifest.get("version")) is not int:
+        raise CheckpointError(f"{where}: it says version {manifest.get('version')!r:.40}")
     for b, e in manifest["blocks"].items():
+        if not (isinstance(b, str) and b.isdigit()):
+            raise CheckpointError(f"{where}: {b!r:.40} is not a block number")
         _check_entry(b, e, where)
+    if blocks is not None and sorted(int(b) for b in manifest["blocks"]) != sorted(blocks):
+        have = sorted(int(b) for b in manifest["blocks"])
+        raise CheckpointError(f"{where}: it has blocks {have}, the run's plan {sorted(blocks)}")
     return manifest
 
 

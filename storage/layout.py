@@ -37,7 +37,7 @@ import re
 from bcdflow.errors import BadInput, DamagedArtifact
 
 RUNS, DATASETS = "runs", "datasets"
-CONFIG, STATE = "config.json", "state.json"
+CONFIG, STATE, RETENTION = "config.json", "state.json", "retention.json"
 OUTCOME, MLFLOW, SPENT = "outcome.json", "mlflow.json", "spent.json"
 DATASET_META, DATASET_TOKENIZER = "meta.json", "tokenizer.json"
 
@@ -58,7 +58,7 @@ def is_plain_name(name) -> bool:
 def check_run_id(run_id: str) -> str:
     """A run id is a plain name (letters, digits, ``_ . -``; no path separators, not ``.``/``..``)."""
     if not isinstance(run_id, str) or not _RUN_ID.match(run_id) or run_id in (".", ".."):
-        raise BadInput(f"--run-id: {run_id!r} is not a valid run id (letters, digits, '_', '.', '-'; "
+        raise BadInput(f"--run-id: {run_id!r:.80} is not a valid run id (letters, digits, '_', '.', '-'; "
                        "at most 128 characters, starting with a letter or digit)")
     return run_id
 
@@ -107,6 +107,22 @@ def blocks_key(run_id: str) -> str:
 def block_file(sha256: str) -> str:
     """A block file's name as a manifest entry holds it, relative to the run (content-addressed)."""
     return f"blocks/{sha256[:32]}.safetensors"
+
+
+_BLOCK_NAME = re.compile(r"^[0-9a-f]{32}\.safetensors$")
+_BLOCK_TMP = re.compile(r"^\.tmp-[0-9a-f]{32}\.safetensors$")
+
+
+def block_tmp_name(token: str) -> str:
+    """The temporary name ``checkpoints.save_block`` writes a block file under in ``blocks/`` (``token``: 32 hex)
+    before renaming it; one left by a writer that died is bcdflow's to remove (``bcdflow prune``, ``rm``)."""
+    return f".tmp-{token}.safetensors"
+
+
+def is_block_file_name(name: str) -> bool:
+    """Whether ``name`` in a run's ``blocks/`` is a name bcdflow writes there: a content-addressed block file (or a
+    kept optimizer state, named the same way) or ``save_block``'s temporary name. ``prune`` deletes nothing else."""
+    return bool(_BLOCK_NAME.match(name) or _BLOCK_TMP.match(name))
 
 
 def block_name(file) -> str | None:
@@ -173,7 +189,33 @@ def spent_key(run_id: str, cycle: int, block: int) -> str:
 
 def retention_key(run_id: str) -> str:
     """The versions of a run a user pinned and those ``bcdflow prune`` removed (storage/prune.py)."""
-    return run_key(run_id, "retention.json")
+    return run_key(run_id, RETENTION)
+
+
+# Store.write_bytes's temporary name beside an object (``{name}.tmp-{pid}-{thread}``), left by a writer that died
+_WRITE_TMP = r"(\.tmp-\d+-\d+)?"
+_RUN_FOLDERS = {"states": re.compile(rf"^\d{{12}}\.json{_WRITE_TMP}$"), "lease": re.compile(rf"^\d{{12}}\.json{_WRITE_TMP}$"),
+                "versions": re.compile(rf"^\d+\.json{_WRITE_TMP}$")}
+_RUN_FILES = re.compile(rf"^(config\.json|state\.json|retention\.json){_WRITE_TMP}$")
+
+
+def is_run_object(rel: str) -> bool:
+    """Whether ``rel`` (a key relative to ``runs/{id}/``) names an object bcdflow writes in a run's folder (the
+    layout above, and the temporary names of writes that died): ``bcdflow rm`` removes these and leaves anything
+    else (a file a user put there). Below a visit's folder everything is the visit's working objects."""
+    parts = rel.split("/")
+    if len(parts) == 1:
+        return bool(_RUN_FILES.match(parts[0]))
+    top, name = parts[0], parts[1]
+    if top == "visits":
+        return parse_visit(name) is not None
+    if len(parts) != 2:
+        return False
+    if top == "blocks":
+        return is_block_file_name(name)
+    if top == "hf":
+        return is_plain_name(name)
+    return top in _RUN_FOLDERS and bool(_RUN_FOLDERS[top].match(name))
 
 
 # -- leases -------------------------------------------------------------------------------------------------

@@ -36,7 +36,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 import psutil
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from bcdflow.constants import MAX_LEASE_SECONDS
 from bcdflow.errors import BadInput, DamagedArtifact
 
 from .layout import lease_epoch, lease_key
@@ -60,6 +62,56 @@ class LeaseHeld(BadInput):
 
 class LeaseLost(DamagedArtifact):
     """This process's lease was taken over by another one, or could have been: it stops without committing."""
+
+
+class LeaseDamaged(DamagedArtifact):
+    """A lease object that is not one a holder writes (not an object, times that are no times, another epoch)."""
+
+
+class _LeaseOwner(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    host: str | None = None
+    pid: int | None = Field(None, ge=0)
+    started: float | None = Field(None, ge=0)
+    flow_run_id: str | None = None
+    attempt: int | None = Field(None, ge=0)
+
+
+# the latest time a lease object may name: the last second datetime can print (a holder writes now + ttl)
+_LAST_TIME = 253402300799.0
+
+
+class LeaseRecord(BaseModel):
+    """A lease object as ``Lease`` writes it (module docstring), checked wherever one is read: a stored ttl is trusted
+    only up to ``MAX_LEASE_SECONDS`` (what ``fleet.lease_seconds`` allows), so no object makes an observer wait
+    longer; anything else out of range is damage (``LeaseDamaged``), never a traceback or an endless wait."""
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    epoch: int = Field(ge=0)
+    token: str
+    ttl: float = Field(gt=0)
+    expires: float = Field(ge=0, le=_LAST_TIME)
+    owner: _LeaseOwner = Field(default_factory=_LeaseOwner)
+
+
+def read_lease(store: Store, key: str, name: str) -> dict:
+    """The lease object ``name`` under ``{key}/lease/``, checked (``LeaseRecord``), its ttl cut to the bound.
+    FileNotFoundError when it is gone; LeaseDamaged naming it when it is not a lease object."""
+    data = store.read_bytes(lease_key(key), name)
+    try:
+        obj = json.loads(data)
+        rec = LeaseRecord.model_validate(obj)
+        if rec.epoch != lease_epoch(name):
+            raise ValueError(f"it says epoch {rec.epoch}, its name {lease_epoch(name)}")
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"]))
+        why = f"{where + ': ' if where else ''}{err['msg']}"
+    except (ValueError, UnicodeDecodeError) as e:
+        why = str(e) if "epoch" in str(e) else f"not valid JSON: {e}"
+    else:
+        return {**obj, "ttl": min(rec.ttl, MAX_LEASE_SECONDS)}
+    raise LeaseDamaged(f"lease {store.url_of(lease_key(key), name)} is damaged ({why[:200]}): no process holds it "
+                       "by this object; remove the run with bcdflow rm, or restore the object")
 
 
 # a process in one of these states does not renew its lease (SIGSTOP, a debugger, exited): watched, not trusted
@@ -139,10 +191,10 @@ class Lease:
     def current(self) -> dict | None:
         """The highest-epoch lease object, or None when the thing was never leased."""
         names = [n for n in self.store.listdir(lease_key(self.key)) if lease_epoch(n) is not None]
-        for name in sorted(names, reverse=True):
+        for name in sorted(names, key=lease_epoch, reverse=True):
             try:
-                return self.store.read_json(lease_key(self.key), name)
-            except (FileNotFoundError, ValueError):  # removed or half-visible meanwhile: look again
+                return read_lease(self.store, self.key, name)  # LeaseDamaged: one line naming it
+            except FileNotFoundError:  # removed meanwhile (an older epoch dropped by the next holder): look again
                 continue
         return None
 

@@ -18,7 +18,7 @@ from bcdflow.errors import BadInput, DamagedArtifact
 
 from . import layout, runs
 from .ckpt_pointer import POINTER as CKPT_POINTER, read_pointer
-from .lease import Lease
+from .lease import Lease, read_lease
 from .store import Store
 
 
@@ -30,7 +30,10 @@ def previous_owner(store: Store, key: str, epoch: int | None) -> dict | None:
     """The lease object a holder of epoch ``epoch`` of ``key``'s lease took over from (kept one epoch), or None."""
     if not epoch or not store.exists(layout.lease_key(key, epoch - 1)):
         return None
-    return store.read_json(layout.lease_key(key, epoch - 1))
+    try:
+        return read_lease(store, key, layout.lease_key(key, epoch - 1).rsplit("/", 1)[-1])
+    except (FileNotFoundError, DamagedArtifact):  # gone, or names no process: nothing to mark crashed
+        return None
 
 
 def visit_spent(store: Store, run_id: str, cycle: int, block: int, version: int,
@@ -101,10 +104,19 @@ def overview(store: Store, run_id: str) -> dict:
 
 def overviews(store: Store) -> list[dict]:
     """Every run of the store, most recently changed first. A local store that does not exist is bad input (a
-    mistyped --store), not an empty list."""
+    mistyped --store), not an empty list. A damaged run is listed too, beside the others, as ``damaged`` with what
+    is wrong (``damage``: the line ``bcdflow status`` would exit with); it never hides the good runs."""
     if store.is_local and not store.fs.exists(store.root):
         raise BadInput(f"store {store.url} does not exist (check --store)")
-    rows = [overview(store, r) for r in runs.list_runs(store)]
+    rows = []
+    for r in runs.list_runs(store):
+        try:
+            rows.append({**overview(store, r), "damage": None})
+        except DamagedArtifact as e:
+            rows.append({"run_id": r, "mode": None, "status": "damaged", "stop_reason": None, "version": None,
+                         "visits_done": None, "visits_planned": None, "val_loss": None, "spend_usd": None,
+                         "changed": store.modified(layout.state_key(r)) or store.modified(layout.config_key(r)),
+                         "lease_owner": None, "training": None, "damage": str(e)})
     return sorted(rows, key=lambda o: o["changed"] or 0, reverse=True)
 
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from bcdflow.constants import MAX_LEASE_SECONDS
 from bcdflow.errors import DamagedArtifact
 
-from .layout import RUNS, config_key, is_run_id, parse_visit, state_key, state_seq, states_key, visits_key
+from .layout import (RUNS, block_name, config_key, is_plain_name, is_run_id, parse_visit, state_key, state_seq,
+                     states_key, visits_key)
 from .lease import LeaseLost
 from .store import Store
 
@@ -36,32 +38,38 @@ class RunStateError(DamagedArtifact):
 
 
 class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    # every number finite: a record is read by status, compare and the next visit, and JSON has no NaN
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+
+Count = Field(ge=0)  # a count, index or size: never below zero
+Amount = Field(0.0, ge=0)  # seconds, GPU-hours or USD: 0 unless given, never below
 
 
 class VisitRecord(_Record):
-    """One committed visit (cycle, block), as ``state.json`` stores it."""
-    cycle: int
-    block: int
-    version: int
+    """One committed visit (cycle, block), as ``state.json`` stores it. Every field is checked for its type and range
+    where a state is read (:func:`read_state`): a record out of range is damage, never a figure to print or act on."""
+    cycle: int = Count
+    block: int = Count
+    version: int = Field(ge=1)
     """The version this visit committed (base version + 1)."""
-    steps: int
+    steps: int = Field(ge=1)
     """Optimizer steps of the visit."""
-    step_end: int
+    step_end: int = Field(ge=1)
     """Global step at the end of the visit (steps of all committed visits up to and including it)."""
-    resumed_at: int = 0
+    resumed_at: int = Field(0, ge=0)
     """Step the visit continued from after an interruption (0 = ran in one go)."""
     stopped_by: str
     """What ended the local convergence loop: ``max_steps``, ``plateau`` (the loss stopped falling) or ``budget``
     (``bcd.budget=adaptive``: it fell more slowly than the other blocks' last visits)."""
-    rows: int
+    rows: int = Count
     """Training sequences the visit could reach (its sample cut to the step cap)."""
-    tokens: int
+    tokens: int = Count
     first_loss: float
     train_loss: float
     """Mean training loss of the last 10 steps."""
     val_loss: float
-    val_ppl: float
+    val_ppl: float = Field(ge=0)
     rate: float | None = None
     """Training loss lowered per step on average over the visit (the adaptive budget's measure of a block)."""
     moments: dict | None = None
@@ -72,37 +80,56 @@ class VisitRecord(_Record):
     norm of its update as stored; empty: only its block changed."""
     val_points: list[tuple[int, float]] = []
     """(global step, validation loss) within the visit (the baseline validates every ``train.eval_every``)."""
-    tokens_per_s: float
-    peak_mem_bytes: int | None = None
+    tokens_per_s: float = Field(ge=0)
+    peak_mem_bytes: int | None = Field(None, ge=0)
     """Peak CUDA memory allocated by the training stage; None on the CPU."""
-    peak_reserved_bytes: int | None = None
+    peak_reserved_bytes: int | None = Field(None, ge=0)
     """Peak CUDA memory the caching allocator reserved in the training stage (what the card held); None on the CPU."""
-    preinfer_seconds: float = 0.0
-    train_seconds: float = 0.0
+    preinfer_seconds: float = Amount
+    train_seconds: float = Amount
     """Seconds of the step loop, every attempt's up to its last checkpoint (``tokens_per_s`` = tokens over these)."""
-    eval_seconds: float = 0.0
-    seconds: float
+    eval_seconds: float = Amount
+    seconds: float = Field(ge=0)
     """Wall seconds of the whole visit (its stages plus orchestration, commit and store I/O), over every attempt of
     an interrupted visit, ``lost_seconds`` included."""
-    lost_seconds: float = 0.0
+    lost_seconds: float = Amount
     """Seconds of interrupted attempts after their last mid-visit checkpoint (work done again; for a kill -9, up to
     the last renewal of its visit lease): in ``seconds`` and the spend, not in ``train_seconds``."""
-    gpu_hours_preinfer: float = 0.0
-    gpu_hours_train: float = 0.0
-    gpu_hours_eval: float = 0.0
-    gpu_hours: float = 0.0
-    spend_preinfer_usd: float = 0.0
-    spend_train_usd: float = 0.0
-    spend_eval_usd: float = 0.0
-    spend_usd: float = 0.0
-    cum_spend_usd: float = 0.0
+    gpu_hours_preinfer: float = Amount
+    gpu_hours_train: float = Amount
+    gpu_hours_eval: float = Amount
+    gpu_hours: float = Amount
+    spend_preinfer_usd: float = Amount
+    spend_train_usd: float = Amount
+    spend_eval_usd: float = Amount
+    spend_usd: float = Amount
+    cum_spend_usd: float = Amount
     """The run's spend up to and including this visit."""
+
+    @field_validator("moments")
+    @classmethod
+    def _moments_name_a_block_file(cls, v: dict | None) -> dict | None:
+        """The kept optimizer state is a content-addressed file of the run's ``blocks/`` (what ``bcdflow prune``
+        keeps and the next visit loads): anything else is damage, so nothing is kept or loaded by a bad name."""
+        if v is not None and (block_name(v.get("file")) is None or not isinstance(v.get("sha256"), str)
+                              or type(v.get("bytes")) is not int or v["bytes"] < 0):
+            raise ValueError(f"names no block file for the visit's kept moments ({v!r:.80})")
+        return v
+
+    @model_validator(mode="after")
+    def _steps_add_up(self) -> "VisitRecord":
+        if self.step_end < self.steps:
+            raise ValueError(f"step_end {self.step_end} is below the visit's own {self.steps} steps")
+        if any(s < 0 for s, _ in self.val_points):
+            raise ValueError("a validation point at a negative step")
+        return self
 
 
 class RunState(_Record):
-    """A run's committed progress: ``runs/{run_id}/state.json``."""
+    """A run's committed progress: ``runs/{run_id}/state.json``. Its version is the last visit's (one committed
+    version per visit, in order): a state whose version disagrees with its visits is damage."""
     run_id: str
-    version: int = 0
+    version: int = Field(0, ge=0)
     """The last committed version (0 = the initial model)."""
     status: Literal["running", "done"] = "running"
     mode: Literal["bcd", "full"] = "bcd"
@@ -113,11 +140,30 @@ class RunState(_Record):
     """Why the run ended: cycles, target_val_loss, no_improvement or budget."""
     stop_detail: str | None = None
     visits: list[VisitRecord] = Field(default_factory=list)
-    seq: int = 0
+    seq: int = Field(0, ge=0)
     """Which change of the run this state is: it is stored as ``states/{seq}.json`` (0 = the new run's state)."""
     fence: dict[str, int] = Field(default_factory=dict)
     """Lease epochs of the run's current holders (``run``, ``visit c{c}-b{b}``): a writer holding a lower epoch of
     the same lease has lost it and may change nothing (docs/DESIGN.md I7)."""
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_is_a_plain_name(cls, v: str | None) -> str | None:
+        if v is not None and not is_plain_name(v):
+            raise ValueError(f"{v!r:.80} is not a token dataset id")
+        return v
+
+    @model_validator(mode="after")
+    def _version_is_the_last_visits(self) -> "RunState":
+        """Each visit commits the version after the one before it (``append_visit``), so the versions of the visits
+        are 1, 2, ... and the run's is the last of them (0 with none). A number that disagrees names no manifest
+        the visits made: ``prune``, ``export`` and ``resume`` would act on a version that is not the run's."""
+        for i, v in enumerate(self.visits):
+            if v.version != i + 1:
+                raise ValueError(f"visit {i} (c{v.cycle}-b{v.block}) says version {v.version}, not {i + 1}")
+        if self.version != len(self.visits):
+            raise ValueError(f"the run is at version {self.version}, but its visits made {len(self.visits)}")
+        return self
 
     @property
     def steps(self) -> int:
@@ -136,7 +182,74 @@ def write_config(store: Store, run_id: str, config: dict[str, Any]) -> None:
     store.write_json(config, config_key(run_id))
 
 
+class _Section(BaseModel):
+    """A section of a stored run config, as the commands that only read a store use it: the keys they read are
+    checked for type and range, the others are the run's (``core/config.RunConfig`` checked them when it started)."""
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class _Bcd(_Section):
+    cycles: int = Field(0, ge=0)
+    max_steps: int | None = Field(None, ge=1)
+    window: int = Field(20, ge=1)
+
+
+class _Fleet(_Section):
+    lease_seconds: float = Field(60.0, gt=0, le=MAX_LEASE_SECONDS)
+
+
+class _Train(_Section):
+    gpus: int = Field(1, ge=1)
+
+
+class _Spend(_Section):
+    prices: list[str] = []
+    train_device: str | None = None
+    train_gpus: int | None = Field(None, ge=1)
+
+
+class _PlanBlock(_Section):
+    index: int | None = Field(None, ge=0)
+
+
+class _Plan(_Section):
+    blocks: list[_PlanBlock] = Field(default_factory=list)
+
+
+class StoredConfig(_Section):
+    """What ``runs/{id}/config.json`` must hold for the commands that read it without parsing the whole config
+    (``status``, ``runs``, ``compare``, ``prune``, ``rm``, ``export``, ``generate``): each of these keys of the right
+    type and in range, else the config is damaged (:class:`RunStateError` naming the file and the key)."""
+    mode: Literal["bcd", "full"] | None = None
+    dataset: str | None = None
+    plan: _Plan | None = None
+    bcd: _Bcd = Field(default_factory=_Bcd)
+    fleet: _Fleet = Field(default_factory=_Fleet)
+    train: _Train = Field(default_factory=_Train)
+    spend: _Spend = Field(default_factory=_Spend)
+    model_resolved: dict | None = None
+    hf: dict | None = None
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_is_a_plain_name(cls, v: str | None) -> str | None:
+        if v is not None and not is_plain_name(v):
+            raise ValueError(f"{v!r:.80} is not a token dataset id")
+        return v
+
+
+def _what(e: ValidationError) -> str:
+    """The first problem of a record that did not validate: where in it, and what."""
+    err = e.errors()[0]
+    if err["type"] == "json_invalid":
+        return "not valid JSON (truncated?)"
+    where = ".".join(map(str, err["loc"]))
+    return f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}"[:300]
+
+
 def read_config(store: Store, run_id: str) -> dict[str, Any]:
+    """The run's stored config (a dict, as written), its keys that the store's readers use checked
+    (:class:`StoredConfig`); RunStateError naming the file and the key when it is missing or damaged."""
     key = config_key(run_id)
     if not store.exists(key):
         raise RunStateError(f"run config {store.url_of(key)} is missing: the run cannot be continued from this "
@@ -148,6 +261,11 @@ def read_config(store: Store, run_id: str) -> dict[str, Any]:
                             "or start a new run with another --run-id") from None
     if not isinstance(config, dict):
         raise RunStateError(f"run config {store.url_of(key)} is damaged (not a JSON object)")
+    try:
+        StoredConfig.model_validate(config)
+    except ValidationError as e:
+        raise RunStateError(f"run config {store.url_of(key)} is damaged ({_what(e)}); restore the object or start "
+                            "a new run with another --run-id") from None
     return config
 
 
@@ -155,10 +273,7 @@ def _parse(store: Store, key: str, data: bytes) -> RunState:
     try:
         return RunState.model_validate_json(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        what = "not valid JSON (truncated?)" if err["type"] == "json_invalid" else \
-            f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
-        raise RunStateError(f"run state {store.url_of(key)} is damaged ({what}); restore the object from a copy, "
+        raise RunStateError(f"run state {store.url_of(key)} is damaged ({_what(e)}); restore the object from a copy, "
                             "or start a new run with another --run-id") from None
 
 

@@ -264,9 +264,29 @@ class Store:
         when = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
         return when.timestamp() if hasattr(when, "timestamp") else None if when is None else float(when)
 
+    def check_confined(self, *parts: str) -> None:
+        """UnsafeName unless the object at this key is reached from the store's root without a symbolic link (a local
+        store; an object store has none): what bcdflow deletes, it deletes inside the store as it resolves the key,
+        never through a link that leads elsewhere (docs/DESIGN.md §5). Nothing is removed when this raises."""
+        if not self.is_local:
+            return
+        key = _key(parts)
+        at = self.root
+        for i, seg in enumerate(key.split("/") if key else []):
+            at = os.path.join(at, seg)
+            if os.path.islink(at):
+                rel = "/".join(key.split("/")[:i + 1])
+                raise UnsafeName(f"{self.url_of(rel)} is a symbolic link (to {os.readlink(at)}): bcdflow deletes "
+                                 "nothing through a link; nothing was removed")
+            if not os.path.lexists(at):
+                return
+
     def rm(self, *parts: str) -> None:
         """Remove an object or a whole prefix. What is gone already, or goes meanwhile (another process removing the
-        same prefix: a visit's own cleanup after its commit and a resume's, docs/DESIGN.md §2.6), is no error."""
+        same prefix: a visit's own cleanup after its commit and a resume's, docs/DESIGN.md §2.6), is no error. A key
+        that leads through a symbolic link is refused (``check_confined``); links inside a removed prefix are
+        removed, never followed."""
+        self.check_confined(*parts)
         p = self.path(*parts)
         for _ in range(3):
             if not self.fs.exists(p):

@@ -238,7 +238,9 @@ def test_compare_plot_draws_one_line_per_run_with_l_star(tmp_path, capsys):
     labels = plot(store, result, str(tmp_path / "again.png"))
     star = f"L* = {result['target_val_loss']:.4f}"
     crossed = [f"{r['run_id']} reaches L*" for r in result["runs"] if r["reached"]]
-    assert crossed and labels == [["base", "bcd", star, *crossed]] * 2  # each run's crossing of L* marked
+    priced = [f"{r['run_id']} reaches L*" for r in result["runs"] if r["spend_to_target_usd"] is not None]
+    # each run's crossing of L* marked; against spend only where its bracket is narrow enough to price it
+    assert crossed and labels == [["base", "bcd", star, *crossed], ["base", "bcd", star, *priced]]
 
     for bad, words in ((str(tmp_path / "no" / "dir" / "x.png"), "does not exist"), (str(tmp_path / "x.txt"), ".png")):
         assert main(["compare", "base", "bcd", "--store", store.url, "--plot", bad]) == 2

@@ -323,7 +323,7 @@ def test_a_manifest_or_record_naming_a_file_outside_the_run_is_damage_naming_it(
         layout.dataset_key(store.read_json("runs/r/config.json")["dataset"], layout.DATASET_TOKENIZER)))
     store.write_json({**store.read_json("runs/r/config.json"), "dataset": "../elsewhere"}, "runs/r/config.json")
     _refused(capsys, ["export", "r", str(tmp_path / "out" / "m"), "--store", cfg.store],
-             "dataset id '../elsewhere' is not a plain name (read from a damaged run config or state)", code=1)
+             "config.json is damaged (dataset: '../elsewhere' is not a token dataset id)", code=1)
     assert not (tmp_path / "out" / "m").exists() and os.listdir(tmp_path / "out") == []
 
 

@@ -77,7 +77,7 @@ def test_flipped_byte_in_block_file_is_refused(tiny_cfg, capsys):
         f.write(bytes([b[0] ^ 0x01]))
     with pytest.raises(checkpoints.CheckpointError, match=entry["file"]):
         checkpoints.load_blocks(store, "r", 0, [1])
-    rc = main(["export", "r", str(store.path("out")), "--store", cfg.store])
+    rc = main(["export", "r", os.path.join(os.path.dirname(store.root), "out"), "--store", cfg.store])  # not in it
     err = capsys.readouterr().err
     assert rc == 1 and entry["file"] in err and "corrupt" in err
 

@@ -198,6 +198,6 @@ def test_a_record_whose_kept_moments_name_no_block_file_prunes_nothing(tmp_path)
     state.visits[2].moments = {"file": "../elsewhere.safetensors"}
     runs.write_state(store, state)
     before = sorted(store.listdir("runs/r/blocks"))
-    with pytest.raises(runs.RunStateError, match="c0-b0 names no block file for its kept moments"):
+    with pytest.raises(runs.RunStateError, match=r"state.json is damaged \(visits.2.moments: names no block file for the visit.s kept moments"):
         plan_prune(store, "r", keep=1, pins=[])
     assert sorted(store.listdir("runs/r/blocks")) == before

@@ -112,6 +112,8 @@ def compare_figure(curves: dict[str, list[dict]], target: float, path: str,
         val_loss_axes(ax, curves, x, target)
         colors = {ln.get_label(): ln.get_color() for ln in ax.get_lines()}
         for name, at in (crossings or {}).items():
+            if at.get(x) is None:  # withheld (a crossing too imprecise to price): no mark on that axis
+                continue
             ax.plot(at[x], target, "X", ms=10, color=colors.get(name, "black"), label=f"{name} reaches L*")
         ax.legend(fontsize="small")
     labels = [[ln.get_label() for ln in ax.get_lines()] for ax in axes]

@@ -58,9 +58,16 @@ class Tracker:
     def start(self, name: str, params: dict | None = None, tags: dict | None = None,
               parent: str | None = None, resume_id: str | None = None,
               system_metrics: bool = False) -> str | None:
-        """Start (or continue, with ``resume_id``) a run; returns its id."""
+        """Start (or continue, with ``resume_id``) a run; returns its id. A ``resume_id`` this tracking backend does
+        not hold (the run continues on another machine, or from another directory, whose backend never saw it) opens a
+        new run that says which one it continues (tag ``bcdflow.continues``), with a one-line warning."""
         if not self.enabled:
             return None
+        if resume_id and not self._has_run(resume_id):
+            log.warning("MLflow run %s is not in the tracking backend %s (the run was tracked elsewhere): a new MLflow "
+                        "run continues it", resume_id, self.uri)
+            tags = {**(tags or {}), "bcdflow.continues": resume_id}
+            resume_id = None
         if resume_id:
             self.client.update_run(resume_id, status="RUNNING")
             self.tags(resume_id, tags or {})  # e.g. the Prefect flow run that continues it
@@ -80,6 +87,17 @@ class Tracker:
         if system_metrics:
             self._monitor(run.info.run_id)
         return run.info.run_id
+
+    def _has_run(self, run_id: str) -> bool:
+        """Whether this backend holds run ``run_id`` (and has not deleted it)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_run(run_id).info.lifecycle_stage != "deleted"
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
 
     def _monitor(self, run_id: str, resume: bool = False) -> None:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -149,6 +167,23 @@ class Tracker:
             if mon is not None:
                 mon.finish()  # flush the last samples while the run is still RUNNING
             self.client.set_terminated(run_id, status=status)
+
+
+def check_reachable(uri: str, setting: str = "tracking_uri") -> None:
+    """BadInput (exit 2, before anything is written) when ``uri`` is a tracking server (http/https) that does not
+    answer; ``setting`` names where the URI came from. Any HTTP answer will do; other backends (a SQLite file, a
+    folder) need no server."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import httpx
+
+    from bcdflow.errors import BadInput
+
+    try:
+        httpx.get(uri.rstrip("/") + "/health", timeout=5.0)
+    except httpx.TransportError as e:
+        raise BadInput(f"{setting}: the MLflow tracking server {uri} does not answer ({type(e).__name__}): start it, "
+                       "or set tracking_uri=none to train without tracking") from None
 
 
 @dataclass(frozen=True)
