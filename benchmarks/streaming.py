@@ -88,9 +88,17 @@ def build_visit(run, mcfg, plan, block: int, device: torch.device, streamed: tup
     return model, vs, named, model.stream, adapters
 
 
-def _pinned_allocator_bytes() -> int:
-    """Bytes torch's pinned (caching host) allocator holds: the stream's buffers are not among them."""
-    return int(torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0)) if torch.cuda.is_available() else 0
+def pinned_allocator_bytes() -> int:
+    """Bytes torch's pinned (caching host) allocator holds (the stream's buffers are not among them; 0 on the CPU).
+    The key moved between torch releases ("allocated_bytes.current" in 2.13): a release with none of the known ones
+    raises, so the figure is never a silent 0."""
+    if not torch.cuda.is_available():
+        return 0
+    stats = torch.cuda.host_memory_stats()
+    for key in ("allocated_bytes.current", "allocated_bytes.all.current", "reserved_bytes.all.current"):
+        if key in stats:
+            return int(stats[key])
+    raise KeyError(f"torch.cuda.host_memory_stats() has none of the pinned-bytes keys: {sorted(stats)[:12]}")
 
 
 def overlap_from_trace(path: str) -> dict:
@@ -122,7 +130,7 @@ def measure(run, mcfg, plan, block: int, device: torch.device, holding: str, ste
     ``profile`` one more step under the profiler, its copy/compute overlap (CUDA)."""
     B, T = run.train.batch_size, run.data.seq_len
     cuda = device.type == "cuda"
-    pinned0 = _pinned_allocator_bytes()
+    pinned0 = pinned_allocator_bytes()
     model, vs, named, stream, adapters = build_visit(run, mcfg, plan, block, device, streamed, recompute)
     g = torch.Generator().manual_seed(0)
     y = torch.randint(mcfg.vocab_size, (B, T), generator=g).to(device)
@@ -160,7 +168,7 @@ def measure(run, mcfg, plan, block: int, device: torch.device, holding: str, ste
            "alloc_retries": int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if cuda else None,
            "copied_bytes_per_step": (stream.bytes_copied - copied0) / steps if stream else 0,
            "host_bytes": stream.host_bytes if stream else 0,
-           "pinned_allocator_bytes": _pinned_allocator_bytes() - pinned0,
+           "pinned_allocator_bytes": pinned_allocator_bytes() - pinned0,
            "slot_bytes": stream.device_bytes if stream else 0,
            "device_buffers": len(stream.storages) if stream else 0}
     if profile and cuda:

@@ -30,8 +30,8 @@ from bcdflow.models.base import Decoder
 from bcdflow.models.build import materialize, param_sizes
 from bcdflow.models.model_config import ModelConfig, get_config
 from bcdflow.models.holding import Holding, choose_holding, no_grad_holding
-from bcdflow.models.memory import (CONTEXT_BYTES, GB, Budget, device_budget, file_bytes, load_bytes, no_grad_memory,
-                                   stage_bytes)
+from bcdflow.models.memory import (CONTEXT_BYTES, GB, Budget, device_budget, load_bytes, no_grad_memory,
+                                   reading_bytes, stage_bytes)
 from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.storage import checkpoints, layout
 from bcdflow.storage.corpus import builtin_corpus_files, check_text_files, resolve_files
@@ -91,10 +91,13 @@ def cap_fraction(memory_gb: float, total: int) -> float:
 
 def cap_allocator(cfg: RunConfig, device: torch.device) -> None:
     """``train.memory_gb`` on CUDA: cap this process's caching allocator at that card (:func:`cap_fraction`), so an
-    allocation past it fails as it would on the card planned for instead of borrowing the bigger GPU's memory."""
-    if cfg.train.memory_gb is not None and device.type == "cuda":
+    allocation past it fails as it would on the card planned for instead of borrowing the bigger GPU's memory. The cap
+    is the process's, so it is set for every run (the whole GPU without the key): a worker that served a capped run
+    does not keep the cap for the next."""
+    if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(cap_fraction(cfg.train.memory_gb, total), device)
+        frac = 1.0 if cfg.train.memory_gb is None else cap_fraction(cfg.train.memory_gb, total)
+        torch.cuda.set_per_process_memory_fraction(frac, device)
 
 
 def usable(cfg: RunConfig, device: torch.device) -> float | None:
@@ -259,7 +262,7 @@ def check_plan_fits(cfg: RunConfig) -> None:
         if sum(parts) > need:
             need = sum(parts)
             what = (f"block {b}'s visit: {parts[0] / 1e9:.1f} GB of streamed layers (pinned, as allocated), "
-                    f"{parts[1] / 1e9:.1f} GB of the largest block file it loads, {parts[2] / 1e9:.2f} GB of batch "
+                    f"{parts[1] / 1e9:.1f} GB to read its largest block file, {parts[2] / 1e9:.2f} GB of batch "
                     "slots")
     if cfg.bcd.preinfer:  # pre-inference: its prefix's streamed layers and the shards' page-locked output buffers
         workers = cfg.bcd.preinfer_workers or (2 if cuda else 1)
@@ -272,7 +275,7 @@ def check_plan_fits(cfg: RunConfig) -> None:
                                              rows=cfg.bcd.preinfer_batch_size)
             prefix = no_grad_memory(mcfg, (0, lo), True, False, rows, seq, t.precision, streamed,
                                     t.stream_window).host_bytes if streamed else 0
-            loading = file_bytes(mcfg, plan, range(b))  # the prefix is blocks [0, b): one file at a time
+            loading = reading_bytes(mcfg, plan, range(b))  # the prefix is blocks [0, b): one file at a time
             if prefix + staging + loading > need:
                 need = prefix + staging + loading
                 what = (f"block {b}'s pre-inference: {prefix / 1e9:.1f} GB of streamed prefix layers, "

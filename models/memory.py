@@ -362,12 +362,22 @@ def plan_visits(cfg: ModelConfig, blocks: int, batch: int, seq: int, precision: 
 def load_bytes(cfg: ModelConfig, plan: Plan, block: int, preinfer: bool = True, stored_bytes: int = 4) -> int:
     """Host bytes loading block ``block``'s visit part takes beside its streamed buffers: the largest block file it
     reads (``RunContext.load_part`` reads one block file at a time and copies each tensor where it lives), at
-    ``stored_bytes`` a parameter (4: a trained version's fp32 files; version 0 keeps a checkpoint's own dtype)."""
+    ``stored_bytes`` a parameter (4: a trained version's fp32 files; version 0 keeps a checkpoint's own dtype), and
+    one tensor's conversion (a copy to CUDA that changes the dtype converts on the host into a temporary of the
+    destination's size: the largest tensor at 4 bytes)."""
     lo = plan[block].layers[0] if plan[block].reads_activations(preinfer) else 0
     owners = {b for b in range(len(plan)) if b >= block or not lo}
     if lo and cfg.tied:
         owners.add(plan.owner("wte.weight"))  # the tied head reads block 0's embedding
-    return file_bytes(cfg, plan, owners, stored_bytes)
+    return reading_bytes(cfg, plan, owners, stored_bytes)
+
+
+def reading_bytes(cfg: ModelConfig, plan: Plan, blocks: Collection[int], stored_bytes: int = 4) -> int:
+    """Host bytes reading ``blocks`` one file at a time takes at its peak: the largest file and the largest tensor's
+    conversion (4 bytes a parameter); 0 for none."""
+    names = {n for b in blocks for n in plan[b].params}
+    largest = max((_numel(s) for n, s in _shapes(cfg).items() if n in names), default=0)
+    return file_bytes(cfg, plan, blocks, stored_bytes) + 4 * largest
 
 
 def file_bytes(cfg: ModelConfig, plan: Plan, blocks: Collection[int], stored_bytes: int = 4) -> int:

@@ -100,7 +100,8 @@ def clear_cuda_error() -> None:
 def _cudart_lib():
     try:
         with open("/proc/self/maps") as f:
-            path = next((ln.split()[-1] for ln in f if "libcudart.so" in ln), None)
+            path = next((ln.split(maxsplit=5)[-1].strip().removesuffix(" (deleted)") for ln in f
+                         if "libcudart.so" in ln), None)
     except OSError:
         return None
     if path is None:
@@ -477,6 +478,14 @@ class BatchStage:
         ts = [t for t in tensors if isinstance(t, torch.Tensor)]
         views = iter(self.alloc(k, [(tuple(t.shape), t.dtype) for t in ts]))
         return k, tuple(next(views).copy_(t) if isinstance(t, torch.Tensor) else t for t in tensors)
+
+    def close(self) -> None:
+        """Wait for the copies out of the slots (the loop may end on an exception with one in flight), then free
+        them: a page-locked buffer is unregistered when freed, which must not happen under a copy."""
+        for ev in self.events:
+            if ev is not None:
+                ev.synchronize()
+        self.bufs = [None] * len(self.bufs)
 
     def to_device(self, k: int | None, batch: tuple) -> tuple:
         """The batch's tensors on the device (the loop thread): copies on the current stream, then slot ``k``'s

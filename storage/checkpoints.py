@@ -239,14 +239,13 @@ def iter_from_manifest(store: Store, run_id: str, manifest: dict[str, Any], bloc
         views = _views(data, key)
         del data  # the views hold the bytes while they are iterated, and nothing holds them after
         for name, t in views:
-            if keep is not None and name not in keep:
-                continue
-            if name in seen:
-                raise CheckpointError(f"tensor {name!r} appears in more than one block of version "
-                                      f"{manifest.get('version')}")
-            seen.add(name)
-            yield name, t
-            del t  # not alive while the next block file is read
+            if keep is None or name in keep:
+                if name in seen:
+                    raise CheckpointError(f"tensor {name!r} appears in more than one block of version "
+                                          f"{manifest.get('version')}")
+                seen.add(name)
+                yield name, t
+            del t  # no view of this file alive while the next is read (a filtered-out one neither)
 
 
 def _block_files(store: Store, run_id: str, manifest: dict[str, Any], blocks: list[int] | None):

@@ -133,12 +133,15 @@ def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> It
     def fetch_staged(a: int, b: int):
         return stage.stage(fetch(a, b))  # (slot, batch): in the reading thread
 
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(fetch_staged, *next(ranges))
-        while True:
-            k, batch = fut.result()
-            fut = pool.submit(fetch_staged, *next(ranges))  # two slots: this one waits for batch k-1's copy only
-            yield stage.to_device(k, batch)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(fetch_staged, *next(ranges))
+            while True:
+                k, batch = fut.result()
+                fut = pool.submit(fetch_staged, *next(ranges))  # two slots: this one waits for batch k-1's copy only
+                yield stage.to_device(k, batch)
+    finally:  # the loop ended (done, interrupted, an error): no slot is freed under its copy
+        stage.close()
 
 
 def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single",

@@ -59,9 +59,11 @@ def test_pinned_host_memory_is_the_planners_bytes_not_a_power_of_two_each():
     cfg = get_config("L-1.5B", n_layer=4, n_kv_head=4, vocab_size=32000)
     model = build_model(cfg, layers=(0, 4), embed=False, head=False, device="meta", init=False,
                         frozen_dtype=torch.bfloat16).to_empty(device="cpu").requires_grad_(False)
-    before = torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0)
+    from benchmarks.streaming import pinned_allocator_bytes
+
+    before = pinned_allocator_bytes()  # raises where torch names the figure otherwise: never a silent 0
     stream = LayerStream(model, range(4), "cuda", window=2)
-    grown = torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0) - before
+    grown = pinned_allocator_bytes() - before
     assert all(h.is_pinned() for h in stream.host.values())
     entries = [e for es in stream.layout.values() for e in es]  # (name, parameter, offset, bytes, shape)
     assert stream.host_bytes <= sum(e[3] for e in entries) + 256 * len(entries)  # the tensors, aligned: no more
@@ -160,7 +162,8 @@ def test_a_streamed_visit_through_the_engine_equals_the_resident_one(tiny_cfg, d
     ``train.device=auto``/``cuda`` resolves to, against the same visit resident (train.offload=off): the first loss
     equal, the last loss and every validation point within float rounding, the committed block and (expansion on)
     the merged suffix blocks within rounding of AdamW's few steps; no allocator retry; the loop's peak allocation
-    within 10% of the planner's figure plus the allocator's 2 MB rounding, and reserved within the reserve's share.
+    within 10% of the planner's figure plus the allocator's 2 MB rounding, and reserved within the reserve's share
+    (both beyond what the process held before the visit: cuBLAS's workspaces are made first, outside the plan).
     Fails on the unindexed-device crash (the first version of this path raised in the backward), on a slot read
     before its copy landed (losses differ), and on a planner that undercounts the visit (peak over its figure)."""
     from bcdflow.core.context import RunContext
@@ -169,18 +172,27 @@ def test_a_streamed_visit_through_the_engine_equals_the_resident_one(tiny_cfg, d
     from bcdflow.tasks.train import train_block
     from tests.helpers import new_run
 
+    dev = torch.device("cuda", torch.cuda.current_device())
+    # cuBLAS keeps a workspace per (handle, stream) through the caching allocator (32 MiB on sm90), one for this
+    # thread and one for autograd's device thread: made here, before the visits, so what the visits add is theirs
+    a = torch.randn(256, 256, device=dev, requires_grad=True)
+    (a @ a).sum().backward()
+    del a
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     out = {}
     for offload in ("off", "stream"):
         cfg = tiny_cfg(*ENGINE, *extra, f"train.device={device}", f"train.offload={offload}",
                        f"store={tiny_cfg().store}-{offload}")
         ctx = RunContext.of(cfg, "r", new_run(cfg))
-        assert ctx.device == torch.device("cuda", torch.cuda.current_device())
+        assert ctx.device == dev
+        base = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
         res = train_block.fn(ctx, 0, 0, 0)
         files = res.files(0)
         tensors = load_from_manifest(Store(cfg.store), "r", {"blocks": {str(b): f for b, f in files.items()}})
-        out[offload] = (res, tensors, ctx.holding(0))
+        out[offload] = (res, tensors, ctx.holding(0), base)
         torch.cuda.empty_cache()
-    (off, t_off, h_off), (on, t_on, h_on) = out["off"], out["stream"]
+    (off, t_off, h_off, b_off), (on, t_on, h_on, b_on) = out["off"], out["stream"]
     assert off.streamed == 0 and on.streamed == len(h_on.streamed) > 0
     assert off.first_loss == on.first_loss
     assert on.train_loss == pytest.approx(off.train_loss, rel=1e-3)
@@ -189,10 +201,11 @@ def test_a_streamed_visit_through_the_engine_equals_the_resident_one(tiny_cfg, d
     assert t_off.keys() == t_on.keys() and t_off
     assert all(torch.allclose(t_off[n].float(), t_on[n].float(), rtol=1e-3, atol=1e-4) for n in t_off)
     assert bool(on.suffix_files) == ("bcd.expand=lora" in extra)
-    for res, held in ((off, h_off), (on, h_on)):
+    for res, held, (alloc0, reserved0) in ((off, h_off, b_off), (on, h_on, b_on)):
         assert res.alloc_retries == 0, res
-        assert res.peak_mem_bytes <= 1.10 * held.estimate.peak + 2 * MB, (res.peak_mem_bytes, held.estimate.peak)
-        assert res.peak_reserved_bytes <= (1 + FRAGMENTATION) * held.estimate.peak + 64 * MB, res
+        peak = res.peak_mem_bytes - alloc0  # the visit's own: its model, step and batch slots' device copies
+        assert peak <= 1.10 * held.estimate.peak + 2 * MB, (peak, held.estimate.peak)
+        assert res.peak_reserved_bytes - reserved0 <= (1 + FRAGMENTATION) * held.estimate.peak + 64 * MB, res
 
 
 def test_train_memory_gb_caps_the_allocator_at_the_card_it_plans_for(tiny_cfg):

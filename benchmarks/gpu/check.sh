@@ -17,6 +17,11 @@ SYS_PY=${SYS_PY:-python3}
 cuda_ok() { [ -x "$(command -v "$1")" ] && "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
 gpu_present() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || ls /dev/nvidia0 >/dev/null 2>&1; }
 
+unset PYTORCH_CUDA_ALLOC_CONF  # the allocator a run gets
+export CUDA_MODULE_LOADING=LAZY TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
+  PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export PREFECT_HOME=${PREFECT_HOME:-$(mktemp -d)/prefect}  # before any import of prefect (it reads it then)
+
 tried=()
 PY=""
 for cand in .venv/bin/python "$SYS_PY"; do
@@ -38,10 +43,10 @@ if [ "$PY" != .venv/bin/python ] && ! "$PY" -c 'import pydantic, zarr, prefect, 
   # the wheels, with --target beside the machine's own packages (its CUDA torch above all), nothing resolved; the
   # project runs from this checkout (bcdflow/__init__.py: its layers are the repository's folders), so PYTHONPATH
   # holds the checkout first and the wheels after
-  SITE="$OUT/.site"
+  SITE=${GPU_SITE:-/tmp/bcdflow-gpu-site}  # not under OUT: what comes back from a lent machine is a few files
   if ! "$PY" -c 'import pydantic, zarr, prefect' >/dev/null 2>&1; then
     ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "gpu-check: $PY lacks pydantic/zarr/prefect and $WHEELS/ holds no wheels (run make gpu-wheels where there is network, and bring $WHEELS)" >&2; exit 2; }
-    [ -d "$SITE" ] || "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
       "$WHEELS"/*.whl || exit 2
   fi
   export PYTHONPATH="$PWD:$(cd "$SITE" 2>/dev/null && pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -49,8 +54,4 @@ if [ "$PY" != .venv/bin/python ] && ! "$PY" -c 'import pydantic, zarr, prefect, 
 fi
 "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], sys.executable, "torch", torch.__version__, "cuda", torch.version.cuda)'
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-unset PYTORCH_CUDA_ALLOC_CONF  # the allocator a run gets
-export CUDA_MODULE_LOADING=LAZY TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
-  PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export PREFECT_HOME=${PREFECT_HOME:-$(mktemp -d)/prefect}
 timeout 470 "$PY" -m benchmarks.gpu_check "$OUT"
