@@ -191,7 +191,7 @@ def test_streaming_more_than_the_host_holds_is_refused_before_anything_is_writte
     from bcdflow.flows.cli import main
 
     store = tmp_path / "s"
-    sets = ["model.name=L-23B", "train.offload=stream", "data.seq_len=32", "tracking_uri=none"]
+    sets = ["model.name=L-23B", "bcd.blocks=16", "train.offload=stream", "data.seq_len=32", "tracking_uri=none"]
     assert main(["train", *[a for s in sets for a in ("--set", s)], "--store", str(store)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.offload: the streamed frozen layers" in err[0] and "GB available" in err[0], err
