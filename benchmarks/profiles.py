@@ -106,6 +106,11 @@ def _peer_methods(full_steps: int, peer_steps: int, bcd: list[str], lr: float) -
         "apollo-mini": peer("apollo-mini", "all parameters, tensor-wise scaling", 1e-2,
                             "apollo-torch 1.0.3; README: rank 1, scale_type tensor, scale 128, scale_front (small "
                             "models), update_proj_gap 200, lr 0.01"),
+        # a control, not a peer: full AdamW at GaLore's and APOLLO's rate, so their rows can be read apart from it
+        "adamw-lr1e-2": {"mode": "full", "optim": "adamw", "lr": 1e-2, "label": "all parameters, AdamW at 0.01 "
+                         "(control)", "sets": ["optim.lr=0.01", f"train.steps={peer_steps}"],
+                         "source": "full AdamW at the rate the GaLore and APOLLO READMEs give their methods: what the "
+                                   "rate alone buys"},
         "lora": peer("lora", "adapters only (not full-parameter)", 10 * lr,
                      "peft 0.21.2 LoraModel, its defaults r=8, lora_alpha=8, dropout 0, on every linear map of the "
                      "decoder layers (QLoRA; 'LoRA without regret', Schulman et al. 2025), the rate 10x full "

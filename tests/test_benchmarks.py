@@ -363,14 +363,14 @@ def test_peers_tiny_end_to_end(tmp_path, monkeypatch, prefect_server, capsys):
     data = json.loads((tmp_path / "peers.json").read_text())
     assert rc == 0 and not data["errors"]
     peers = {n for n, o in OPTIMIZERS.items() if o.peer}
-    assert set(data["peers"]["methods"]) == {"full", "bcdflow"} | peers
+    assert set(data["peers"]["methods"]) == {"full", "bcdflow", "adamw-lr1e-2"} | peers
     (group,) = data["groups"]
     seed = group["seeds"]["0"]
     assert seed["full"]["mode"] == "full" and seed["target"] == seed["full"]["final_val"] + data["peers"]["tol"]
     for name, cell in seed["methods"].items():
         run = cell["run"]
         assert run["mode"] == ("bcd" if name == "bcdflow" else "full"), name
-        assert name == "bcdflow" or f"optim.name={name}" in run["sets"]
+        assert name in ("bcdflow", "adamw-lr1e-2") or f"optim.name={name}" in run["sets"]
         assert cell["steps"]["full"] > 0 and cell["steps"]["bcd"] > 0 and isinstance(cell["steps"]["reached"], bool)
         assert group["rows"][name]["steps"]["mean"] == cell["steps"]["value"]
     steps = data["steps"]["l2"]["methods"]
