@@ -71,6 +71,8 @@ def add_parser(sub) -> None:
                     help="a config key for every run (repeatable)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--flow-threads", type=int, help="torch threads for the runs (CPU default 1)")
+    ap.add_argument("--merge", nargs="+", metavar="DIR", help="write one report from the peers.json of earlier runs "
+                    "(e.g. one process per corpus) to --out, running nothing")
 
 
 def select(s: dict, args) -> dict:
@@ -287,6 +289,8 @@ def summarize(group: dict, s: dict) -> dict:
                           "best": spread([min(p["val_loss"] for p in f["curve"]) for f in fulls]),
                           "ran": spread([f["steps"] for f in fulls])}
             continue
+        if not any(cells):  # a method this group's runs did not run (a report merged from several)
+            continue
         ok = [c for c in cells if c and "error" not in c]
         errors = [c["error"] for c in cells if c and "error" in c]
         rows[name] = {"steps": spread([c["steps"]["value"] for c in ok], [not c["steps"]["reached"] for c in ok]),
@@ -410,8 +414,31 @@ def write(out: Path, res: dict) -> None:
     (out / "peers.md").write_text(markdown(res))
 
 
+def merge(dirs: list[str], out: Path) -> dict:
+    """One report of several runs' ``peers.json`` (their corpora and groups in order; the last run's methods and
+    settings, a method a run lacks left out of its rows; the commands of all)."""
+    parts = [json.loads((Path(d) / "peers.json").read_text()) for d in dirs]
+    res = dict(parts[-1])
+    res["groups"] = [g for p in parts for g in p["groups"] if g["seeds"]]  # what ran
+    ran = {g["corpus"] for g in res["groups"]}
+    res["corpora"] = {c: i for p in parts for c, i in p["corpora"].items() if c in ran}
+    res["errors"] = [e for p in parts for e in p["errors"]]
+    res["steps"] = {m: st for p in parts for m, st in p["steps"].items()}  # the last run's, per model
+    res["meta"] = {**parts[-1]["meta"], "command": "; ".join(p["meta"]["command"] for p in parts),
+                   "seconds": sum(p["meta"]["seconds"] for p in parts),
+                   "started": ", ".join(p["meta"]["started"] for p in parts)}
+    for g in res["groups"]:  # seeds are JSON keys (strings) once read back
+        g["rows"] = summarize(g, res["peers"])
+    write(out, res)
+    return res
+
+
 def main(args, argv: list[str]) -> int:
     """The ``peers`` command: exit 0, 1 when a run failed (the others still ran), 2 for bad input."""
+    if args.merge:
+        res = merge(args.merge, Path(args.out))
+        print(f"wrote {Path(args.out) / 'peers.md'} from {len(args.merge)} run(s), {len(res['groups'])} group(s)")
+        return 0
     size = "tiny" if args.tiny or os.environ.get("BCDFLOW_BENCH_SIZE") == "tiny" else (
         "quick" if args.quick else "full")
     prof = profile(size)
