@@ -286,14 +286,16 @@ def summarize(group: dict, s: dict) -> dict:
             fulls = [r["full"] for r in group["seeds"].values()]
             rows[name] = {"steps": spread([1.0] * len(fulls)), "tokens": spread([1.0] * len(fulls)),
                           "final": spread([f["final_val"] for f in fulls]),
-                          "best": spread([min(p["val_loss"] for p in f["curve"]) for f in fulls]),
+                          "best": spread([min(p["val_loss"] for p in f["curve"]) for f in fulls]), "at2x": None,
                           "ran": spread([f["steps"] for f in fulls])}
             continue
         if not any(cells):  # a method this group's runs did not run (a report merged from several)
             continue
         ok = [c for c in cells if c and "error" not in c]
         errors = [c["error"] for c in cells if c and "error" in c]
-        rows[name] = {"steps": spread([c["steps"]["value"] for c in ok], [not c["steps"]["reached"] for c in ok]),
+        at = [interp(c["run"]["curve"], 2 * c["steps_full"]) for c in ok]  # val loss after twice full's steps
+        rows[name] = {"at2x": spread([v if where is None else None for v, where in at]),
+                      "steps": spread([c["steps"]["value"] for c in ok], [not c["steps"]["reached"] for c in ok]),
                       "tokens": spread([c["tokens"]["value"] for c in ok], [not c["tokens"]["reached"] for c in ok]),
                       "final": spread([c["run"]["final_val"] for c in ok]),
                       "best": spread([min(p["val_loss"] for p in c["run"]["curve"]) for c in ok if c["run"]["curve"]]),
@@ -303,7 +305,7 @@ def summarize(group: dict, s: dict) -> dict:
 
 COLUMNS = [("method", "method"), ("what", "trains"), ("bf", "B-F × (steps to L* / full's)"), ("tok", "tokens ×"),
            ("time", "time per step × full"), ("mem", "peak memory (× full)"), ("final", "final val"),
-           ("best", "best val"), ("ran", "steps run")]
+           ("best", "best val"), ("at2x", "val at 2× full's steps"), ("ran", "steps run")]
 
 
 def table_rows(res: dict, corpus: str, model: str) -> list[dict]:
@@ -321,6 +323,7 @@ def table_rows(res: dict, corpus: str, model: str) -> list[dict]:
                     "bf": ("error: " + err) if err and not r["steps"] else shown(r["steps"]),
                     "tok": shown(r["tokens"]), "time": f"{st['time_ratio']:.2f}" if "time_ratio" in st else "–",
                     "mem": mem, "final": shown(r["final"], ".3f"), "best": shown(r["best"], ".3f"),
+                    "at2x": shown(r.get("at2x"), ".3f"),
                     "ran": shown(r["ran"], ".0f", False)})
     return out
 
