@@ -418,19 +418,32 @@ def write(out: Path, res: dict) -> None:
 
 
 def merge(dirs: list[str], out: Path) -> dict:
-    """One report of several runs' ``peers.json`` (their corpora and groups in order; the last run's methods and
-    settings, a method a run lacks left out of its rows; the commands of all)."""
+    """One report of several runs' ``peers.json``: groups of the same corpus and model joined, a seed's methods
+    from the first run that ran them (each figure is against the baseline of the run that measured it); the
+    methods, settings and step figures of the run with the most methods; the commands of all."""
     parts = [json.loads((Path(d) / "peers.json").read_text()) for d in dirs]
-    res = dict(parts[-1])
-    res["groups"] = [g for p in parts for g in p["groups"] if g["seeds"]]  # what ran
-    ran = {g["corpus"] for g in res["groups"]}
+    widest = max(parts, key=lambda p: len(p["peers"]["methods"]))
+    res = dict(widest)
+    groups: dict[tuple, dict] = {}
+    for p in parts:
+        for g in p["groups"]:
+            if not g["seeds"]:
+                continue
+            have = groups.setdefault((g["corpus"], g["model"]), {**g, "seeds": {}})
+            for seed, cell in g["seeds"].items():
+                mine = have["seeds"].setdefault(seed, {**cell, "methods": {}})
+                for name, c in cell["methods"].items():
+                    mine["methods"].setdefault(name, c)
+    res["groups"] = list(groups.values())
+    ran = {c for c, _ in groups}
     res["corpora"] = {c: i for p in parts for c, i in p["corpora"].items() if c in ran}
     res["errors"] = [e for p in parts for e in p["errors"]]
-    res["steps"] = {m: st for p in parts for m, st in p["steps"].items()}  # the last run's, per model
-    res["meta"] = {**parts[-1]["meta"], "command": "; ".join(p["meta"]["command"] for p in parts),
+    res["steps"] = {m: max((p for p in parts if m in p["steps"]), key=lambda p: len(p["steps"][m]["methods"]))[
+        "steps"][m] for p0 in parts for m in p0["steps"]}
+    res["meta"] = {**widest["meta"], "command": "; ".join(p["meta"]["command"] for p in parts),
                    "seconds": sum(p["meta"]["seconds"] for p in parts),
                    "started": ", ".join(p["meta"]["started"] for p in parts)}
-    for g in res["groups"]:  # seeds are JSON keys (strings) once read back
+    for g in res["groups"]:
         g["rows"] = summarize(g, res["peers"])
     write(out, res)
     return res
