@@ -382,3 +382,8 @@ def test_peers_tiny_end_to_end(tmp_path, monkeypatch, prefect_server, capsys):
     md = (tmp_path / "peers.md").read_text()
     assert "| galore |" in md and "| bcdflow |" in md and "B-F ×" in md and "galore-torch 1.0" in md
     assert (tmp_path / "peers-pysrc.png").stat().st_size > 1000
+    # --merge: one report from earlier runs' peers.json, running nothing: the same rows
+    assert main(["peers", "--merge", str(tmp_path), "--out", str(tmp_path / "merged")]) == 0
+    merged = (tmp_path / "merged" / "peers.md").read_text()
+    assert [ln for ln in merged.splitlines() if ln.startswith("| galore")] == \
+        [ln for ln in md.splitlines() if ln.startswith("| galore")]
