@@ -19,6 +19,8 @@ step counts and losses, and the tiny model's small ops stall at 2 threads on a s
 models, seeds and settings (benchmarks/suite.py).
 ``python -m benchmarks finetune [--profile tiny] ...``: the same figures for fine-tuning a pretrained base
 (benchmarks/finetune.py).
+``python -m benchmarks peers [--quick|--tiny] ...``: bcdflow beside BAdam, LISA, GaLore, APOLLO, LoRA and full AdamW
+(benchmarks/peers.py).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import cost, finetune, iteration, memory, report, suite, training, utilization
+from benchmarks import cost, finetune, iteration, memory, peers, report, suite, training, utilization
 from benchmarks.common import machine
 from benchmarks.profiles import profile
 from benchmarks.runs import book, flow_server
@@ -88,6 +90,7 @@ def parser() -> argparse.ArgumentParser:
     step.add_argument("--blocks", type=int, nargs="+", help="bcd.blocks values to measure (default: the size's)")
     suite.add_parser(sub)
     finetune.add_parser(sub)
+    peers.add_parser(sub)
     return ap
 
 
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return suite.main(args, argv)
     if args.cmd == "finetune":
         return finetune.main(args, argv)
+    if args.cmd == "peers":
+        return peers.main(args, argv)
     size = "tiny" if args.tiny or os.environ.get("BCDFLOW_BENCH_SIZE") == "tiny" else (
         "quick" if args.quick else "full")
     prof = profile(size)

@@ -74,6 +74,62 @@ _PAPER_QUICK = {
     "target": "best",
 }
 
+
+def _peer_methods(full_steps: int, peer_steps: int, bcd: list[str], lr: float) -> dict:
+    """The methods of ``python -m benchmarks peers`` (benchmarks/peers.py): full AdamW (the reference), bcdflow's
+    defaults, and each peer as a baseline optimizer (models/peers.py) at its authors' settings, with the source."""
+    def peer(optim, label, lr_, source, *extra):
+        return {"mode": "full", "optim": optim, "lr": lr_, "label": label, "source": source,
+                "sets": [f"optim.name={optim}", f"optim.lr={lr_:g}", f"train.steps={peer_steps}", *extra]}
+    return {
+        "full": {"mode": "full", "optim": "adamw", "lr": lr, "label": "all parameters, AdamW", "sets":
+                 [f"train.steps={full_steps}"], "source": "the suite's baseline (benchmarks/profiles.py)"},
+        "bcdflow": {"mode": "bcd", "optim": "adamw", "lr": lr, "label": "one block at a time, all parameters",
+                    "sets": bcd, "source": "bcdflow's defaults: adaptive budget, kept moments, bcd.expand=lora rank "
+                                           "16; stops at the first visit that reaches L*"},
+        "badam": peer("badam", "one block at a time, all parameters", lr,
+                      "badam 1.4 BlockOptimizer; README: switch_mode=random, switch_block_every=100 (its example), "
+                      "embeddings and head as two more blocks (include_embedding/include_lm_head: a model trained "
+                      "from scratch; the package's default leaves them frozen), Adam state reset at each switch; "
+                      "the rate of full AdamW (Adam on a block)"),
+        "lisa": peer("lisa", "embeddings, head and sampled layers", lr,
+                     "written from Pan et al. 2024 (LISA, Algorithm 1) as LMFlow's DynamicLayerActivationCallback; "
+                     "LMFlow scripts/run_finetune_with_lisa.sh: 1 activated layer, interval 20 steps; AdamW at full "
+                     "AdamW's rate"),
+        "galore": peer("galore", "all parameters, low-rank gradients", 1e-2,
+                       "galore-torch 1.0 GaLoreAdamW; README/paper: rank d/4 (128 of 512 for LLaMA-60M), "
+                       "update_proj_gap 200, scale 0.25, proj_type std, lr 0.01; attention and MLP matrices "
+                       "projected, the rest AdamW"),
+        "apollo": peer("apollo", "all parameters, channel-wise scaling", 1e-2,
+                       "apollo-torch 1.0.3 APOLLOAdamW; README: rank 1/4 of the width (as GaLore), proj random, "
+                       "scale_type channel, scale 1, update_proj_gap 200, lr 0.01"),
+        "apollo-mini": peer("apollo-mini", "all parameters, tensor-wise scaling", 1e-2,
+                            "apollo-torch 1.0.3; README: rank 1, scale_type tensor, scale 128, scale_front (small "
+                            "models), update_proj_gap 200, lr 0.01"),
+        # a control, not a peer: full AdamW at GaLore's and APOLLO's rate, so their rows can be read apart from it
+        "adamw-lr1e-2": {"mode": "full", "optim": "adamw", "lr": 1e-2, "label": "all parameters, AdamW at 0.01 "
+                         "(control)", "sets": ["optim.lr=0.01", f"train.steps={peer_steps}"],
+                         "source": "full AdamW at the rate the GaLore and APOLLO READMEs give their methods: what the "
+                                   "rate alone buys"},
+        "lora": peer("lora", "adapters only (not full-parameter)", 10 * lr,
+                     "peft 0.21.2 LoraModel, its defaults r=8, lora_alpha=8, dropout 0, on every linear map of the "
+                     "decoder layers (QLoRA; 'LoRA without regret', Schulman et al. 2025), the rate 10x full "
+                     "AdamW's (the same source); merged at the end"),
+    }
+
+
+_PEERS_QUICK = {
+    **_SUITE_QUICK,
+    # the suite's two corpora and docsrc, one the defaults were not chosen on (Python sources of other packages)
+    "corpora": {"pysrc": 6_000_000, "docs": 6_000_000, "docsrc": 6_000_000},
+    "methods": _peer_methods(600, 1200, [*_SUITE_QUICK["bcd"], *_SUITE_QUICK["settings"]["lora-r16"]], 2e-3),
+    "time_steps": 3,  # round-robin timed rounds of the step figures (up to twice that while they disagree)
+}
+_PEERS_PAPER = {**_PEERS_QUICK, "corpora": _PAPER_QUICK["corpora"], "models": _PAPER_QUICK["models"],
+                "methods": _peer_methods(2000, 4000, [*_SUITE_QUICK["bcd"], *_SUITE_QUICK["settings"]["lora-r16"]],
+                                         2e-3),
+                "target": "best"}
+
 # paper §4.2.1: AdamW 1e-4, SGD 0.1 (momentum 0.9, weight decay 1e-5). AdamW at 1e-4 barely moves a
 # tiny model in a few hundred steps; the CPU sizes use the demo's 3e-3 for both BCD and full runs.
 PROFILES: dict[str, dict] = {
@@ -92,6 +148,8 @@ PROFILES: dict[str, dict] = {
                   "variant_cycles": 12, "tol": 0.02},
         "suite": _SUITE_QUICK,
         "paper": _PAPER_QUICK,
+        "peers": _PEERS_QUICK,
+        "peers_paper": _PEERS_PAPER,
     },
     "quick": {
         "compute": {"model": "gpt2-124m", "overrides": {"d_model": 192, "n_head": 3, "vocab_size": 12576},
@@ -109,6 +167,8 @@ PROFILES: dict[str, dict] = {
                   "variant_cycles": 4, "tol": 0.02},
         "suite": _SUITE_QUICK,
         "paper": _PAPER_QUICK,
+        "peers": _PEERS_QUICK,
+        "peers_paper": _PEERS_PAPER,
     },
     "tiny": {
         "compute": {"model": "tiny", "overrides": {"d_model": 32, "n_head": 2, "vocab_size": 320},
@@ -140,6 +200,9 @@ PROFILES: dict[str, dict] = {
 }
 
 PROFILES["tiny"]["paper"] = {**PROFILES["tiny"]["suite"], "target": "best"}  # the smoke test of the paper regime
+PROFILES["tiny"]["peers"] = {**PROFILES["tiny"]["suite"], "time_steps": 1,
+                             "methods": _peer_methods(10, 10, ["bcd.max_steps=5", "bcd.cycles=2"], 3e-3)}
+PROFILES["tiny"]["peers_paper"] = {**PROFILES["tiny"]["peers"], "target": "best"}
 
 
 def profile(name: str) -> dict:

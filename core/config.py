@@ -244,6 +244,14 @@ class OptimSection(_Section):
     stops at a target or on the adaptive budget decays as the baseline does); None = ``train.steps``."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """Where ``cosine`` ends, as a fraction of ``lr``."""
+    switch_every: int | None = Field(None, ge=1)
+    """``badam``/``lisa`` (baseline peers): steps between block or layer switches; None = the authors' (BAdam 100,
+    LISA 20)."""
+    rank: int | None = Field(None, ge=1)
+    """``galore``/``apollo``: projection rank (None = a quarter of the model width; ``apollo-mini``: 1); ``lora``:
+    the adapters' rank (None = 8)."""
+    lisa_layers: int = Field(1, ge=1)
+    """``lisa``: decoder layers sampled per period (gamma; LMFlow's 1)."""
 
 
 class TrainSection(_Section):
@@ -499,7 +507,8 @@ class RunConfig(_Section):
         return OptimSpec(o.name, o.lr, o.weight_decay, o.momentum, grad_clip=o.grad_clip,
                          warmup_steps=o.warmup_steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
                          total_steps=o.decay_steps or self.train.steps,
-                         lr_scale=b.lr_scales[block] if b.lr_scales and block is not None else 1.0)
+                         lr_scale=b.lr_scales[block] if b.lr_scales and block is not None else 1.0,
+                         switch_every=o.switch_every, rank=o.rank, lisa_layers=o.lisa_layers, seed=self.seed)
 
     def stop_rule(self, min_rate: float | None = None) -> StopRule:
         """A visit's stop rule; ``min_rate``: the adaptive budget's rate to beat (``bcd.budget``)."""

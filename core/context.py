@@ -32,6 +32,7 @@ from bcdflow.models.model_config import ModelConfig, get_config
 from bcdflow.models.holding import Holding, choose_holding, no_grad_holding
 from bcdflow.models.memory import (CONTEXT_BYTES, GB, Budget, device_budget, load_bytes, no_grad_memory,
                                    reading_bytes, stage_bytes)
+from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.storage import checkpoints, layout
 from bcdflow.storage.corpus import builtin_corpus_files, check_text_files, resolve_files
@@ -163,6 +164,8 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False) -> None:
             _checked.clear()
         if mine:
             return
+    # a peer method (models/peers.py): its package, one block (the baseline), one process
+    OPTIMIZERS[cfg.optim.name].check(cfg.optim.name, cfg.n_blocks, cfg.train.gpus)
     if not cfg.fleet.visit_pool:
         check_gpus(cfg)  # the device, and train.gpus against this machine
         check_model_size(cfg)  # before the plan's fit: a model no machine builds says so, not its host peak

@@ -28,9 +28,12 @@ from bcdflow.storage.store import Store, raise_naming
 from bcdflow.tracking.tables import md_table
 
 TOL, BRACKET_TOL = 0.02, 0.1
+# optimizers that do not train every parameter (models/optimizers.OPTIMIZERS' full_parameter=False; spelled here too,
+# since compare imports no torch: tests/test_peers.py keeps the two the same)
+NOT_FULL_PARAMETER = ("lora",)
 COSTS = ("step", "tokens", "seconds", "gpu_hours", "spend_usd")
 RUN_COLUMNS = [
-    ("run_id", "run", "s"), ("mode", "mode", "s"), ("device", "priced as", "s"),
+    ("run_id", "run", "s"), ("mode", "mode", "s"), ("method", "method", "s"), ("device", "priced as", "s"),
     ("final_val_loss", "final val", ".4f"), ("best_val_loss", "best val", ".4f"), ("steps", "steps", "d"),
     ("to_target", "steps to L* [bracket]", "s"), ("bf", "B-F ×", "s"), ("gap", "gap at equal steps", "s"),
     ("tokens_multiplier", "tokens ×", ".2f"), ("wall_seconds", "wall s", ".1f"), ("gpu_hours", "GPU-h", ".5f"),
@@ -57,7 +60,9 @@ def _run_summary(store: Store, run_id: str) -> dict:
     except ValueError as e:
         raise runs.RunStateError(f"run config {store.url_of(layout.config_key(run_id))} is damaged (spend.prices: "
                                  f"{e}); restore the object") from None
-    return {"run_id": run_id, "mode": state.mode, "prices": prices,
+    optim = (cfg.get("optim") or {}).get("name", "adamw")
+    method = optim + (" (not full-parameter)" if optim in NOT_FULL_PARAMETER else "")
+    return {"run_id": run_id, "mode": state.mode, "method": method, "prices": prices,
             "curve": pts, "window": (cfg.get("bcd") or {}).get("window", 20),
             "device": f"{gpus}×{kind}" + ("*" if kind == spend.DEFAULT_KIND else ""),
             "stop_reason": state.stop_reason, "final_val_loss": state.visits[-1].val_loss,

@@ -6,6 +6,12 @@
 
 A new optimizer is one entry here: ``core/config.OptimSection.name`` accepts the names of this registry, the trainer
 builds it, and the planner counts its state.
+
+The peers (issue 35: ``galore``, ``apollo``, ``apollo-mini``, ``badam``, ``lisa``, ``lora``; models/peers.py) are the
+methods a user would otherwise run, each a way to train the whole model in the baseline's step loop (``bcdflow
+baseline --set optim.name=galore``): they take the parameters by name, need one block and one process
+(``check``), and their packages are the ``peers`` extra. ``lora`` also wraps the model (``wrap``) and is not
+full-parameter training.
 """
 from __future__ import annotations
 
@@ -13,6 +19,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from bcdflow.models import peers
+from bcdflow.models.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -25,12 +34,36 @@ class Optimizer:
     """fp32 tensors of optimizer state per trainable parameter (AdamW's two moments, SGD's momentum buffer)."""
     decay_temporary: bool = False
     """Whether a step with weight decay allocates a gradient-sized temporary (foreach SGD adds the decay to a copy)."""
+    peer: bool = False
+    """A method of its own for the whole model (``build(named, spec)`` gets ``(name, parameter)`` pairs); trained by
+    the baseline's one-block loop, not inside a BCD visit. ``state`` is then the planner's upper bound (AdamW's)."""
+    full_parameter: bool = True
+    """Whether every parameter of the model can change (LoRA: the adapters only, merged at the end)."""
+    wrap: Callable | None = None
+    """``wrap(model, spec) -> (trained named parameters, finish)``: a model wrapper (LoRA's adapters); ``finish()``
+    leaves the model as its own names again, the wrapper merged in, before its block is written."""
+
+    def check(self, name: str, blocks: int, gpus: int) -> None:
+        """A peer's needs, before a run writes anything: its package (the ``peers`` extra), one block (the
+        baseline: ``bcdflow baseline``) and one process."""
+        if not self.peer:
+            return
+        peers.require(name)
+        if blocks != 1:
+            raise ConfigError(f"optim.name: {name} trains the whole model in the baseline's step loop: run it with "
+                              f"`bcdflow baseline --set optim.name={name}` (BCD visits train with adamw or sgd)")
+        if gpus != 1:
+            raise ConfigError(f"train.gpus: optim.name={name} trains in one process (set train.gpus=1)")
 
 
 def _adamw(params, spec):
     # fused: one kernel per parameter group, no foreach temporaries (3.5x faster on CPU here)
     return torch.optim.AdamW(params, lr=spec.base_lr, betas=spec.betas, eps=spec.eps,
                              weight_decay=spec.weight_decay, fused=True)
+
+
+def _adamw_named(named, spec):
+    return _adamw([p for _, p in named], spec)
 
 
 def _sgd(params, spec):
@@ -41,4 +74,13 @@ def _sgd(params, spec):
 OPTIMIZERS: dict[str, Optimizer] = {
     "adamw": Optimizer(_adamw, paper_lr=1e-4, state=2),
     "sgd": Optimizer(_sgd, paper_lr=0.1, state=1, decay_temporary=True),
+    # the peers (models/peers.py): paper_lr is the authors' rate where they give one for pre-training (GaLore's and
+    # APOLLO's READMEs: 0.01), else AdamW's; LoRA's 10x AdamW's ("LoRA without regret", Schulman et al. 2025)
+    "galore": Optimizer(peers.galore, paper_lr=1e-2, state=2, peer=True),
+    "apollo": Optimizer(peers.apollo, paper_lr=1e-2, state=2, peer=True),
+    "apollo-mini": Optimizer(lambda named, spec: peers.apollo(named, spec, mini=True), paper_lr=1e-2, state=2,
+                             peer=True),
+    "badam": Optimizer(peers.badam, paper_lr=1e-4, state=2, peer=True),
+    "lisa": Optimizer(peers.lisa, paper_lr=1e-4, state=2, peer=True),
+    "lora": Optimizer(_adamw_named, paper_lr=1e-3, state=2, peer=True, full_parameter=False, wrap=peers.lora_wrap),
 }

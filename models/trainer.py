@@ -36,6 +36,14 @@ class OptimSpec:
     min_lr_ratio: float = 0.1
     lr_scale: float = 1.0
     """This loop's multiplier of ``lr`` (``bcd.lr_scales``: one per block)."""
+    switch_every: int | None = None
+    """BAdam's and LISA's steps between switches (None: the method's default; models/peers.py)."""
+    rank: int | None = None
+    """GaLore's and APOLLO's projection rank, LoRA's rank (None: the method's default)."""
+    lisa_layers: int = 1
+    """LISA's decoder layers sampled per period (gamma)."""
+    seed: int = 0
+    """The run's seed: BAdam's block order and LISA's draws derive from it."""
 
     @property
     def base_lr(self) -> float:
@@ -56,11 +64,16 @@ class OptimSpec:
         return bool(self.warmup_steps) or (self.schedule == "cosine" and bool(self.total_steps))
 
 
-def make_optimizer(params: list[torch.nn.Parameter], spec: OptimSpec) -> torch.optim.Optimizer:
-    """The optimizer ``spec.name`` names (``models/optimizers.OPTIMIZERS``) over ``params``."""
+def make_optimizer(params: list, spec: OptimSpec) -> torch.optim.Optimizer:
+    """The optimizer ``spec.name`` names (``models/optimizers.OPTIMIZERS``) over ``params``: parameters, or
+    ``(name, parameter)`` pairs, which a peer method needs (its blocks and layers are found by name)."""
     if spec.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name: unknown optimizer {spec.name!r} (choose from {', '.join(OPTIMIZERS)})")
-    return OPTIMIZERS[spec.name].build(params, spec)
+    opt = OPTIMIZERS[spec.name]
+    named = bool(params) and isinstance(params[0], tuple)
+    if opt.peer:
+        return opt.build(params if named else [(str(i), p) for i, p in enumerate(params)], spec)
+    return opt.build([p for _, p in params] if named else params, spec)
 
 
 @dataclass

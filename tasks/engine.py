@@ -28,6 +28,7 @@ from bcdflow.core.rules import batch_ranges, visit_rows
 from bcdflow.core.spend import spent_at
 from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import no_grad_memory, no_grad_rows, visit_memory
+from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import block_tensors
 from bcdflow.models.stream import BatchStage
 from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
@@ -375,6 +376,9 @@ class Resident:
                                    trainable=vs.active, stream=vs.streamed,
                                    grad_from=vs.lo)  # bf16: frozen matrices in bf16 (I6)
         self.named = prepare_model(self.model, vs.active, cfg.train.loss_chunk_rows, cfg.train.compile)
+        # a peer that wraps the model (optim.name=lora: adapters, the base frozen) trains what the wrapper adds
+        wrap = OPTIMIZERS[cfg.optim.name].wrap
+        self.named, self.unwrap = wrap(self.model, cfg.optim_spec()) if wrap else (self.named, None)
         self.module = self.model  # what evaluation switches to eval mode and back
         self.loss = visit_step_loss(self.model, vs, self.device, cfg.train.precision)
         self.eval_loss = functools.partial(visit_loss, self.model, lo=vs.lo, from_acts=vs.from_acts)
@@ -402,6 +406,9 @@ class Resident:
         return opt.state_dict()
 
     def block_tensors(self) -> dict[str, torch.Tensor]:
+        if self.unwrap is not None:  # the wrapper merged in: the model's own names and weights
+            self.unwrap, finish = None, self.unwrap
+            finish()
         return block_tensors(self.model, self.ctx.plan, self.vs.block)
 
     def barrier(self) -> None:
@@ -465,7 +472,7 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held: VisitHolding, val: list, *
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
     spec = cfg.optim_spec(block)
-    opt = make_optimizer(params, spec)
+    opt = make_optimizer(held.named, spec)  # by name: a peer finds its blocks and layers by name
     if adapters is not None:
         opt.add_param_group(adapter_group(cfg, spec, adapters))
     vkey = ctx.visit_key(vs.cycle, block)

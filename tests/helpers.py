@@ -159,7 +159,8 @@ class Spy:
 
         def make_optimizer(params, spec):
             opt = real_opt(params, spec)
-            self.opt_params.append(list(params))
+            # the engine passes (name, parameter) pairs (a peer finds its blocks by name): the parameters
+            self.opt_params.append([p[1] if isinstance(p, tuple) else p for p in params])
             self.opts.append(opt)
             return opt
 

@@ -348,3 +348,42 @@ def test_gpu_check_refuses_a_machine_with_a_gpu_but_no_cuda_torch(tmp_path):
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and "no Python here has a CUDA torch" in err[0] and sys.executable in err[0], err
     assert not (tmp_path / "out" / "gpu_check.json").exists()
+
+@pytest.mark.slow
+def test_peers_tiny_end_to_end(tmp_path, monkeypatch, prefect_server, capsys):
+    """``python -m benchmarks peers --tiny`` (issue 35): full AdamW, bcdflow's defaults and every peer through the
+    real flows on one corpus, each row with its B-F (or a lower bound), step time and CPU-tracked peak memory beside
+    full AdamW's, the report and the plot written; a name the profile lacks is bad input."""
+    from bcdflow.models.optimizers import OPTIMIZERS
+
+    monkeypatch.delenv("BCDFLOW_BENCH_SIZE", raising=False)
+    assert main(["peers", "--tiny", "--methods", "nope", "--out", str(tmp_path)]) == 2
+    assert "--methods: unknown nope (choose from full, bcdflow, badam" in capsys.readouterr().out
+    rc = main(["peers", "--tiny", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "peers.json").read_text())
+    assert rc == 0 and not data["errors"]
+    peers = {n for n, o in OPTIMIZERS.items() if o.peer}
+    assert set(data["peers"]["methods"]) == {"full", "bcdflow", "adamw-lr1e-2"} | peers
+    (group,) = data["groups"]
+    seed = group["seeds"]["0"]
+    assert seed["full"]["mode"] == "full" and seed["target"] == seed["full"]["final_val"] + data["peers"]["tol"]
+    for name, cell in seed["methods"].items():
+        run = cell["run"]
+        assert run["mode"] == ("bcd" if name == "bcdflow" else "full"), name
+        assert name in ("bcdflow", "adamw-lr1e-2") or f"optim.name={name}" in run["sets"]
+        assert cell["steps"]["full"] > 0 and cell["steps"]["bcd"] > 0 and isinstance(cell["steps"]["reached"], bool)
+        assert group["rows"][name]["steps"]["mean"] == cell["steps"]["value"]
+    steps = data["steps"]["l2"]["methods"]
+    assert set(steps) == set(data["peers"]["methods"])
+    for name, r in steps.items():
+        assert r["step_s"] > 0 and r["peak_bytes"] > 0 and r["time_ratio"] > 0, name
+    assert steps["full"]["time_ratio"] == 1.0 and not steps["lora"]["full_parameter"]
+    assert steps["lora"]["trainable"] < steps["full"]["trainable"]
+    md = (tmp_path / "peers.md").read_text()
+    assert "| galore |" in md and "| bcdflow |" in md and "B-F ×" in md and "galore-torch 1.0" in md
+    assert (tmp_path / "peers-pysrc.png").stat().st_size > 1000
+    # --merge: one report from earlier runs' peers.json, running nothing: the same rows
+    assert main(["peers", "--merge", str(tmp_path), "--out", str(tmp_path / "merged")]) == 0
+    merged = (tmp_path / "merged" / "peers.md").read_text()
+    assert [ln for ln in merged.splitlines() if ln.startswith("| galore")] == \
+        [ln for ln in md.splitlines() if ln.startswith("| galore")]

@@ -220,10 +220,11 @@ def test_an_infinite_gradient_with_a_finite_loss_raises_diverged(clip):
     assert e.value.step == 1 and e.value.loss == 0.0 and not torch.isfinite(torch.tensor(e.value.grad_norm))
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name", sorted(n for n, o in OPTIMIZERS.items() if not o.peer))
 def test_each_registered_optimizer_is_offered_built_and_counted_as_it_holds_state(name):
     """models/optimizers.py is the one home of an optimizer: the config offers its name, an unset optim.lr is its
-    paper default, and the planner's state count is the parameter-sized state tensors the built optimizer holds."""
+    paper default, and the planner's state count is the parameter-sized state tensors the built optimizer holds.
+    (The peers, whose state is a block's, sampled layers' or projected: tests/test_peers.py.)"""
     from typing import get_args
 
     from bcdflow.core.config import OptimSection, load_config
