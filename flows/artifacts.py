@@ -26,10 +26,10 @@ log = logging.getLogger(__name__)
 # visit table: (record key, column header, format)
 VISIT_COLUMNS = [
     ("cycle", "cycle", "d"), ("block", "block", "d"), ("version", "version", "d"), ("steps", "steps", "d"),
-    ("train_loss", "train loss", ".4f"), ("val_loss", "val loss", ".4f"),
+    ("stopped_by", "stopped by", "s"), ("train_loss", "train loss", ".4f"), ("val_loss", "val loss", ".4f"),
     ("preinfer_seconds", "pre-infer s", ".1f"), ("train_seconds", "train s", ".1f"),
     ("eval_seconds", "eval s", ".1f"), ("gpu_hours", "GPU-h", ".5f"), ("spend_usd", "spend $", ".5f"),
-    ("cum_spend_usd", "total $", ".5f"), ("stopped_by", "stopped by", "s"),
+    ("cum_spend_usd", "total $", ".5f"),
 ]
 
 
@@ -39,14 +39,15 @@ def artifact_key(run_id: str, what: str) -> str:
 
 
 def visit_table(visits: list[VisitRecord]) -> list[dict]:
-    """The visit records cut to the table's columns (floats to 6 significant digits; why each visit stopped, in
-    words after its reason)."""
-    def cell(v: VisitRecord, key: str):
-        x = getattr(v, key)
-        if key == "stopped_by":
-            return f"{x}: {stop_words(x)}"
-        return float(f"{x:.6g}") if isinstance(x, float) else x
-    return [{h: cell(v, k) for k, h, _ in VISIT_COLUMNS} for v in visits]
+    """The visit records cut to the table's columns (floats to 6 significant digits)."""
+    return [{h: (float(f"{x:.6g}") if isinstance(x := getattr(v, k), float) else x) for k, h, _ in VISIT_COLUMNS}
+            for v in visits]
+
+
+def stop_legend(visits: list[VisitRecord]) -> str:
+    """What each "stopped by" of the table means, in words (a sentence does not fit a table cell)."""
+    reasons = dict.fromkeys(v.stopped_by for v in visits)
+    return "; ".join(f"**{r}**: {stop_words(r)}" for r in reasons)
 
 
 def _publish(fn, *args, **kwargs):
@@ -98,6 +99,8 @@ class RunArtifacts:
         desc = f"Visits of run `{self.run_id}`: {len(visits)} committed, ${sum(v.spend_usd for v in visits):.4f} spent"
         if stop_reason:
             desc += f"; the run stopped ({stop_reason}): {run_stop_words(stop_reason)}"
+        if visits:
+            desc += f". A visit stopped by {stop_legend(visits)}."
         table, key = visit_table(visits), self.key("visits")
         _publish(_upsert, key, TableArtifact(table=table).format(), desc,
                  lambda d: create_table_artifact(table, key=key, description=d))

@@ -208,11 +208,12 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     lease.check()  # still ours: nobody took this visit over while it trained
     commit_visit(cfg, run_id, record, tr.block_file, fence, tr.suffix_files)
     # curves at the run's global step: the validation loss on the visit's run (linked to the version it committed,
-    # a logged model pointing at the store: no weights copied) and the parent's; per-visit figures as series on the
-    # parent; the visit's own single values as its run summary
+    # a logged model of the run pointing at the store: no weights copied) and the parent's; per-visit figures as
+    # series on the parent; the visit's own single values as its run summary
     curve = {"val_loss": record.val_loss, "val_ppl": record.val_ppl}
-    tracker.external_model(mlrun, model_name(run_id, record.version), version_tags(run_id, record),
-                           curve, record.step_end, outputs_of=tuple(r for r in (mlrun, state.mlflow_run_id) if r))
+    tracker.external_model(mlrun, model_name(run_id, record.version), version_tags(run_id, record), curve,
+                           record.step_end, source_run_id=state.mlflow_run_id,
+                           outputs_of=tuple(r for r in (mlrun, state.mlflow_run_id) if r))
     tracker.metrics(state.mlflow_run_id, {**curve, "cum_spend_usd": record.cum_spend_usd}, record.step_end)
     tracker.metrics(state.mlflow_run_id, {f"visit/{k}": getattr(record, k) for k in VISIT_SERIES}, record.step_end)
     tracker.summary(mlrun, {**record.model_dump(include=set(VISIT_SUMMARY)), FINAL_TRAIN_LOSS: record.train_loss},

@@ -96,9 +96,12 @@ def test_mlflow_and_prefect_contents_of_a_tiny_run(tiny_cfg, prefect_server, tmp
     assert sorted(models) == [f"t-v{v}" for v in (1, 2, 3, 4)]
     for v in state.visits:
         m = models[f"t-v{v.version}"]
-        assert m.source_run_id == by_version[v.version].info.run_id and m.tags["mlflow.external"] == "true"
+        assert m.source_run_id == pid and m.tags["mlflow.external"] == "true"  # the run's models (Models column)
         assert m.tags["bcdflow.manifest"] == f"runs/t/versions/{v.version}.json"
-        assert {x.key: (x.step, x.value) for x in m.metrics}["val_loss"] == (v.step_end, pytest.approx(v.val_loss))
+        linked = {x.key: (x.step, x.value, x.run_id) for x in m.metrics}["val_loss"]
+        assert linked == (v.step_end, pytest.approx(v.val_loss), by_version[v.version].info.run_id)  # the visit's
+        assert [o.model_id for o in client.get_run(by_version[v.version].info.run_id).outputs.model_outputs] == [
+            m.model_id]
         assert client.list_artifacts(by_version[v.version].info.run_id) == []
     assert sorted(o.model_id for o in client.get_run(pid).outputs.model_outputs) == sorted(
         m.model_id for m in models.values())
@@ -138,8 +141,9 @@ def test_mlflow_and_prefect_contents_of_a_tiny_run(tiny_cfg, prefect_server, tmp
     rows = json.loads(table["data"])
     assert [(r["cycle"], r["block"]) for r in rows] == [(c, b) for c in range(2) for b in range(2)]
     assert rows[-1]["total $"] == pytest.approx(state.visits[-1].cum_spend_usd, rel=1e-4)
-    assert rows[0]["stopped by"] == "max_steps: reached its step cap (bcd.max_steps)"  # in words
+    assert rows[0]["stopped by"] == "max_steps"  # and in words:
     assert "the run stopped (cycles): every planned cycle (bcd.cycles) is done" in table["description"]
+    assert "A visit stopped by **max_steps**: reached its step cap (bcd.max_steps)." in table["description"]
     (progress,) = arts["progress"]
     assert progress["key"] == key("progress") and progress["data"] == 100
 
@@ -282,15 +286,16 @@ def test_a_dataset_input_and_an_external_model_per_version(tmp_path):
     child = t.start("c0-b0", parent=parent)
     for _ in range(2):  # logged again (a resumed run): still one input
         t.dataset(parent, "files /x/*.txt", "0123456789abcdef", "local", "/x/*.txt", {"train_rows": 9})
-    mid = t.external_model(child, "r-v1", {"bcdflow.version": 1}, {"val_loss": 4.5}, 12, outputs_of=(child, parent))
+    mid = t.external_model(child, "r-v1", {"bcdflow.version": 1}, {"val_loss": 4.5}, 12, source_run_id=parent,
+                           outputs_of=(child, parent))
     c = MlflowClient(t.uri)
     (ds,) = c.get_run(parent).inputs.dataset_inputs
     assert (ds.dataset.name, ds.dataset.digest, json.loads(ds.dataset.profile)) == (
         "files /x/*.txt", "0123456789abcdef", {"train_rows": 9})
     model = c.get_logged_model(mid)
-    assert (model.name, model.source_run_id, str(model.status)) == ("r-v1", child, "READY")
+    assert (model.name, model.source_run_id, str(model.status)) == ("r-v1", parent, "READY")
     assert model.tags["mlflow.external"] == "true" and model.tags["bcdflow.version"] == "1"
-    assert [(m.key, m.value, m.step) for m in model.metrics] == [("val_loss", 4.5, 12)]
+    assert [(m.key, m.value, m.step, m.run_id) for m in model.metrics] == [("val_loss", 4.5, 12, child)]
     assert [o.model_id for o in c.get_run(parent).outputs.model_outputs] == [mid]
     assert c.list_artifacts(child) == []  # nothing copied
 

@@ -164,15 +164,16 @@ class Tracker:
         self.client.log_inputs(run_id, [DatasetInput(ds, [InputTag("mlflow.data.context", context)])])
 
     def external_model(self, run_id: str | None, name: str, tags: dict[str, Any], metrics: dict[str, float],
-                       step: int, outputs_of: tuple[str, ...] = ()) -> str | None:
-        """A logged model whose weights stay outside MLflow (tag ``mlflow.external``: nothing is copied), made by
-        ``run_id``, with ``metrics`` at ``step`` linked to it and listed as an output of the runs ``outputs_of``
-        (the Models column); returns its id."""
+                       step: int, source_run_id: str | None = None, outputs_of: tuple[str, ...] = ()) -> str | None:
+        """A logged model whose weights stay outside MLflow (tag ``mlflow.external``: nothing is copied), with
+        ``metrics`` of ``run_id`` at ``step`` linked to it; its source run is ``source_run_id`` (default ``run_id``:
+        the runs table's Models column lists a run's models by it) and it is an output of the runs ``outputs_of``
+        (their pages' Logged models); returns its id."""
         if not (self.enabled and run_id):
             return None
         from mlflow.entities import LoggedModelOutput, Metric
 
-        model = self.client.create_logged_model(self.experiment_id, name=name, source_run_id=run_id,
+        model = self.client.create_logged_model(self.experiment_id, name=name, source_run_id=source_run_id or run_id,
                                                 tags={"mlflow.external": "true", **{k: str(v) for k, v in tags.items()}})
         self.client.finalize_logged_model(model.model_id, "READY")
         now = int(time.time() * 1000)
