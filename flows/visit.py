@@ -42,7 +42,8 @@ from bcdflow.tasks.train import evaluate_version, train_block
 from bcdflow.tracking.describe import training_dataset
 from bcdflow.tracking.tracker import TrackTarget, Tracker
 
-# per-visit figures logged on the parent run as series over the run's global step (the visit's last step)
+# per-visit figures logged on the parent run as series over the run's global step (the visit's last step), named
+# visit_<figure>: a "visit/" prefix made them a chart section of their own, which MLflow's UI shows above the losses
 VISIT_SERIES = ("steps", "seconds", "preinfer_seconds", "train_seconds", "eval_seconds", "tokens_per_s", "gpu_hours",
                 "spend_usd")
 # a visit run's single values (its summary): tags bcdflow.<name>; its record's train_loss (the mean of its last steps)
@@ -211,11 +212,13 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     # a logged model of the run pointing at the store: no weights copied) and the parent's; per-visit figures as
     # series on the parent; the visit's own single values as its run summary
     curve = {"val_loss": record.val_loss, "val_ppl": record.val_ppl}
-    tracker.external_model(mlrun, model_name(run_id, record.version), version_tags(run_id, record), curve,
-                           record.step_end, source_run_id=state.mlflow_run_id,
+    data = training_dataset(cfg.data, ctx.dataset)  # the val_loss is of its validation rows
+    tracker.external_model(mlrun, model_name(run_id, record.version), version_tags(run_id, record),
+                           version_params(run_id, record), curve, record.step_end, source_run_id=state.mlflow_run_id,
+                           dataset=(data["name"], data["digest"]),
                            outputs_of=tuple(r for r in (mlrun, state.mlflow_run_id) if r))
     tracker.metrics(state.mlflow_run_id, {**curve, "cum_spend_usd": record.cum_spend_usd}, record.step_end)
-    tracker.metrics(state.mlflow_run_id, {f"visit/{k}": getattr(record, k) for k in VISIT_SERIES}, record.step_end)
+    tracker.metrics(state.mlflow_run_id, {f"visit_{k}": getattr(record, k) for k in VISIT_SERIES}, record.step_end)
     tracker.summary(mlrun, {**record.model_dump(include=set(VISIT_SUMMARY)), FINAL_TRAIN_LOSS: record.train_loss},
                     f"Visit c{cycle}-b{block} of run `{run_id}` committed version {record.version} (from version "
                     f"{version}): {record.steps} steps, {why}. Train loss {record.train_loss:.4f} (the mean of its last "
@@ -233,12 +236,18 @@ def model_name(run_id: str, version: int) -> str:
     return f"{run_id.replace('.', '_')}-v{version}"
 
 
+def version_params(run_id: str, record: VisitRecord) -> dict:
+    """A committed version's logged model's parameters: which run and version it is, where the store keeps it
+    (``manifest``, a key in the run's store), and the visit that made it."""
+    return {"run_id": run_id, "version": record.version, "manifest": layout.manifest_key(run_id, record.version),
+            "block": record.block, "visit": f"c{record.cycle}-b{record.block}", "step": record.step_end}
+
+
 def version_tags(run_id: str, record: VisitRecord) -> dict:
     """A committed version's logged model points at the store's version (``bcdflow.manifest``, a key in the run's
-    store) and says how to get its weights; the weights stay in the store."""
+    store; tags to search by) and says how to get its weights; the weights stay in the store."""
     return {"bcdflow.run_id": run_id, "bcdflow.version": record.version,
             "bcdflow.manifest": layout.manifest_key(run_id, record.version),
-            "bcdflow.visit": f"c{record.cycle}-b{record.block}", "bcdflow.step": record.step_end,
             "mlflow.note.content": f"Version {record.version} of run `{run_id}` (block {record.block} trained in "
                                    f"visit c{record.cycle}-b{record.block}), kept in the run's store at "
                                    f"`{layout.manifest_key(run_id, record.version)}`: `bcdflow export {run_id} OUT "

@@ -88,7 +88,7 @@ def test_mlflow_and_prefect_contents_of_a_tiny_run(tiny_cfg, prefect_server, tmp
         assert "the mean of its last 6 steps" in note
         assert c.data.params["base_version"] == str(v.version - 1)
     # and the per-visit figures as series over the run's global step on the parent (a visit's last step)
-    spent = {m.step: m.value for m in client.get_metric_history(pid, "visit/spend_usd")}
+    spent = {m.step: m.value for m in client.get_metric_history(pid, "visit_spend_usd")}
     assert spent == pytest.approx({v.step_end: v.spend_usd for v in state.visits})
 
     # each committed version as a logged model pointing at the store's version: no weights copied
@@ -97,7 +97,7 @@ def test_mlflow_and_prefect_contents_of_a_tiny_run(tiny_cfg, prefect_server, tmp
     for v in state.visits:
         m = models[f"t-v{v.version}"]
         assert m.source_run_id == pid and m.tags["mlflow.external"] == "true"  # the run's models (Models column)
-        assert m.tags["bcdflow.manifest"] == f"runs/t/versions/{v.version}.json"
+        assert m.tags["bcdflow.manifest"] == m.params["manifest"] == f"runs/t/versions/{v.version}.json"
         linked = {x.key: (x.step, x.value, x.run_id) for x in m.metrics}["val_loss"]
         assert linked == (v.step_end, pytest.approx(v.val_loss), by_version[v.version].info.run_id)  # the visit's
         assert [o.model_id for o in client.get_run(by_version[v.version].info.run_id).outputs.model_outputs] == [
@@ -286,7 +286,8 @@ def test_a_dataset_input_and_an_external_model_per_version(tmp_path):
     child = t.start("c0-b0", parent=parent)
     for _ in range(2):  # logged again (a resumed run): still one input
         t.dataset(parent, "files /x/*.txt", "0123456789abcdef", "local", "/x/*.txt", {"train_rows": 9})
-    mid = t.external_model(child, "r-v1", {"bcdflow.version": 1}, {"val_loss": 4.5}, 12, source_run_id=parent,
+    mid = t.external_model(child, "r-v1", {"bcdflow.version": 1}, {"manifest": "runs/r/versions/1.json"},
+                           {"val_loss": 4.5}, 12, source_run_id=parent, dataset=("files /x/*.txt", "0123456789abcdef"),
                            outputs_of=(child, parent))
     c = MlflowClient(t.uri)
     (ds,) = c.get_run(parent).inputs.dataset_inputs
@@ -295,7 +296,9 @@ def test_a_dataset_input_and_an_external_model_per_version(tmp_path):
     model = c.get_logged_model(mid)
     assert (model.name, model.source_run_id, str(model.status)) == ("r-v1", parent, "READY")
     assert model.tags["mlflow.external"] == "true" and model.tags["bcdflow.version"] == "1"
-    assert [(m.key, m.value, m.step, m.run_id) for m in model.metrics] == [("val_loss", 4.5, 12, child)]
+    assert model.params == {"manifest": "runs/r/versions/1.json"}
+    assert [(m.key, m.value, m.step, m.run_id, m.dataset_digest) for m in model.metrics] == [
+        ("val_loss", 4.5, 12, child, "0123456789abcdef")]
     assert [o.model_id for o in c.get_run(parent).outputs.model_outputs] == [mid]
     assert c.list_artifacts(child) == []  # nothing copied
 

@@ -163,21 +163,25 @@ class Tracker:
                      profile=json.dumps(profile or {}))
         self.client.log_inputs(run_id, [DatasetInput(ds, [InputTag("mlflow.data.context", context)])])
 
-    def external_model(self, run_id: str | None, name: str, tags: dict[str, Any], metrics: dict[str, float],
-                       step: int, source_run_id: str | None = None, outputs_of: tuple[str, ...] = ()) -> str | None:
+    def external_model(self, run_id: str | None, name: str, tags: dict[str, Any], params: dict[str, Any],
+                       metrics: dict[str, float], step: int, source_run_id: str | None = None,
+                       dataset: tuple[str, str] | None = None, outputs_of: tuple[str, ...] = ()) -> str | None:
         """A logged model whose weights stay outside MLflow (tag ``mlflow.external``: nothing is copied), with
-        ``metrics`` of ``run_id`` at ``step`` linked to it; its source run is ``source_run_id`` (default ``run_id``:
-        the runs table's Models column lists a run's models by it) and it is an output of the runs ``outputs_of``
-        (their pages' Logged models); returns its id."""
+        ``params``, and ``metrics`` of ``run_id`` at ``step`` linked to it (measured on ``dataset``: its name and
+        digest); its source run is ``source_run_id`` (default ``run_id``: the runs table's Models column lists a
+        run's models by it) and it is an output of the runs ``outputs_of`` (their pages' Logged models); returns its
+        id."""
         if not (self.enabled and run_id):
             return None
         from mlflow.entities import LoggedModelOutput, Metric
 
         model = self.client.create_logged_model(self.experiment_id, name=name, source_run_id=source_run_id or run_id,
-                                                tags={"mlflow.external": "true", **{k: str(v) for k, v in tags.items()}})
+                                                tags={"mlflow.external": "true", **{k: str(v) for k, v in tags.items()}},
+                                                params={k: str(v) for k, v in params.items()})
         self.client.finalize_logged_model(model.model_id, "READY")
         now = int(time.time() * 1000)
-        self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, step, model_id=model.model_id)
+        name_digest = dict(zip(("dataset_name", "dataset_digest"), dataset or ()))
+        self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, step, model_id=model.model_id, **name_digest)
                                                for k, v in metrics.items()])
         for rid in outputs_of:
             self.client.log_outputs(rid, [LoggedModelOutput(model.model_id, step)])
