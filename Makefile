@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # 2 cores the load made 2 of 8 such runs fail a timing-sensitive test, so it is not the default
 TEST_WORKERS ?= 0
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench ui-shots clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,9 @@ test-fast: $(STAMP)   # the inner loop: everything but the end-to-end runs (4.4 
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks run --quick
+
+ui-shots: $(STAMP)   # after make demo: the Prefect and MLflow UIs in headless Chromium, PNGs in docs/ui/ (apt-get install chromium)
+	$(BIN)/python benchmarks/ui_shots.py
 
 clean:
 	rm -rf $(VENV) bcdflow-store
