@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # 2 cores the load made 2 of 8 such runs fail a timing-sensitive test, so it is not the default
 TEST_WORKERS ?= 0
 
-.PHONY: setup demo test test-fast bench gpu-wheels gpu-check clean
+.PHONY: setup demo test test-fast bench gpu-wheels gpu-check ui-shots clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,9 @@ gpu-wheels:   # here, with network: the cp312 wheels the GPU machine lacks, into
 GPU_OUT ?= gpu-check-out
 gpu-check:
 	bash benchmarks/gpu/check.sh $(GPU_OUT)
+
+ui-shots: $(STAMP)   # after make demo: the Prefect and MLflow UIs in headless Chromium, PNGs in docs/ui/ (apt-get install chromium)
+	$(BIN)/python benchmarks/ui_shots.py
 
 clean:
 	rm -rf $(VENV) bcdflow-store

@@ -86,6 +86,21 @@ def rate_to_beat(visits: list[VisitRecord], block: int) -> float | None:
 
 # -- the run's stop rules (docs/DESIGN.md §2.8) -------------------------------------------------------------------
 
+# Why a run stopped (``stop_reason``'s and ``end_reason``'s first element, ``state.json``'s ``stop_reason``), in words
+# for a person: the run's last log line, its Prefect artifacts and its MLflow description say these (``stop_words``).
+STOP_WORDS = {
+    "target_val_loss": "its validation loss reached stop.target_val_loss",
+    "no_improvement": "stop.patience_cycles whole cycles in a row brought no new best validation loss",
+    "budget": "the next visit's predicted spend would exceed what is left of spend.budget_usd",
+    "cycles": "every planned cycle (bcd.cycles) is done",
+}
+
+
+def stop_words(reason: str) -> str:
+    """A run's stop ``reason`` said in words (an unknown one as it is)."""
+    return STOP_WORDS.get(reason, reason)
+
+
 def stale_cycles(visits: list[VisitRecord], n_blocks: int, min_delta: float = 0.0) -> int:
     """How many of the latest completed cycles in a row brought no new best validation loss."""
     by_cycle: dict[int, list[float]] = {}

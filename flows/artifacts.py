@@ -4,8 +4,8 @@ Keys are ``{run-id}-visits``, ``{run-id}-progress``, ``{run-id}-mlflow``, so the
 per run: a table of the committed visits (block, steps, losses, seconds, spend) and a progress bar, both updated
 in place after each visit (also across resumes), and a link to the run's MLflow page. An artifact that cannot be
 published is logged as a warning, never a reason to fail training. :func:`crash_previous` marks the flow run of a
-process that died holding a run or a visit Crashed once another process takes it over (Prefect would show it
-running for good).
+process that died holding a run or a visit Crashed, with its task runs, once another process takes it over (Prefect
+would show them running for good).
 """
 from __future__ import annotations
 
@@ -16,17 +16,20 @@ import re
 from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
                                create_table_artifact)
 
+from bcdflow.core.rules import stop_words as run_stop_words
+from bcdflow.models.trainer import stop_words
 from bcdflow.storage.runs import VisitRecord
+from bcdflow.tasks.progress import percent
 
 log = logging.getLogger(__name__)
 
 # visit table: (record key, column header, format)
 VISIT_COLUMNS = [
     ("cycle", "cycle", "d"), ("block", "block", "d"), ("version", "version", "d"), ("steps", "steps", "d"),
-    ("train_loss", "train loss", ".4f"), ("val_loss", "val loss", ".4f"),
+    ("stopped_by", "stopped by", "s"), ("train_loss", "train loss", ".4f"), ("val_loss", "val loss", ".4f"),
     ("preinfer_seconds", "pre-infer s", ".1f"), ("train_seconds", "train s", ".1f"),
     ("eval_seconds", "eval s", ".1f"), ("gpu_hours", "GPU-h", ".5f"), ("spend_usd", "spend $", ".5f"),
-    ("cum_spend_usd", "total $", ".5f"), ("stopped_by", "stopped by", "s"),
+    ("cum_spend_usd", "total $", ".5f"),
 ]
 
 
@@ -39,6 +42,12 @@ def visit_table(visits: list[VisitRecord]) -> list[dict]:
     """The visit records cut to the table's columns (floats to 6 significant digits)."""
     return [{h: (float(f"{x:.6g}") if isinstance(x := getattr(v, k), float) else x) for k, h, _ in VISIT_COLUMNS}
             for v in visits]
+
+
+def stop_legend(visits: list[VisitRecord]) -> str:
+    """What each "stopped by" of the table means, in words (a sentence does not fit a table cell)."""
+    reasons = dict.fromkeys(v.stopped_by for v in visits)
+    return "; ".join(f"**{r}**: {stop_words(r)}" for r in reasons)
 
 
 def _publish(fn, *args, **kwargs):
@@ -89,7 +98,9 @@ class RunArtifacts:
 
         desc = f"Visits of run `{self.run_id}`: {len(visits)} committed, ${sum(v.spend_usd for v in visits):.4f} spent"
         if stop_reason:
-            desc += f"; stopped: {stop_reason}"
+            desc += f"; the run stopped ({stop_reason}): {run_stop_words(stop_reason)}"
+        if visits:
+            desc += f". A visit stopped by {stop_legend(visits)}."
         table, key = visit_table(visits), self.key("visits")
         _publish(_upsert, key, TableArtifact(table=table).format(), desc,
                  lambda d: create_table_artifact(table, key=key, description=d))
@@ -97,7 +108,7 @@ class RunArtifacts:
     def progress(self, done: int, note: str | None = None, finished: bool = False) -> None:
         """Committed visits out of the planned cycles x blocks."""
         desc = f"Visits of run `{self.run_id}`: {done}/{self.total} committed" + (f"; {note}" if note else "")
-        value, key = 100.0 if finished else min(100.0, 100.0 * done / self.total), self.key("progress")
+        value, key = 100 if finished else percent(done, self.total), self.key("progress")
         _publish(_upsert, key, value, desc, lambda d: create_progress_artifact(value, key=key, description=d))
 
 
@@ -108,23 +119,50 @@ def publish_markdown(key: str, markdown: str, description: str | None = None) ->
 def crash_previous(previous: dict | None, what: str) -> str | None:
     """Mark Crashed the flow run of ``previous`` (the lease object this process took ``what`` over from: its owner
     names a flow run) when Prefect still has it in a non-final state: its process died (kill -9, a lost machine)
-    without reporting. Returns its id when marked; a flow run this server does not know is left alone."""
+    without reporting. Its task runs still running (the visit's train-block, which would show Running for good) are
+    marked Crashed too, and its progress artifact says which attempt replaced it. Every message names this flow run,
+    the attempt that replaced it. Returns the marked flow run's id; a flow run this server does not know is left
+    alone."""
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
-    from prefect.states import Crashed
 
     old, me = ((previous or {}).get("owner") or {}).get("flow_run_id"), flow_run.get_id()
     if not old or old == me:  # never leased, or a rescheduled attempt of this very flow run
         return None
+    by = f"flow run {flow_run.get_name()!r} ({me})" if me else "another process"
     try:
         with get_client(sync_client=True) as client:
             state = client.read_flow_run(old).state
             if state is None or state.is_final():
                 return None
-            client.set_flow_run_state(old, Crashed(message=f"its process stopped holding {what} without reporting; "
-                                                           f"taken over by flow run {me}"), force=True)
+            _crash_run(client, old, f"its process stopped holding {what} without reporting (killed, or its machine "
+                                    f"was lost); replaced by {by}")
     except Exception as e:  # another server's flow run (ObjectNotFound), or the API is busy: nothing to repair here
         log.info("flow run %s (the previous holder of %s) not marked crashed: %s: %s", old, what, type(e).__name__, e)
         return None
-    log.warning("flow run %s held %s when its process died: marked Crashed", old, what)
+    log.warning("flow run %s held %s when its process died: marked Crashed, with its task runs; replaced by %s", old,
+                what, by)
     return old
+
+
+def _crash_run(client, flow_run_id: str, message: str) -> None:
+    """The flow run, its task runs not yet final, and the note on its progress artifact, all forced (a dead process
+    cannot object): Crashed with ``message``."""
+    from prefect.client.schemas.actions import ArtifactUpdate
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType,
+                                                FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterState,
+                                                TaskRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+    alive = [t for t in StateType if t not in (StateType.COMPLETED, StateType.FAILED, StateType.CRASHED,
+                                                StateType.CANCELLED)]
+    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                  task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=alive))))
+    for tr in tasks:
+        client.set_task_run_state(tr.id, Crashed(message=message), force=True)
+    for art in client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=["progress"]))):
+        client.update_artifact(art.id, ArtifactUpdate(data=art.data, description=f"{art.description or ''} — "
+                                                                                  f"crashed: {message}"))

@@ -20,11 +20,11 @@ from prefect.runtime import flow_run
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, open_store, preflight
-from bcdflow.core.rules import blocks_to_visit, end_reason, stop_reason
+from bcdflow.core.rules import blocks_to_visit, end_reason, stop_reason, stop_words
 from bcdflow.flows import artifacts
 from bcdflow.flows.params import RunParams, new_run_id
 from bcdflow.flows.fleet import dispatch_visit
-from bcdflow.flows.visit import prefect_tags, visit
+from bcdflow.flows.visit import prefect_note, prefect_tags, visit
 from bcdflow.storage import checkpoints, layout, overview, runs
 from bcdflow.storage.lease import Lease, this_process
 from bcdflow.storage.layout import check_run_id
@@ -33,6 +33,7 @@ from bcdflow.tasks.data import prepare_data
 from bcdflow.tasks.report import report_run
 from bcdflow.tasks.run import init_run, note_state
 from bcdflow.tasks.train import choose_block
+from bcdflow.tracking.describe import run_params, training_dataset
 from bcdflow.tracking.tracker import Tracker, check_reachable
 
 
@@ -81,14 +82,18 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
     if gone := runs.drop_committed_visits(store, state):  # a visit not yet committed keeps its folder (§2.6)
         log.info("removed the working objects of committed visits %s: left by a process that ended between a "
                  "commit and its cleanup", ", ".join(gone))
-    n_blocks = len(RunContext.of(cfg, run_id, dataset_id).plan)
+    ctx = RunContext.of(cfg, run_id, dataset_id)
+    n_blocks = len(ctx.plan)
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
-    parent = tracker.start(run_id, params={**cfg.model_dump(exclude={"store", "tracking_uri"}), "mode": mode},
+    parent = tracker.start(run_id, params=run_params(cfg, mode, ctx.model_cfg, ctx.plan) if tracker.enabled else None,
                            tags={**prefect_tags(), "bcdflow.run_id": run_id,
-                                 "bcdflow.mode": mode, "bcdflow.dataset": dataset_id},
+                                 "bcdflow.mode": mode, "bcdflow.dataset": dataset_id,
+                                 "mlflow.note.content": f"Run `{run_id}` ({mode}): training; its visits are the "
+                                                        f"child runs.{prefect_note()}"},
                            resume_id=state.mlflow_run_id, system_metrics=True)
     if parent and parent != state.mlflow_run_id:  # a new run, or one continuing a run this backend lacks
         state = note_state(cfg, run_id, run_fence, mlflow_run_id=parent)
+        tracker.dataset(parent, **training_dataset(cfg.data, ctx.dataset))
     visits = list(state.visits)
     art = artifacts.RunArtifacts(run_id, store.url, cfg.bcd.cycles * n_blocks)
     art.link(tracker.run_url(parent), f"MLflow run of {run_id}")
@@ -115,9 +120,9 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
                 version, steps = rec.version, steps + rec.steps
                 art.progress(len(visits))
                 art.visits(visits)
-                if not todo:  # cycle-level curve on the parent run: step = cycle
+                if not todo:  # cycle-level curve on the parent run, at the global step where the cycle ended
                     tracker.metrics(parent, {"cycle_val_loss": rec.val_loss,
-                                             "cycle_cum_spend_usd": rec.cum_spend_usd}, cycle)
+                                             "cycle_cum_spend_usd": rec.cum_spend_usd}, rec.step_end)
             if stop:
                 break
         stop = stop or end_reason(cfg, visits, n_blocks)
@@ -132,22 +137,25 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
     tracker.summary(parent, {"stop_reason": reason, "stop_detail": detail, "version": version, "total_steps": steps,
                              "wall_seconds": wall, "spend_usd": total_usd, "gpu_hours": gpu_hours,
                              "val_loss": visits[-1].val_loss if visits else None},
-                    f"Run `{run_id}` ({mode}) stopped ({reason}: {detail}) at version {version} after {len(visits)} "
-                    f"visits: {steps} steps, val loss {visits[-1].val_loss if visits else float('nan'):.4f}, "
-                    f"${total_usd:.4f}, {gpu_hours:.4f} GPU-h (this session {wall:.0f} s).")
+                    f"Run `{run_id}` ({mode}) stopped ({reason}): {stop_words(reason)} ({detail}). Version {version} "
+                    f"after {len(visits)} visits: {steps} steps, val loss "
+                    f"{visits[-1].val_loss if visits else float('nan'):.4f}, ${total_usd:.4f}, {gpu_hours:.4f} GPU-h "
+                    f"(this session {wall:.0f} s). Each visit is a child run; each committed version a logged model "
+                    f"(Models), kept in the run's store.{prefect_note()}")
     if parent:
         try:
             report_run(cfg, run_id, parent, version)
         except Exception as e:  # the trained model is safe in the store (`bcdflow export`)
             log.warning("figures/model not logged to MLflow: %s: %s", type(e).__name__, e)
     tracker.end(parent)
-    art.progress(len(visits), note=f"stopped: {reason} ({detail})", finished=True)
+    art.progress(len(visits), note=f"the run stopped ({reason}): {stop_words(reason)} ({detail})", finished=True)
     art.visits(visits, stop_reason=reason)
     summary = {"run_id": run_id, "version": version, "steps": steps, "mlflow_run_id": parent,
                "val_loss": visits[-1].val_loss if visits else None, "spend_usd": total_usd,
                "stop_reason": reason}
-    log.info("run %s done (%s: %s): version %d, val loss %s, $%.4f", run_id, reason, detail,
-             version, summary["val_loss"], total_usd)
+    log.info("run %s done, stopped by %s: %s (%s); version %d, val loss %s, $%.4f", run_id, reason,
+             stop_words(reason), detail, version,
+             "-" if summary["val_loss"] is None else f"{summary['val_loss']:.4f}", total_usd)
     return summary
 
 

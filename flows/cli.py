@@ -387,7 +387,12 @@ def cmd_demo(args) -> int:
     uri = cfg.resolved_tracking_uri()
     print(f"\nresults: store {cfg.store} run {run_id}")
     print(f"  bcdflow status {run_id} --store {cfg.store}")
-    print(f"  MLflow UI:  mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)")
+    link = "http://127.0.0.1:5000"
+    if out["summary"].get("mlflow_run_id"):  # the run's page, in MLflow's model-training view
+        from bcdflow.tracking.tracker import Tracker
+
+        link = Tracker(uri, cfg.experiment).run_url(out["summary"]["mlflow_run_id"])
+    print(f"  MLflow UI:  mlflow ui --backend-store-uri {uri}   (then open {link})")
     print("  Prefect UI: prefect server start   (then open http://127.0.0.1:4200; the demo's flow runs are in "
           f"{os.environ.get('PREFECT_HOME', '~/.prefect')}/prefect.db)")
     print(next_steps(run_id, cfg.store))

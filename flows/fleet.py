@@ -23,7 +23,7 @@ from prefect.states import Crashed
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import open_store
 from bcdflow.errors import BadInput, DamagedArtifact
-from bcdflow.flows.visit import committed, visit_lease
+from bcdflow.flows.visit import committed, visit_lease, visit_run_name
 from bcdflow.storage import layout, runs
 from bcdflow.storage.runs import VisitRecord
 
@@ -41,12 +41,12 @@ def dispatch_visit(cfg: RunConfig, run_id: str, cycle: int, block: int, version:
     log = get_run_logger()
     store = open_store(cfg)
     fleet = cfg.fleet
-    params = {"run_id": run_id, "cycle": cycle, "block": block, "version": version, "dataset_id": dataset_id,
+    params = {"run_id": run_id, "cycle": cycle, "block": block, "base_version": version, "dataset_id": dataset_id,
               "config": cfg.model_dump(mode="json"), "run_epoch": run_epoch}
     last = None
     for attempt in range(fleet.visit_retries + 1):
         fr = run_deployment(deployment_name(fleet.visit_pool), parameters=params,
-                            job_variables=json.loads(fleet.job_variables) or None, flow_run_name=f"c{cycle}-b{block}",
+                            job_variables=json.loads(fleet.job_variables) or None, flow_run_name=visit_run_name(run_id, cycle, block),
                             tags=[f"run:{run_id}", f"cycle:{cycle}", f"block:{block}"], timeout=0, as_subflow=True)
         fr = _wait_for(cfg, store, run_id, cycle, block, fr.id)
         state = runs.read_state(store, run_id)

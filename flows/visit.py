@@ -1,5 +1,6 @@
 """One BCD visit as its own flow run (docs/DESIGN.md §2; paper Algorithm 1, lines 5-9): block ``block`` of version
-``version`` trained to local convergence while every other block is frozen.
+``base_version`` trained to local convergence while every other block is frozen; it commits version
+``base_version + 1``.
 
     lease -> pre-infer shards (paper §3.2.2) -> train block -> evaluate -> commit -> drop working objects
 
@@ -9,7 +10,8 @@ else a visit needs (the global step so far, the spend so far, the parent's MLflo
 state.json, the store being all that workers share. A visit holds a lease of its own, so two workers handed the
 same visit never train it at once; one that finds its visit committed already returns that record. What a
 failed visit leaves for its dispatcher is ``outcome.json``: bad input and damaged artifacts are final, anything
-else (a crash, a lost machine) is worth another try from the mid-visit checkpoint.
+else (a crash, a lost machine) is worth another try from the mid-visit checkpoint. Its flow run is named
+``{run}/c{cycle}-b{block}`` (``visit_run_name``), so a list of several runs' visits reads.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, open_store, resolve_device
 from bcdflow.core.rules import rate_to_beat
+from bcdflow.models.trainer import FINAL_LOSS_STEPS, stop_words
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows import artifacts
 from bcdflow.storage import checkpoints, layout, overview, runs
@@ -35,23 +38,56 @@ from bcdflow.tasks.engine import EvalResult
 from bcdflow.tasks.progress import Progress, preinfer_usd_per_s, visit_progress
 from bcdflow.tasks.run import commit_visit
 from bcdflow.tasks.train import evaluate_version, train_block
+from bcdflow.tracking.describe import training_dataset
 from bcdflow.tracking.tracker import TrackTarget, Tracker
 
-# per-visit figures logged on the parent run as series over versions (step = version)
+# per-visit figures logged on the parent run as series over the run's global step (the visit's last step), named
+# visit_<figure>: a "visit/" prefix made them a chart section of their own, which MLflow's UI shows above the losses
 VISIT_SERIES = ("steps", "seconds", "preinfer_seconds", "train_seconds", "eval_seconds", "tokens_per_s", "gpu_hours",
                 "spend_usd")
-# a visit run's single values (its summary): tags bcdflow.<name>
-VISIT_SUMMARY = ("version", "steps", "stopped_by", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "seconds",
+# a visit run's single values (its summary): tags bcdflow.<name>; its record's train_loss (the mean of its last steps)
+# is tagged by what it is, apart from the train_loss metric (every step's loss, whose last point is one step's)
+VISIT_SUMMARY = ("version", "steps", "stopped_by", "val_loss", "val_ppl", "tokens_per_s", "seconds",
                  "preinfer_seconds", "train_seconds", "eval_seconds", "gpu_hours", "spend_usd", "cum_spend_usd",
                  *(f"spend_{s}_usd" for s in spend.STAGES))
+FINAL_TRAIN_LOSS = f"train_loss_last{FINAL_LOSS_STEPS}_mean"
 
 
 def prefect_tags() -> dict:
-    """MLflow tags pointing back at the Prefect flow run that does the work."""
+    """MLflow tags pointing back at the Prefect flow run that does the work (``prefect.flow_run_url`` where the
+    Prefect UI's address is known; else :func:`prefect_note` says so in the run's description)."""
     url = flow_run.get_flow_run_ui_url() or ""  # "None/flow-runs/..." where no UI is configured (the CLI's server)
     tags = {"prefect.flow_run_id": flow_run.get_id(), "prefect.flow_run_name": flow_run.get_name(),
             "prefect.flow_run_url": url if url.startswith(("http://", "https://")) else None}
     return {k: v for k, v in tags.items() if v}
+
+
+def prefect_note() -> str:
+    """A line for an MLflow run's description when its flow run has no lasting address (Prefect's temporary server,
+    which the CLI starts when no ``PREFECT_API_URL`` is set, ends with the command): where to find it; "" when the
+    ``prefect.flow_run_url`` tag links it."""
+    fr = flow_run.get_id()
+    if not fr or "prefect.flow_run_url" in prefect_tags():
+        return ""
+    return (f"\n\nPrefect: flow run `{flow_run.get_name()}` ({fr}) ran on Prefect's temporary server, which has no "
+            "lasting address (no PREFECT_API_URL was set), so there is no `prefect.flow_run_url` tag: with the same "
+            f"PREFECT_HOME, `prefect server start` shows it at http://127.0.0.1:4200/runs/flow-run/{fr}")
+
+
+def short_run_id(run_id: str, width: int = 24) -> str:
+    """A run id cut for a name in a list: as it is up to ``width`` characters (a generated id, bcd-20250101-120000-1a2b,
+    is 24), else its start and its end around an ellipsis."""
+    return run_id if len(run_id) <= width else f"{run_id[:width - 9]}…{run_id[-8:]}"
+
+
+def visit_run_name(run_id: str, cycle: int, block: int) -> str:
+    """A visit's flow run name: ``{run}/c{cycle}-b{block}``, so the visits of several runs tell apart in a list."""
+    return f"{short_run_id(run_id)}/c{cycle}-b{block}"
+
+
+def _visit_run_name() -> str:
+    p = flow_run.get_parameters()
+    return visit_run_name(p["run_id"], p["cycle"], p["block"])
 
 
 def visit_lease(cfg: RunConfig, store, run_id: str, cycle: int, block: int) -> Lease:
@@ -63,16 +99,18 @@ def committed(state, cycle: int, block: int) -> VisitRecord | None:
     return next((v for v in state.visits if (v.cycle, v.block) == (cycle, block)), None)
 
 
-@flow(name="bcd-visit", flow_run_name="c{cycle}-b{block}")
-def visit(run_id: str, cycle: int, block: int, version: int, dataset_id: str,
+@flow(name="bcd-visit", flow_run_name=_visit_run_name)
+def visit(run_id: str, cycle: int, block: int, base_version: int, dataset_id: str,
           config: RunConfig = RunConfig(), run_epoch: int | None = None) -> VisitRecord:
-    """One (cycle, block) visit of a BCD run on version ``version``; returns the committed visit record.
+    """One (cycle, block) visit of a BCD run on version ``base_version``; returns the committed visit record (of
+    version ``base_version + 1``).
 
     Args:
         run_id: The bcdflow run.
         cycle: The cycle of the visit.
         block: The block it trains.
-        version: The version it trains on (the run's last committed version when it was planned).
+        base_version: The version it starts from (the run's last committed version when it was planned); it commits
+            the next one.
         dataset_id: The run's token dataset.
         config: The run's settings, as its parent flow validated them (a dispatched visit's run validates the
             same object again from its JSON).
@@ -84,7 +122,7 @@ def visit(run_id: str, cycle: int, block: int, version: int, dataset_id: str,
     lease = visit_lease(cfg, store, run_id, cycle, block)
     try:
         with lease.held():
-            record = _visit(cfg, store, lease, run_id, cycle, block, version, dataset_id, run_epoch)
+            record = _visit(cfg, store, lease, run_id, cycle, block, base_version, dataset_id, run_epoch)
         store.rm(layout.visit_key(run_id, cycle, block))  # activations, checkpoints, lease: dead once committed
         return record
     except LeaseLost:  # another process holds the visit or the run now: this one writes nothing more (I7)
@@ -120,14 +158,18 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     mlkey = layout.mlflow_key(run_id, cycle, block)
     known = (store.read_json(mlkey) if store.exists(mlkey) else {}).get("run_id")
     mlrun = tracker.start(f"c{cycle}-b{block}", params={"cycle": cycle, "block": block, "base_version": version},
-                          tags={**prefect_tags(), "bcdflow.run_id": run_id}, parent=state.mlflow_run_id,
-                          resume_id=known if isinstance(known, str) else None)
+                          tags={**prefect_tags(), "bcdflow.run_id": run_id,
+                                "mlflow.note.content": f"Visit c{cycle}-b{block} of run `{run_id}`: training block "
+                                                       f"{block} from version {version}.{prefect_note()}"},
+                          parent=state.mlflow_run_id, resume_id=known if isinstance(known, str) else None)
     if mlrun and mlrun != known:  # a new run (or a new one continuing a run this tracking backend lacks)
         store.write_json({"run_id": mlrun}, mlkey)
     track_runs = tuple(r for r in (mlrun, state.mlflow_run_id) if r)
     track = TrackTarget(tracker.uri, cfg.experiment, track_runs, state.steps) if track_runs else None
 
     ctx = RunContext.of(cfg, run_id, dataset_id)  # handed to every task of the visit
+    if mlrun and not known:  # what it trains on (rows sampled from it: bcd.sample_rate)
+        tracker.dataset(mlrun, **training_dataset(cfg.data, ctx.dataset))
     # what this visit's earlier attempts spent (an interrupted visit is billed for them: core/spend.py)
     earlier = spend.earlier_attempts(*overview.visit_spent(store, run_id, cycle, block, version, lease.epoch))
     before_usd = state.spend_usd + spend.earlier_usd(cfg.spend, earlier, spend.gpus_used(cfg))
@@ -144,6 +186,8 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     tr = train_block(ctx, cycle, block, version, track=track, progress=live, global_step=state.steps,
                      min_rate=rate_to_beat(state.visits, block), moments=moments if cfg.bcd.moments == "keep" else None,
                      spent=earlier.clock(preinfer_s, since))
+    why = f"stopped by {tr.stopped_by}: {stop_words(tr.stopped_by)}"
+    live.finish(tr.steps, why)  # its artifact's last word: the visit's real end, not the last throttled update
     if tr.val_loss is None:  # the visit could not validate the new version itself: the whole model, from the store
         ev = evaluate_version(ctx, version, tr.files(block))
     else:
@@ -163,20 +207,50 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
         cum_spend_usd=state.spend_usd + cost["spend_usd"])
     lease.check()  # still ours: nobody took this visit over while it trained
     commit_visit(cfg, run_id, record, tr.block_file, fence, tr.suffix_files)
-    # curves: the validation loss at the global step, on the visit's run and the parent's; per-visit figures as
-    # series over versions on the parent; the visit's own single values as its run summary
+    # curves at the run's global step: the validation loss on the visit's run (linked to the version it committed,
+    # a logged model of the run pointing at the store: no weights copied) and the parent's; per-visit figures as
+    # series on the parent; the visit's own single values as its run summary
     curve = {"val_loss": record.val_loss, "val_ppl": record.val_ppl}
-    tracker.metrics(mlrun, curve, record.step_end)
+    data = training_dataset(cfg.data, ctx.dataset)  # the val_loss is of its validation rows
+    tracker.external_model(mlrun, model_name(run_id, record.version), version_tags(run_id, record),
+                           version_params(run_id, record), curve, record.step_end, source_run_id=state.mlflow_run_id,
+                           dataset=(data["name"], data["digest"]),
+                           outputs_of=tuple(r for r in (mlrun, state.mlflow_run_id) if r))
     tracker.metrics(state.mlflow_run_id, {**curve, "cum_spend_usd": record.cum_spend_usd}, record.step_end)
-    tracker.metrics(state.mlflow_run_id, {f"visit/{k}": getattr(record, k) for k in VISIT_SERIES}, record.version)
-    tracker.summary(mlrun, record.model_dump(include=set(VISIT_SUMMARY)),
-                    f"Visit c{cycle}-b{block} of run `{run_id}` committed version {record.version}: {record.steps} "
-                    f"steps ({record.stopped_by}), train loss {record.train_loss:.4f}, val loss {record.val_loss:.4f}, "
-                    f"{record.seconds:.1f} s, ${record.spend_usd:.4f}.")
+    tracker.metrics(state.mlflow_run_id, {f"visit_{k}": getattr(record, k) for k in VISIT_SERIES}, record.step_end)
+    tracker.summary(mlrun, {**record.model_dump(include=set(VISIT_SUMMARY)), FINAL_TRAIN_LOSS: record.train_loss},
+                    f"Visit c{cycle}-b{block} of run `{run_id}` committed version {record.version} (from version "
+                    f"{version}): {record.steps} steps, {why}. Train loss {record.train_loss:.4f} (the mean of its last "
+                    f"{min(FINAL_LOSS_STEPS, record.steps)} steps; the train_loss chart is every step's), val loss "
+                    f"{record.val_loss:.4f}, {record.seconds:.1f} s, ${record.spend_usd:.4f}.{prefect_note()}")
     tracker.end(mlrun)
-    log.info("visit c%d-b%d: %d steps (%s), train %.4f, val %.4f, %.1fs, $%.4f", cycle, block, record.steps,
-             record.stopped_by, record.train_loss, record.val_loss, record.seconds, record.spend_usd)
+    log.info("visit c%d-b%d: %d steps, %s; train %.4f (mean of the last %d steps), val %.4f, %.1fs, $%.4f", cycle,
+             block, record.steps, why, record.train_loss, min(FINAL_LOSS_STEPS, record.steps), record.val_loss,
+             record.seconds, record.spend_usd)
     return record
+
+
+def model_name(run_id: str, version: int) -> str:
+    """A committed version's MLflow model name, ``{run}-v{version}`` (MLflow refuses a ``.`` in one)."""
+    return f"{run_id.replace('.', '_')}-v{version}"
+
+
+def version_params(run_id: str, record: VisitRecord) -> dict:
+    """A committed version's logged model's parameters: which run and version it is, where the store keeps it
+    (``manifest``, a key in the run's store), and the visit that made it."""
+    return {"run_id": run_id, "version": record.version, "manifest": layout.manifest_key(run_id, record.version),
+            "block": record.block, "visit": f"c{record.cycle}-b{record.block}", "step": record.step_end}
+
+
+def version_tags(run_id: str, record: VisitRecord) -> dict:
+    """A committed version's logged model points at the store's version (``bcdflow.manifest``, a key in the run's
+    store; tags to search by) and says how to get its weights; the weights stay in the store."""
+    return {"bcdflow.run_id": run_id, "bcdflow.version": record.version,
+            "bcdflow.manifest": layout.manifest_key(run_id, record.version),
+            "mlflow.note.content": f"Version {record.version} of run `{run_id}` (block {record.block} trained in "
+                                   f"visit c{record.cycle}-b{record.block}), kept in the run's store at "
+                                   f"`{layout.manifest_key(run_id, record.version)}`: `bcdflow export {run_id} OUT "
+                                   f"--version {record.version}` writes its weights."}
 
 
 def shard_runner(cfg: RunConfig):

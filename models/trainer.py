@@ -76,6 +76,25 @@ def make_optimizer(params: list, spec: OptimSpec) -> torch.optim.Optimizer:
     return opt.build([p for _, p in params] if named else params, spec)
 
 
+# Why a loop stopped (``LoopResult.stopped_by``, a visit record's ``stopped_by``), in words for a person: the visits
+# table in Prefect, the visit's last log line and its MLflow description say these (``stop_words``).
+STOP_WORDS = {
+    "max_steps": "reached its step cap (bcd.max_steps)",
+    "plateau": "its loss stopped falling (a plateau: less than bcd.min_delta per window, even at its noise's "
+               "optimistic end)",
+    "budget": "its loss fell more slowly per step than the other blocks' did on their last visits "
+              "(bcd.budget=adaptive): the steps go to the block that lowers the loss",
+    "interrupted": "interrupted (SIGTERM or Ctrl-C) after writing a checkpoint; a resume continues it",
+}
+FINAL_LOSS_STEPS = 10
+"""A loop's ``final_loss`` is the mean of its last this-many step losses (a visit's ``train_loss``)."""
+
+
+def stop_words(stopped_by: str) -> str:
+    """``stopped_by`` said in words (an unknown reason, from a newer bcdflow, as it is)."""
+    return STOP_WORDS.get(stopped_by, stopped_by)
+
+
 @dataclass
 class StopRule:
     """When a loop has converged (checked at the end of each window of ``window`` steps).
@@ -164,7 +183,7 @@ class LoopResult:
 
     @property
     def final_loss(self) -> float:
-        tail = self.losses[-10:]
+        tail = self.losses[-FINAL_LOSS_STEPS:]
         return sum(tail) / len(tail) if tail else float("nan")
 
 

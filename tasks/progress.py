@@ -3,6 +3,7 @@
     prog = visit_progress(ctx, cycle, block, log=get_run_logger(), spend_before=state.spend_usd)
     run_steps(..., progress=prog)      # called once before the first step and after each step: (step, tokens, loss)
     prog.close()                       # the bar goes; the visit's summary line takes its place
+    prog.finish(res.steps, "stopped by budget: ...")   # the artifact's last word: the stage's real end, at 100%
 
 Where it shows:
 
@@ -14,7 +15,9 @@ Where it shows:
 - **anything else** (CI, a worker's log, a pipe): the same figures as one log line every ``BCDFLOW_PROGRESS_SECONDS``
   (default 30) through the logger given (the Prefect run logger: the lines show in the flow run's logs in the UI);
 - **the Prefect UI**: with ``artifact=True``, a progress artifact of the visit's flow run, moved every 10 s from a
-  background thread (one update in flight at most; a failure is logged once and never stops training).
+  background thread (one update in flight at most; a failure is logged once and never stops training), at a whole
+  percent; ``finish`` gives it the stage's real end (a visit that stopped early at 29 of 60 steps is done, at 100%,
+  with the steps it took and why it stopped in words), never the last throttled update.
 
 ``BCDFLOW_PROGRESS=bar|log|off`` overrides the choice of the first two. Per step the cost is one clock read and a
 comparison. The loss is the last window's mean, already on the host; before the first window it is the last step's
@@ -49,6 +52,11 @@ def _si(x: float) -> str:
     return f"{x:.0f}"
 
 
+def percent(done: float, total: float) -> int:
+    """``done`` of ``total`` as a whole percent, for a person (48, not 48.333333333333336), at most 100."""
+    return min(100, int(100 * done / max(total, 1)))
+
+
 def _mode(tty: bool | None) -> str:
     forced = os.environ.get("BCDFLOW_PROGRESS", "").strip().lower()
     if forced in ("bar", "log", "off"):
@@ -81,6 +89,7 @@ class Progress:
         self._bar = self._task = None
         self._routed: list = []  # (log handler, its own stream) while the bar is up
         self._t0 = self._done0 = self._tokens0 = None
+        self._final: dict | None = None  # the figures when the stage's loop ended (close), for finish
         self._last_draw = self._last_artifact = -float("inf")
         self.done, self.tokens, self.loss = 0, 0, None
         self.lines = 0  # log lines written (tests)
@@ -152,6 +161,8 @@ class Progress:
                 handler.setStream(stream).flush()  # the proxy's last partial line, then the handler's own stream
             self._routed = []
             self._themed.pop_theme()
+        if self._t0 is not None:
+            self._final = self.snapshot()
         if self._artifact_on and self._t0 is not None:
             if self._artifact_job is not None:
                 self._artifact_job.result()  # the last figures must not be skipped behind an update in flight
@@ -161,6 +172,26 @@ class Progress:
             self._pool = None
         self._t0 = None  # a retried task's loop starts the stage again (same artifact, a new bar)
         self._last_draw = -float("inf")
+
+    def finish(self, done: int, why: str) -> str:
+        """The stage ended for good after ``done`` of its ``total`` (a visit: its steps; ``why``: why it stopped, in
+        words): the artifact goes to 100% with that as its description (created now where the loop never made one:
+        a visit trained by torchrun's processes). Returns the description. Call after :meth:`close`."""
+        self.close()
+        s = self._final or {}
+        figures = [f"loss {s['loss']:.4f}"] if s.get("loss") is not None else []
+        if s.get("tokens_per_s") and self.unit == "steps":
+            figures.append(f"{_si(s['tokens_per_s'])} tok/s")
+        if s:
+            figures += [f"{hms(s['elapsed_s'])} elapsed", f"run ${s['spend_usd']:.4f}"]
+        desc = f"{self.label}: done, {done} of {self.total} {self.unit} ({why})" + \
+            (f"; {', '.join(figures)}" if figures else "")
+        if self._artifact_on:
+            if self._artifact_id is None:
+                self._artifact_id = self._guard(self._create, 100, desc)
+            else:
+                self._guard(self._move, 100, desc)
+        return desc
 
     def __enter__(self) -> "Progress":
         return self
@@ -198,7 +229,7 @@ class Progress:
     def _artifact_update(self) -> None:
         """Create the artifact (in the caller's run context, so it belongs to its flow run), then move it from one
         background thread, skipping an update while the previous one is in flight."""
-        pct = min(100.0, 100.0 * self.done / self.total)
+        pct = percent(self.done, self.total)
         desc = self.line()
         if self._artifact_id is None:
             self._artifact_id = self._guard(self._create, pct, desc)
@@ -210,12 +241,12 @@ class Progress:
         self._artifact_job: Future = self._pool.submit(run, self._guard, self._move, pct, desc)
 
     @staticmethod
-    def _create(pct: float, desc: str):
+    def _create(pct: int, desc: str):
         from prefect.artifacts import create_progress_artifact
 
         return create_progress_artifact(pct, description=desc)
 
-    def _move(self, pct: float, desc: str):
+    def _move(self, pct: int, desc: str):
         from prefect.artifacts import update_progress_artifact
 
         return update_progress_artifact(self._artifact_id, pct, description=desc)

@@ -205,3 +205,30 @@ def test_the_flow_run_url_tag_is_a_url_or_absent(monkeypatch):
     assert prefect_tags() == {"prefect.flow_run_id": "abc", "prefect.flow_run_name": "c0-b0"}
     monkeypatch.setattr(flow_run, "get_flow_run_ui_url", lambda: "http://127.0.0.1:4200/flow-runs/flow-run/abc")
     assert prefect_tags()["prefect.flow_run_url"] == "http://127.0.0.1:4200/flow-runs/flow-run/abc"
+
+
+def test_a_run_without_a_prefect_address_says_so_in_its_description(monkeypatch):
+    """Issue 37: a run on Prefect's temporary server had no way back from MLflow to its flow runs: where the UI's
+    address is unknown its description says how to find the flow run; where it is known the tag links it."""
+    from prefect.runtime import flow_run
+
+    from bcdflow.flows.visit import prefect_note
+
+    monkeypatch.setattr(flow_run, "get_id", lambda: "abc")
+    monkeypatch.setattr(flow_run, "get_name", lambda: "r/c0-b0")
+    monkeypatch.setattr(flow_run, "get_flow_run_ui_url", lambda: "None/flow-runs/flow-run/abc")
+    note = prefect_note()
+    assert "flow run `r/c0-b0` (abc) ran on Prefect's temporary server" in note
+    assert "no `prefect.flow_run_url` tag" in note and "http://127.0.0.1:4200/runs/flow-run/abc" in note
+    monkeypatch.setattr(flow_run, "get_flow_run_ui_url", lambda: "http://127.0.0.1:4200/flow-runs/flow-run/abc")
+    assert prefect_note() == ""
+
+
+def test_visit_flow_runs_are_named_by_their_run():
+    """Issue 37: every run had its own "c0-b0"; a list of several runs' visits now reads."""
+    from bcdflow.flows.visit import short_run_id, visit_run_name
+
+    assert visit_run_name("bcd-20250101-120000-1a2b", 1, 2) == "bcd-20250101-120000-1a2b/c1-b2"
+    assert visit_run_name("t", 0, 0) == "t/c0-b0"
+    long = "an-experiment-with-a-very-long-name-7"
+    assert short_run_id(long) == "an-experiment-w…g-name-7" and len(short_run_id(long)) == 24

@@ -211,7 +211,7 @@ def test_visits_on_two_workers_equal_one_process(fleet, s3_bucket, reference):
     assert_same(finished_weights(_store(url, fleet), "f1"), reference["short"])
     done = [r for c in range(2) for b in range(3) for r in fleet.visit_runs("f1", c, b)]
     assert len(done) == 6 and all(r.state.is_completed() for r in done)
-    assert {r.name for r in done} == {f"c{c}-b{b}" for c in range(2) for b in range(3)}
+    assert {r.name for r in done} == {f"f1/c{c}-b{b}" for c in range(2) for b in range(3)}
     assert all("submitting flow run" in fleet.log(w).lower() or "submitted flow run" in fleet.log(w).lower()
                for w in ("w0", "w1")), "both workers took visits"
 
@@ -245,7 +245,8 @@ def test_sigterm_reschedules_the_visit_and_it_resumes_from_its_checkpoint(fleet,
     assert_same(finished_weights(store, "t1"), reference["long"])
     (run,) = fleet.visit_runs("t1", 0, 1)  # the same flow run, rescheduled and run again: its identity kept
     assert run.state.is_completed() and run.run_count == 2
-    assert (run.name, run.parameters["cycle"], run.parameters["block"]) == ("c0-b1", 0, 1)
+    assert (run.name, run.parameters["cycle"], run.parameters["block"]) == ("t1/c0-b1", 0, 1)
+    assert run.parameters["base_version"] == 1
     (rec,) = [v for v in runs.read_state(store, "t1").visits if v.block == 1]
     assert rec.resumed_at == pointer["step"]
 
@@ -283,7 +284,7 @@ def test_two_workers_handed_the_same_visit(fleet, s3_bucket, tmp_path):
     cfg = load_config(sets=[*LONG, *FLEET, f"store={url}", f"s3.endpoint_url={fleet.s3}"])
     ds = prepare_data.fn(cfg, open_store(cfg))
     init_run.fn(cfg, "w2", ds)
-    params = {"run_id": "w2", "cycle": 0, "block": 0, "version": 0, "dataset_id": ds,
+    params = {"run_id": "w2", "cycle": 0, "block": 0, "base_version": 0, "dataset_id": ds,
               "config": cfg.model_dump(mode="json")}
     with temporary_settings({PREFECT_API_URL: fleet.api}):
         ids = [run_deployment(f"bcd-visit/{POOL}", parameters=params, timeout=0, as_subflow=False,

@@ -217,8 +217,42 @@ def test_each_visit_run_has_a_progress_artifact_and_logs_its_steps(tiny_cfg, pre
     assert "c0-b1 pre-infer: shards" in text
     with get_client(sync_client=True) as client:
         visits = client.read_flow_runs(flow_run_filter=FlowRunFilter(  # this run's visits: the session server has others
-            name=FlowRunFilterName(any_=["c0-b0", "c0-b1"]), tags=FlowRunFilterTags(all_=["run:prog"])))
+            name=FlowRunFilterName(any_=["prog/c0-b0", "prog/c0-b1"]), tags=FlowRunFilterTags(all_=["run:prog"])))
     assert len(visits) >= 2
     for fr in visits:
         (art,) = _prefect_artifacts(str(fr.id))["progress"]
-        assert art["data"] == 100.0 and "steps 6/6" in art["description"], art
+        assert art["data"] == 100 and "done, 6 of 6 steps (stopped by max_steps: reached its step cap" in \
+            art["description"], art
+
+
+def test_the_progress_artifact_ends_at_the_visits_real_end(prefect_server):
+    """Issue 37: a visit that stopped early (budget, plateau) left its artifact where the last throttled update left it
+    ("steps 29/60 (48%) ... 0:00:02 left", "Progress: 48.333333333333336%"). Its last word is now the visit's real end:
+    the steps it took, why it stopped, 100%; and a percentage is a whole number."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId
+
+    def read(artifact_id):
+        with get_client(sync_client=True) as client:
+            (art,) = client.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(any_=[artifact_id])))
+        return art
+
+    @flow(name="a-visit")
+    def a_visit():  # 29 of 60 steps, then the adaptive budget ends it
+        clock = FakeClock()
+        prog = Progress("c0-b1 train", 60, tty=False, every_s=1e9, clock=clock, artifact=True)
+        prog(0)
+        for step in range(1, 30):
+            clock.t += 0.5
+            prog(step, 100 * step, 4.5)
+        prog.close()
+        before = read(prog._artifact_id)
+        return prog._artifact_id, before, prog.finish(29, "stopped by budget: its loss fell more slowly")
+
+    art_id, before, desc = a_visit()
+    assert before.data == 48 and "29/60 (48%)" in before.description  # the loop's last figures: a whole percent
+    after = read(art_id)
+    assert after.data == 100 and after.description == desc
+    assert desc.startswith("c0-b1 train: done, 29 of 60 steps (stopped by budget: its loss fell more slowly)")
+    assert "left" not in desc and "loss 4.5000" in desc and "0:00:14 elapsed" in desc

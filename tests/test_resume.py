@@ -68,8 +68,14 @@ def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, referenc
     assert [(v.cycle, v.block) for v in visits] == [(0, 0), (0, 1), (0, 2)]
     from prefect.client.orchestration import get_client
 
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
     with get_client(sync_client=True) as client:  # the killed process's flow runs no longer show as running
         assert killed_runs and all(client.read_flow_run(f).state.is_crashed() for f in killed_runs)
+        for f in killed_runs:  # nor their task runs (issue 37: the killed visit's train-block stayed Running)
+            assert "replaced by flow run" in client.read_flow_run(f).state.message
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[f])))
+            assert all(t.state.is_final() for t in tasks), [(t.name, t.state.type) for t in tasks]
     spends = [v.cum_spend_usd for v in visits]
     assert spends == sorted(spends) and all(v.spend_usd > 0 for v in visits)  # the run's spend never goes down
     if point.startswith("train-checkpoint"):

@@ -132,3 +132,29 @@ def test_a_run_that_ran_out_of_cycles_says_so():
     assert end_reason(cfg, [], 3) == ("cycles", "2 cycle(s) done")
     assert end_reason(load_config(sets=["stop.target_val_loss=6.0"]), [_v(cfg.spend, 0, 0, val=5.0)], 3)[0] == \
         "target_val_loss"
+
+
+def test_every_stop_reason_is_said_in_words_where_it_is_defined():
+    """Issue 37: "budget", "plateau" and the others appeared in logs without a word of what they mean. The words sit
+    beside the rules that give the reasons (core/rules.STOP_WORDS for a run, models/trainer.STOP_WORDS for a visit),
+    one entry per reason each rule can give."""
+    from bcdflow.core import rules
+    from bcdflow.models import trainer
+
+    cfg = load_config(sets=["stop.target_val_loss=3.0", "stop.patience_cycles=1", "spend.prices=[x=3600]",
+                            "spend.train_device=x", "spend.budget_usd=5"])
+    sp = cfg.spend
+    given = {stop_reason(cfg, [_v(sp, 0, 0, val=2.0)], 1)[0],  # each rule the run has, made to hold
+             stop_reason(cfg, [_v(sp, 0, 0, val=4.0), _v(sp, 1, 0, val=4.0)], 1)[0],
+             stop_reason(cfg, [_v(sp, 0, 0, train=6, val=4.0)], 2, next_block=1)[0],
+             end_reason(load_config(sets=[]), [], 3)[0]}
+    assert given == set(rules.STOP_WORDS)
+    rule = trainer.StopRule(max_steps=100, patience=2, window=2, min_rate=0.5)
+    visit = {rule.verdict([5.0] * 4), trainer.StopRule(100, 0, window=2, min_rate=0.5).verdict([5.0, 4.9, 4.8, 4.7]),
+             "max_steps", "interrupted"}  # run_steps' own two
+    assert visit == set(trainer.STOP_WORDS)
+    for words in (rules.STOP_WORDS, trainer.STOP_WORDS):
+        assert all(len(w.split()) >= 4 for w in words.values())  # a sentence, not the code again
+    assert trainer.stop_words("plateau").startswith("its loss stopped falling")
+    assert rules.stop_words("cycles") == "every planned cycle (bcd.cycles) is done"
+    assert rules.stop_words("a-newer-reason") == "a-newer-reason"

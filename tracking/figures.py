@@ -99,6 +99,11 @@ def val_loss_axes(ax, curves: dict[str, list[dict]], x: str, target: float | Non
     ax.set(xlabel=X_LABELS.get(x, x), ylabel="validation loss", title=f"Validation loss vs {X_LABELS.get(x, x)}")
     if block_colors is None:
         ax.legend(fontsize="small")
+    else:  # each point is the version a visit committed: its colour says which block that visit trained
+        from matplotlib.lines import Line2D
+
+        ax.legend(handles=[Line2D([], [], ls="", marker="o", ms=5, color=c, label=f"after a visit of block {b}")
+                           for b, c in sorted(block_colors.items())], fontsize="small")
 
 
 def compare_figure(curves: dict[str, list[dict]], target: float, path: str,

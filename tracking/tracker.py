@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 
 # the MLflow UI opens an experiment of this kind in its model-training view (not the GenAI one)
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+# ... but MLflow 3.17's UI takes the view of a page it opens from the URL's ``workflowType`` (else the browser's last
+# choice, else GenAI), not from the experiment: every link bcdflow gives says it (its JS: ``mlflow.workflowType``)
+TRAINING_VIEW = "workflowType=machine_learning"
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, str]:
@@ -153,13 +156,54 @@ class Tracker:
         return sorted(last.items())
 
     def run_url(self, run_id: str | None) -> str | None:
-        """The run's page in the MLflow UI: the tracking server itself, or for a file/SQLite backend the
-        ``mlflow ui`` address in ``BCDFLOW_MLFLOW_UI`` (default http://127.0.0.1:5000)."""
+        """The run's page in the MLflow UI, in its model-training view: the tracking server itself, or for a
+        file/SQLite backend the ``mlflow ui`` address in ``BCDFLOW_MLFLOW_UI`` (default http://127.0.0.1:5000)."""
         if not self.enabled or run_id is None:
             return None
+        return f"{self._ui()}/#/experiments/{self.experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
+
+    def _ui(self) -> str:
         base = self.uri if self.uri.startswith(("http://", "https://")) else \
             os.environ.get("BCDFLOW_MLFLOW_UI", "http://127.0.0.1:5000")
-        return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
+        return base.rstrip("/")
+
+    def dataset(self, run_id: str | None, name: str, digest: str, source_type: str, source: str,
+                profile: dict | None = None, context: str = "training") -> None:
+        """The data ``run_id`` trained on as an MLflow dataset input (the runs table's Dataset column): ``name`` and
+        ``digest`` (logged again, it is the same input), where it came from, its figures (``profile``)."""
+        if not (self.enabled and run_id):
+            return
+        import json
+
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        ds = Dataset(name=name, digest=digest, source_type=source_type, source=json.dumps({"uri": source}),
+                     profile=json.dumps(profile or {}))
+        self.client.log_inputs(run_id, [DatasetInput(ds, [InputTag("mlflow.data.context", context)])])
+
+    def external_model(self, run_id: str | None, name: str, tags: dict[str, Any], params: dict[str, Any],
+                       metrics: dict[str, float], step: int, source_run_id: str | None = None,
+                       dataset: tuple[str, str] | None = None, outputs_of: tuple[str, ...] = ()) -> str | None:
+        """A logged model whose weights stay outside MLflow (tag ``mlflow.external``: nothing is copied), with
+        ``params``, and ``metrics`` of ``run_id`` at ``step`` linked to it (measured on ``dataset``: its name and
+        digest); its source run is ``source_run_id`` (default ``run_id``: the runs table's Models column lists a
+        run's models by it) and it is an output of the runs ``outputs_of`` (their pages' Logged models); returns its
+        id."""
+        if not (self.enabled and run_id):
+            return None
+        from mlflow.entities import LoggedModelOutput, Metric
+
+        model = self.client.create_logged_model(self.experiment_id, name=name, source_run_id=source_run_id or run_id,
+                                                tags={"mlflow.external": "true", **{k: str(v) for k, v in tags.items()}},
+                                                params={k: str(v) for k, v in params.items()})
+        self.client.finalize_logged_model(model.model_id, "READY")
+        now = int(time.time() * 1000)
+        name_digest = dict(zip(("dataset_name", "dataset_digest"), dataset or ()))
+        self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, step, model_id=model.model_id, **name_digest)
+                                               for k, v in metrics.items()])
+        for rid in outputs_of:
+            self.client.log_outputs(rid, [LoggedModelOutput(model.model_id, step)])
+        return model.model_id
 
     def end(self, run_id: str | None, status: str = "FINISHED") -> None:
         if self.enabled and run_id:
