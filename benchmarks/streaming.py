@@ -27,6 +27,7 @@ about CUDA streaming):
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import gc
 import itertools
 import json
@@ -42,6 +43,7 @@ from bcdflow.models.build import materialize
 from bcdflow.models.expand import SuffixAdapters
 from bcdflow.models.holding import choose_holding
 from bcdflow.models.memory import GB, device_budget, visit_memory
+from bcdflow.models.specs import StepShape
 from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
 from bcdflow.tasks.engine import VisitSpec, prepare_model, visit_step_loss
@@ -225,20 +227,16 @@ def main(argv: list[str] | None = None) -> dict:
     plan = block_plan(run, mcfg)
     B, T, p = run.train.batch_size, run.data.seq_len, run.train.precision
     budget = device_budget(args.cap_gb * GB) if args.cap_gb else None
-    kw = dict(preinfer=run.bcd.preinfer, freeze=run.bcd.freeze, chunk_rows=run.train.loss_chunk_rows,
-              weight_decay=run.optim.weight_decay, expand_rank=run.bcd.expand_rank if run.bcd.expand != "off" else 0)
 
     def held(b: int, holding: str):
         """The planner's holding for this way: (recompute, streamed layers, estimate)."""
         offload = {"resident": "off", "stream": "stream", "auto": "auto"}[holding]
-        h = choose_holding(mcfg, plan, b, B, T, p, budget.usable if budget else None, run.optim.name,
-                           recompute=run.bcd.recompute, offload=offload, window=run.train.stream_window,
-                           pcie_gbs=run.train.pcie_gbs, tflops=run.train.tflops, **kw)
-        return h
+        return choose_holding(mcfg, plan, b, replace(run.step_shape(), offload=offload),
+                              budget.usable if budget else None)
 
     if args.blocks_to_run == "worst":
-        blocks = [max(range(len(plan)), key=lambda b: visit_memory(mcfg, plan, b, B, T, p, stream=True,
-                                                                    preinfer=run.bcd.preinfer).peak)]
+        every = StepShape(B, T, p, preinfer=run.bcd.preinfer, offload="stream")  # every frozen layer streamed
+        blocks = [max(range(len(plan)), key=lambda b: visit_memory(mcfg, plan, b, every).peak)]
     elif args.blocks_to_run == "all":
         blocks = list(range(len(plan)))
     else:

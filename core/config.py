@@ -27,7 +27,7 @@ from bcdflow.models.model_config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelC
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import layer_bounds
-from bcdflow.models.trainer import OptimSpec, StopRule
+from bcdflow.models.specs import PCIE_GBS, OptimSpec, StepShape, StopRule
 from bcdflow.storage.backends import backend_of
 from bcdflow.storage.store import check_url
 
@@ -293,7 +293,7 @@ class TrainSection(_Section):
     ``train.gpus`` > 1 or ``train.compile``)."""
     stream_window: int = Field(2, ge=1)
     """Device slots for streamed layers (the one computing and the ones copied in ahead of it)."""
-    pcie_gbs: float = Field(25.0, gt=0)
+    pcie_gbs: float = Field(PCIE_GBS, gt=0)
     """Host-to-device bandwidth the planner's time model assumes, GB/s (PCIe 4.0 x16 in practice)."""
     tflops: float | None = Field(None, gt=0)
     """Matmul throughput the planner's time model assumes, TFLOP/s; None = by ``precision`` (fp32 40, bf16 80: about
@@ -515,6 +515,18 @@ class RunConfig(_Section):
         b = self.bcd
         return StopRule(b.max_steps, b.patience, b.min_delta, b.window,
                         min_rate=min_rate if b.budget == "adaptive" else None)
+
+    def step_shape(self, no_grad: bool = False) -> StepShape:
+        """One training step of a visit as the planner sees it (models/memory.py, models/holding.py). Several
+        processes (``train.gpus``) or ``train.compile`` stream nothing; ``no_grad``: a no-grad pass's (pre-inference,
+        an evaluation), held by one process as ``train.offload`` says whatever the visit's processes."""
+        t, b = self.train, self.bcd
+        one = t.gpus == 1 and not t.compile
+        return StepShape(t.batch_size, self.data.seq_len, t.precision, self.optim.name, self.optim.weight_decay,
+                         t.loss_chunk_rows, recompute=b.recompute, preinfer=b.preinfer, freeze=tuple(b.freeze),
+                         offload=t.offload if one or no_grad else "off", window=t.stream_window,
+                         expand_rank=b.expand_rank if b.expand != "off" else 0, gpus=t.gpus,
+                         pcie_gbs=t.pcie_gbs, tflops=t.tflops)
 
     def storage_options(self) -> dict:
         """fsspec options for the store URL: its backend's, from the section named as the backend

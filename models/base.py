@@ -15,9 +15,6 @@ import torch.nn.functional as F
 
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.models.model_config import ModelConfig
-
-EMBED_PREFIXES = ("wte.", "wpe.")
-HEAD_PREFIXES = ("ln_f.", "lm_head.")
 # the loss over the vocabulary runs in row chunks whose fp32 logits take about this many bytes: never the
 # (B*T, V) logits and their gradient at once (gpt2-124m at 8x1024: 1.6 GB of fp32 logits -> 128 MB)
 LOSS_CHUNK_BYTES = 128 << 20

@@ -27,7 +27,7 @@ from bcdflow.core.context import RunContext
 from bcdflow.core.rules import batch_ranges, visit_rows
 from bcdflow.core.spend import spent_at
 from bcdflow.models.errors import Diverged
-from bcdflow.models.memory import no_grad_memory, no_grad_rows, visit_memory
+from bcdflow.models.memory import NoGradPass, no_grad_memory, no_grad_rows, visit_memory
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import block_tensors
 from bcdflow.models.stream import BatchStage
@@ -145,20 +145,16 @@ def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> It
         stage.close()
 
 
-def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single",
-                  expand: int = 0) -> bool:
+def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single") -> bool:
     """``bcd.recompute``: on, off, or (auto) as the visit's holding chooses on one process (models/holding.py); on
-    several, on when a replica would not fit the budget without it (``expand``: the visit's adapter rank)."""
+    several, on when a replica (with its adapters, ``bcd.expand``) would not fit the budget without it."""
     if cfg.bcd.recompute != "auto":
         return cfg.bcd.recompute in ("on", "all")
     if gpus == 1:
         return ctx.holding(block).recompute
     budget = ctx.budget()
-    return budget is not None and visit_memory(
-        ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len, cfg.train.precision,
-        cfg.optim.name, preinfer=cfg.bcd.preinfer, chunk_rows=cfg.train.loss_chunk_rows,
-        weight_decay=cfg.optim.weight_decay, gpus=gpus, parallel=parallel, freeze=cfg.bcd.freeze,
-        expand_rank=expand).peak > budget
+    shape = dataclasses.replace(cfg.step_shape(), recompute="off", gpus=gpus, parallel=parallel)
+    return budget is not None and visit_memory(ctx.model_cfg, ctx.plan, block, shape).peak > budget
 
 
 def compile_layers(model) -> None:
@@ -190,11 +186,13 @@ def visit_eval_rows(ctx: RunContext, vs: "VisitSpec") -> int:
     room = None
     if ctx.budget() is not None:  # a step's input and temporaries, free between steps; the pass adds its weights
         est = ctx.holding(vs.block).estimate
+    part = NoGradPass(vs.layers, vs.embed, True, t.eval_rows)
+    shape = dataclasses.replace(ctx.cfg.step_shape(), streamed=vs.streamed)  # as the visit holds its model
+    if ctx.budget() is not None:  # a step's input and temporaries, free between steps; the pass adds its weights
+        est = ctx.holding(vs.block).estimate
         room = est.input + est.activations + est.logits + est.temporaries + no_grad_memory(
-            ctx.model_cfg, vs.layers, vs.embed, True, 1, ctx.dataset.seq_len, t.precision, vs.streamed,
-            t.stream_window, t.loss_chunk_rows).weights
-    return no_grad_rows(ctx.model_cfg, vs.layers, vs.embed, True, ctx.dataset.seq_len, t.precision, room, t.eval_rows,
-                        vs.streamed, t.stream_window, t.loss_chunk_rows)
+            ctx.model_cfg, part, dataclasses.replace(shape, batch=1)).weights
+    return no_grad_rows(ctx.model_cfg, part, shape, room)
 
 
 def visit_val_batches(cfg: RunConfig, ctx: RunContext, vs: "VisitSpec") -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -291,7 +289,7 @@ def describe(ctx: RunContext, cycle: int, block: int, version: int, gpus: int = 
     lo, hi = ctx.plan[block].layers
     from_acts = ctx.from_acts(block)
     expand = cfg.bcd.expand_rank if cfg.bcd.expand != "off" and hi < ctx.model_cfg.n_layer else 0
-    recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp", expand=expand)
+    recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp")
     return VisitSpec(
         run_id=ctx.run_id, cycle=cycle, block=block, version=version, lo=lo, hi=hi, n_layer=ctx.model_cfg.n_layer,
         from_acts=from_acts, active=frozenset(ctx.trainable(block)), recompute=recompute,

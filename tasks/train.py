@@ -19,6 +19,7 @@ from bcdflow.core.context import RunContext
 from bcdflow.errors import BadInput
 from bcdflow.models.errors import Diverged
 from bcdflow.models.holding import probe_bytes
+from bcdflow.models.memory import NoGradPass
 from bcdflow.models.visit_compute import autocast, block_grad_norms
 from bcdflow.tasks import preemption
 from bcdflow.core.rules import sample_rows
@@ -64,7 +65,7 @@ def evaluate_version(ctx: RunContext, base_version: int, changed: dict[int, dict
     manifest = ctx.manifest(base_version)
     manifest = {**manifest, "blocks": {**manifest["blocks"], **{str(b): f for b, f in (changed or {}).items()}}}
     n = ctx.model_cfg.n_layer
-    streamed, rows = ctx.no_grad_pass((0, n), True, True, cfg.train.eval_rows, cfg.train.eval_batch_size)
+    streamed, rows = ctx.no_grad_pass(NoGradPass((0, n), True, True, cfg.train.eval_rows, cfg.train.eval_batch_size))
     model = ctx.load_part(manifest, (0, n), True, True, trainable=(), stream=streamed).eval()  # bf16: all bf16
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
     t0 = time.perf_counter()
@@ -83,8 +84,8 @@ def choose_block(ctx: RunContext, version: int, cycle: int, candidates: list[int
     at a time (models/visit_compute.block_grad_norms), never every gradient of the model at once."""
     cfg = ctx.cfg
     n, B = ctx.model_cfg.n_layer, cfg.train.batch_size
-    extra = probe_bytes(ctx.model_cfg, B, ctx.dataset.seq_len, cfg.train.precision)  # one layer's backward at a time
-    streamed, _ = ctx.no_grad_pass((0, n), True, True, B, B, extra=extra)
+    extra = probe_bytes(ctx.model_cfg, cfg.step_shape())  # one layer's backward at a time
+    streamed, _ = ctx.no_grad_pass(NoGradPass((0, n), True, True, B, B), extra=extra)
     model = ctx.load_part(ctx.manifest(version), (0, n), True, True, trainable=(), stream=streamed,
                           grad_from=0).eval()
     model.loss_chunk_rows = cfg.train.loss_chunk_rows

@@ -188,10 +188,9 @@ def choose_parallel(cfg: RunConfig, ctx: RunContext, block: int, world: int, rec
     budget = ctx.budget()  # with NCCL's buffers in the reserve
     if budget is None:
         return "ddp"
-    est = visit_memory(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,
-                       cfg.train.precision, cfg.optim.name, recompute, cfg.bcd.preinfer,
-                       chunk_rows=cfg.train.loss_chunk_rows, weight_decay=cfg.optim.weight_decay, gpus=world,
-                       parallel="ddp", freeze=cfg.bcd.freeze, expand_rank=expand)
+    shape = dataclasses.replace(cfg.step_shape(), recompute="on" if recompute else "off", gpus=world,
+                                parallel="ddp")  # with its adapters (bcd.expand), as the visit holds them
+    est = visit_memory(ctx.model_cfg, ctx.plan, block, shape)
     if est.peak > budget and expand:
         raise ConfigError(f"bcd.expand: a replica of block {block}'s visit does not fit the device "
                           f"({est.peak / 1e9:.1f} GB predicted) and FSDP does not shard the adapters; set "

@@ -145,6 +145,7 @@ def test_cuda_peak_matches_the_planner():
     """On a GPU: a bf16 visit step's allocator peak against the planner's prediction (the issue's 10%)."""
     from benchmarks.common import Workload
     from bcdflow.models.memory import visit_memory
+    from bcdflow.models.specs import StepShape
 
     c = {"model": "gpt2-124m", "overrides": {"n_layer": 6}, "batch_size": 4, "seq_len": 512, "precision": "bf16"}
     w = Workload(c, torch.device("cuda"))
@@ -154,7 +155,7 @@ def test_cuda_peak_matches_the_planner():
             v = w.visit(f"b{blk.index}", blk, recompute=recompute)
             v.step(timed=False)
             measured = v.peak()["peak_bytes"]
-            est = visit_memory(w.cfg, plan, blk.index, 4, 512, "bf16", recompute=recompute)
+            est = visit_memory(w.cfg, plan, blk.index, StepShape(4, 512, "bf16", recompute="on" if recompute else "off"))
             assert abs(est.peak / measured - 1) <= 0.10, (blk.index, recompute, measured, est.peak)
             del v
             torch.cuda.empty_cache()

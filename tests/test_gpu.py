@@ -134,7 +134,7 @@ def test_a_partly_resident_visit_fits_its_card_without_retries_and_overlaps_its_
     run = load_config(sets=["tracking_uri=none", *SHAPE, *sets])
     mcfg = model_config(run)
     plan = block_plan(run, mcfg)
-    est = visit_memory(mcfg, plan, 0, 8, 1024, "bf16", recompute=True, expand_rank=16)
+    est = visit_memory(mcfg, plan, 0, run.step_shape())  # recompute on (SHAPE), nothing streamed
     layer = next(iter(est.layer_sizes.values()))[1]
     usable = est.peak - 5 * layer  # about half of the 12 frozen layers must stream
     card = (usable + WORKSPACE_BYTES) / (1 - FRAGMENTATION) + CONTEXT_BYTES + 1e6

@@ -42,15 +42,16 @@ def test_bf16_stored_activations_leave_it_to_the_whole_model(tiny_cfg):
 def test_a_whole_model_evaluation_within_a_budget_streams_and_equals_the_resident_one(tiny_cfg, monkeypatch):
     """The evaluation that loads the whole model (after a visit on several processes, bf16 stored activations) holds
     it within the device's budget: the layers that fit resident, the rest streamed; the loss is the resident one."""
-    from bcdflow.models.memory import no_grad_memory
+    from bcdflow.models.memory import NoGradPass, no_grad_memory
+    from bcdflow.models.specs import StepShape
 
     cfg = tiny_cfg("model.n_layer=8", "train.eval_batch_size=8")
     ctx = RunContext.of(cfg, "r", new_run(cfg))
     n, T = ctx.model_cfg.n_layer, ctx.dataset.seq_len
     resident = evaluate_version.fn(ctx, 0).val_loss
-    whole = no_grad_memory(ctx.model_cfg, (0, n), True, True, 8, T, "fp32")
-    one = no_grad_memory(ctx.model_cfg, (0, 1), False, False, 8, T, "fp32").weights  # a layer's weights
+    whole = no_grad_memory(ctx.model_cfg, NoGradPass((0, n), True, True), StepShape(8, T, "fp32"))
+    one = no_grad_memory(ctx.model_cfg, NoGradPass((0, 1), False, False), StepShape(8, T, "fp32")).weights  # a layer's
     monkeypatch.setattr(RunContext, "budget", lambda self: whole.peak - 4 * one)
-    streamed, rows = ctx.no_grad_pass((0, n), True, True, cfg.train.eval_rows, cfg.train.eval_batch_size)
+    streamed, rows = ctx.no_grad_pass(NoGradPass((0, n), True, True, cfg.train.eval_rows, cfg.train.eval_batch_size))
     assert 0 < len(streamed) < n and rows == 8
     assert evaluate_version.fn(ctx, 0).val_loss == resident
