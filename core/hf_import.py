@@ -66,7 +66,7 @@ def tensor_names(ck: Checkpoint, mcfg: ModelConfig) -> dict[str, str]:
     """Our parameter name -> the name it has in the checkpoint's files (older GPT-2 files lack the
     ``transformer.`` prefix). A missing tensor, a shape that contradicts config.json or a dtype other than
     fp32/bf16/fp16 is bad input naming the tensor."""
-    prefix = hfmap.FAMILY_MAPS[mcfg.family].base_prefix
+    prefix = hfmap.hf_format(mcfg.family).base_prefix
     out = {}
     for ours, shape in param_shapes(mcfg).items():
         canonical = hfmap.hf_name(mcfg, ours)

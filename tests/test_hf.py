@@ -133,7 +133,7 @@ def test_run_from_fresh_weights_exports_as_its_family(tmp_path, tiny_cfg, family
     ours = ctx.load_part(ctx.manifest(0), (0, ctx.model_cfg.n_layer), embed=True, head=True).eval()
     export_hf(ctx.store, "n", 0, str(tmp_path / "out"))
     model, tok = load_clean(tmp_path / "out")
-    assert type(model).__name__ == hfmap.NATURAL_ARCH[ctx.model_cfg.family]
+    assert type(model).__name__ == hfmap.default_architecture(ctx.model_cfg)
     assert hfmap.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text())).n_ctx == ctx.model_cfg.n_ctx
     idx = torch.from_numpy(ctx.dataset.val_rows()[:2, :16]).long()
     with torch.no_grad():
@@ -208,7 +208,7 @@ def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path, caps
     json.dump({**conf, "architectures": ["FalconForCausalLM"]}, open(os.path.join(ck, "config.json"), "w"))
     msg = _cli_bad(tmp_path, capsys, ck, corpus)
     assert "'FalconForCausalLM' is not supported" in msg
-    assert all(a in msg for a in hfmap.ARCHITECTURES)
+    assert all(a in msg for a in hfmap.architectures())
 
 
 def test_shard_listed_in_the_index_but_missing(tmp_path, capsys, tok_dir, corpus):
