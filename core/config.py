@@ -547,6 +547,16 @@ class RunConfig(_Section):
         return f"sqlite:///{os.path.abspath('bcdflow-mlflow.db')}"
 
 
+def store_config(url: str, endpoint_url: str | None = None) -> RunConfig:
+    """The run config of a store named on the command line (``--store``, ``--endpoint-url``): the endpoint is the
+    option its backend names (``storage/backends.Backend.endpoint``: an S3-compatible server for ``s3://``), and is
+    left out for a store whose backend takes none (a local path, ``memory://``)."""
+    backend = backend_of(url)
+    if endpoint_url is None or backend is None or backend.endpoint is None:
+        return RunConfig(store=url)
+    return RunConfig(store=url, **{backend.name: {backend.endpoint: endpoint_url}})
+
+
 # defaults changed after runs were stored without the key: such a run ran the former value, and continues with it
 FORMER_DEFAULTS = {"bcd": {"expand": "off"}}
 

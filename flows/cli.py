@@ -41,6 +41,7 @@ from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows.compare import BRACKET_TOL, TOL
 from bcdflow.flows.status import cmd_runs, cmd_status, existing_state as _existing_state, status_dict, status_table
 from bcdflow.flows.store_admin import cli_store as _store
+from bcdflow.storage.backends import BACKENDS
 from bcdflow.tracking.tables import strict_json
 
 # Prefect, torch and what imports them (flows, tasks, core.context, core.config) are imported inside the commands
@@ -484,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
         if one_run:
             sp.add_argument("run_id")
         sp.add_argument("--store", default="./bcdflow-store", help="store URL (default ./bcdflow-store)")
-        sp.add_argument("--endpoint-url", help="S3-compatible endpoint for an s3:// store")
+        sp.add_argument("--endpoint-url", help="an object store's endpoint (" + ", ".join(
+            f"{b.example.partition('://')[0]}:// {b.name}.{b.endpoint}" for b in BACKENDS.values() if b.endpoint) + ")")
 
     sp = sub.add_parser("resume", help="continue an interrupted run where it stopped", parents=[common])
     store_opts(sp)

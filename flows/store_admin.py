@@ -34,17 +34,14 @@ def add_parsers(sub, common, store_opts) -> None:
 
 
 def cli_store(url: str, args=None, write: bool = True):
-    """The store named on the command line (with ``--endpoint-url`` for S3), checked before use; ``write=False``
-    for the commands that only read it (a read-only store is fine, and nothing is written)."""
+    """The store named on the command line (with ``--endpoint-url``, its backend's endpoint option), checked before
+    use; ``write=False`` for the commands that only read it (a read-only store is fine, and nothing is written).
+    A command opens its store once, here, and hands it on."""
+    from bcdflow.core.config import store_config
     from bcdflow.storage.store import Store, check_url
 
     check_url(url)
-    opts = {}
-    if getattr(args, "endpoint_url", None):  # its backend's options (none for a store that takes no endpoint)
-        from bcdflow.core.config import RunConfig
-
-        opts = RunConfig(store=url, s3={"endpoint_url": args.endpoint_url}).storage_options()
-    store = Store(url, opts)
+    store = Store(url, store_config(url, getattr(args, "endpoint_url", None)).storage_options())
     store.probe(write)
     return store
 
