@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bcdflow.constants import MAX_LEASE_SECONDS
+from bcdflow.errors import BadInput
 from bcdflow.core.orders import ORDERS
 from bcdflow.core.spend import DEFAULT_KIND, DEFAULT_PRICES, parse_prices
 from bcdflow.models.model_config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelConfig, get_config
@@ -28,6 +29,7 @@ from bcdflow.models.errors import ConfigError
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import layer_bounds
 from bcdflow.models.specs import PCIE_GBS, OptimSpec, StepShape, StopRule
+from bcdflow.storage import layout, runs
 from bcdflow.storage.backends import backend_of
 from bcdflow.storage.store import check_url
 
@@ -569,6 +571,27 @@ def with_former_defaults(stored: dict) -> dict:
         if isinstance(out.get(sec), dict):
             out[sec] = {**keys, **out[sec]}
     return out
+
+
+def stored_config(stored: dict, where: str, store: str | None = None) -> RunConfig:
+    """The settings a stored run was trained with: its ``config.json`` (``stored``, a dict as
+    ``storage/runs.read_config`` returns it) through ``RunConfig``, each key it lacks whose default has since changed
+    filled with the former one, the run record's own keys (mode, dataset, plan, ...) left aside; ``store``: the URL it
+    is read from (a run can move between stores). Every command that reads a stored run takes its settings from here,
+    so a default is its field's and never spelled again; a config that does not parse is damaged (RunStateError
+    naming ``where``, the object)."""
+    raw = {k: v for k, v in with_former_defaults(stored).items() if k in RunConfig.model_fields and k != "store"}
+    try:
+        return parse_config({**raw, **({"store": store} if store else {})})
+    except BadInput as e:
+        raise runs.RunStateError(f"run config {where} is damaged ({e}); restore the object or start a new run with "
+                                 "another --run-id") from None
+
+
+def read_settings(store, run_id: str) -> RunConfig:
+    """:func:`stored_config` of run ``run_id`` of ``store`` (``storage/store.Store``): its config.json read and checked
+    by ``storage/runs.read_config``."""
+    return stored_config(runs.read_config(store, run_id), store.url_of(layout.config_key(run_id)), store.url)
 
 
 def check_model(cfg: RunConfig, mcfg: ModelConfig) -> None:
