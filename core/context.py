@@ -148,10 +148,11 @@ _checked: list[str] = []  # the config the CLI checked for the flow it starts ne
 _checked_lock = threading.Lock()
 
 
-def preflight(cfg: RunConfig, *, in_flow: bool = False) -> None:
+def preflight(cfg: RunConfig, *, in_flow: bool = False, store: Store | None = None) -> None:
     """The checks that need the machine, the file system or the store, before anything is written (nothing written
     on failure, docs/DESIGN.md §8): the device and the plan's fit (unless visits go to a pool: they train on the
-    workers' devices), the tokenizer and Hugging Face checkpoint files, the model's size, the corpus files, the store.
+    workers' devices), the tokenizer and Hugging Face checkpoint files, the model's size, the corpus files, the store
+    (``store``: the one the caller opened for ``cfg``, else opened here).
 
     Once per run start: the CLI checks before its flow starts (``in_flow=False``, which marks the config checked),
     and the flow's own call (``in_flow=True``) takes the mark and checks nothing more when it names the same config;
@@ -182,7 +183,7 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False) -> None:
         if sum(os.path.getsize(f) for f in files) == 0:
             raise BadInput(f"data.files: corpus is empty (0 bytes in {len(files)} files)")
         check_text_files(files)
-    open_store(cfg).probe()  # one clear line (no retries) when the store cannot be used
+    (store if store is not None else open_store(cfg)).probe()  # one clear line (no retries) when it cannot be used
     if not in_flow:
         with _checked_lock:
             _checked[:] = [key]

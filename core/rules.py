@@ -86,14 +86,18 @@ def rate_to_beat(visits: list[VisitRecord], block: int) -> float | None:
 
 # -- the run's stop rules (docs/DESIGN.md §2.8) -------------------------------------------------------------------
 
-# Why a run stopped (``stop_reason``'s and ``end_reason``'s first element, ``state.json``'s ``stop_reason``), in words
-# for a person: the run's last log line, its Prefect artifacts and its MLflow description say these (``stop_words``).
+# Why a run stopped (``stop_reason``'s and ``end_reason``'s first element, ``state.json``'s ``stop_reason``): every
+# table of reasons is keyed by these. In words for a person (the run's last log line, its Prefect artifacts and its
+# MLflow description: ``stop_words``), and what trains a run stopped for it further (``bcdflow resume`` of a done run)
+TARGET, NO_IMPROVEMENT, BUDGET, CYCLES = "target_val_loss", "no_improvement", "budget", "cycles"
 STOP_WORDS = {
-    "target_val_loss": "its validation loss reached stop.target_val_loss",
-    "no_improvement": "stop.patience_cycles whole cycles in a row brought no new best validation loss",
-    "budget": "the next visit's predicted spend would exceed what is left of spend.budget_usd",
-    "cycles": "every planned cycle (bcd.cycles) is done",
+    TARGET: "its validation loss reached stop.target_val_loss",
+    NO_IMPROVEMENT: "stop.patience_cycles whole cycles in a row brought no new best validation loss",
+    BUDGET: "the next visit's predicted spend would exceed what is left of spend.budget_usd",
+    CYCLES: "every planned cycle (bcd.cycles) is done",
 }
+FURTHER = {TARGET: "--set stop.target_val_loss=<lower>", NO_IMPROVEMENT: "--set stop.patience_cycles=<more, or 0>",
+           BUDGET: "--set spend.budget_usd=<more>", CYCLES: "--set bcd.cycles=<more>"}
 
 
 def stop_words(reason: str) -> str:
@@ -125,14 +129,14 @@ def stop_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int,
     st = cfg.stop
     best = min((v.val_loss for v in visits), default=float("inf"))
     if st.target_val_loss is not None and best <= st.target_val_loss:
-        return "target_val_loss", f"validation loss {best:.4f} <= target {st.target_val_loss:g}"
+        return TARGET, f"validation loss {best:.4f} <= target {st.target_val_loss:g}"
     if st.patience_cycles and (n := stale_cycles(visits, n_blocks, st.min_delta)) >= st.patience_cycles:
-        return "no_improvement", f"{n} whole cycle(s) without a validation loss below {best:.4f}"
+        return NO_IMPROVEMENT, f"{n} whole cycle(s) without a validation loss below {best:.4f}"
     if next_block is not None and (why := spend.over_budget(cfg.spend, visits, next_block)):
-        return "budget", why
+        return BUDGET, why
     return None
 
 
 def end_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int) -> tuple[str, str]:
     """Why a run whose loop ended stopped: a rule of :func:`stop_reason`, else every cycle was done."""
-    return stop_reason(cfg, visits, n_blocks) or ("cycles", f"{cfg.bcd.cycles} cycle(s) done")
+    return stop_reason(cfg, visits, n_blocks) or (CYCLES, f"{cfg.bcd.cycles} cycle(s) done")

@@ -133,6 +133,7 @@ class Store:
             self.storage_options = {**self.backend.defaults, **self.storage_options}
         self.fs, self.root = url_to_fs(self.url, **self.storage_options)
         self.is_local = "file" in _protocols(self.fs)
+        self._probed: bool | None = None  # None: not yet; else whether for writing (probe: once per store object)
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -296,7 +297,14 @@ class Store:
         writable directory (``write=False``, for commands that only read: ``status``, ``export``, ``compare``: a
         read-only one is fine); a store its backend cannot reach (``storage/backends.py``: an S3 bucket without
         credentials, unreachable, missing or denied). ``write``: also that an exclusive create is exclusive
-        (``check_exclusive``, once per store and process)."""
+        (``check_exclusive``, once per store and process). Once per store object: a command probes the store it
+        opened, and what it hands it to does not probe it again."""
+        if self._probed or (self._probed is False and not write):
+            return
+        self._check(write)
+        self._probed = write
+
+    def _check(self, write: bool) -> None:
         if self.is_local:
             path = self.root
             if os.path.exists(path) and not os.path.isdir(path):

@@ -375,3 +375,24 @@ def test_config_to_hf_and_back_is_the_same_model(name, over):
         assert getattr(back, field) == getattr(cfg, field), field
     stored = json.loads(json.dumps(cfg.to_dict()))  # model_resolved as a run's config.json keeps it
     assert ModelConfig.from_dict(stored) == cfg
+
+
+def test_the_checkpoint_is_checked_once_per_run_start(tmp_path, tok_dir, corpus, monkeypatch):
+    """The CLI's preflight checks every file and tensor of ``model.from_hf``; the data check of a resumed run and the
+    flow's token dataset took it two and three more times (every tensor's header, the tokenizer). A file changed since
+    is checked again."""
+    from bcdflow.core import hf_import
+    from bcdflow.core.context import preflight
+    from bcdflow.tasks.data import data_id
+
+    ck, _ = make_checkpoint(tmp_path / "ck", "llama", tok_dir)
+    cfg = run_cfg(tmp_path, ck, corpus)
+    calls = []
+    monkeypatch.setattr(hf_import, "tensor_names", lambda *a: calls.append(1) or {})
+    preflight(cfg)
+    data_id(cfg)
+    prepare_data.fn(cfg, open_store(cfg))
+    assert len(calls) == 1
+    os.utime(os.path.join(ck, "config.json"), ns=(1, 1))
+    data_id(cfg)
+    assert len(calls) == 2

@@ -158,3 +158,20 @@ def test_every_stop_reason_is_said_in_words_where_it_is_defined():
     assert trainer.stop_words("plateau").startswith("its loss stopped falling")
     assert rules.stop_words("cycles") == "every planned cycle (bcd.cycles) is done"
     assert rules.stop_words("a-newer-reason") == "a-newer-reason"
+
+
+def test_what_trains_a_stopped_run_further_is_keyed_by_the_rules_own_reasons():
+    """``bcdflow resume`` of a done run names the key that trains it further, from a table of core/rules.py keyed by
+    the reasons its rules give (flows/cli.py spelled the reasons again in a table of its own)."""
+    from bcdflow.core.rules import FURTHER
+
+    cfg = load_config(sets=["stop.target_val_loss=3.0", "spend.prices=[x=3600]", "spend.train_device=x",
+                            "spend.budget_usd=5"])
+    sp = cfg.spend
+    stale = [_v(sp, 0, 0, train=1, val=4.0), _v(sp, 0, 1, train=1, val=4.2),
+             _v(sp, 1, 0, train=2, val=4.1), _v(sp, 1, 1, train=2, val=4.05)]
+    reasons = {stop_reason(cfg, stale, 2, next_block=0)[0],
+               stop_reason(cfg, stale[:-1] + [_v(sp, 1, 1, train=2, val=2.9)], 2)[0],
+               stop_reason(cfg, stale[:-1] + [_v(sp, 1, 1, train=2, val=3.5)], 2, next_block=0)[0],
+               end_reason(load_config(sets=["bcd.cycles=2"]), [], 3)[0]}
+    assert reasons == set(FURTHER) and all(v.startswith("--set ") for v in FURTHER.values())
