@@ -259,6 +259,7 @@ def engine_visits(store_root: str, sets: list[str], device: str, block: int = 0)
     from bcdflow.tasks.data import prepare_data
     from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
     from bcdflow.tasks.run import init_run
+    from bcdflow.core.rules import VisitSpec
     from bcdflow.tasks.train import train_block
 
     out = {}
@@ -271,7 +272,7 @@ def engine_visits(store_root: str, sets: list[str], device: str, block: int = 0)
         if ctx.from_acts(block):
             for s in plan_shards.fn(ctx, 0, block):
                 preinfer_shard.fn(ctx, 0, block, 0, s)
-        res = train_block.fn(ctx, 0, block, 0)
+        res = train_block.fn(ctx, VisitSpec(0, block, 0))
         tensors = load_from_manifest(Store(cfg.store), "r", {"blocks": {str(b): f for b, f in res.files(block).items()}})
         out[offload] = (res, tensors, ctx.holding(block))
         if torch.cuda.is_available():

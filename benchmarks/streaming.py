@@ -38,6 +38,7 @@ import torch
 
 from bcdflow.core.config import load_config
 from bcdflow.core.context import block_plan, cap_fraction, model_config, resolve_device
+from bcdflow.core.rules import VisitSpec
 from bcdflow.models import build_model
 from bcdflow.models.build import materialize
 from bcdflow.models.expand import SuffixAdapters
@@ -46,7 +47,7 @@ from bcdflow.models.memory import GB, device_budget, visit_memory
 from bcdflow.models.specs import StepShape
 from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
-from bcdflow.tasks.engine import VisitSpec, prepare_model, visit_step_loss
+from bcdflow.tasks.engine import VisitLayout, prepare_model, visit_step_loss
 from bcdflow.tasks.expand import adapter_group, suffix_layers
 
 
@@ -59,11 +60,11 @@ def build_visit(run, mcfg, plan, block: int, device: torch.device, streamed: tup
     blk, pre = plan[block], run.bcd.preinfer
     lo, hi = blk.layers
     expand = run.bcd.expand_rank if run.bcd.expand != "off" and hi < mcfg.n_layer else 0
-    vs = VisitSpec(run_id="benchmark", cycle=0, block=block, version=0, lo=lo, hi=hi,
-                   n_layer=mcfg.n_layer, from_acts=blk.reads_activations(pre),
-                   active=frozenset(blk.trainable(run.bcd.freeze, mcfg.tied)),
-                   recompute=recompute, recompute_active=run.bcd.recompute == "all", streamed=streamed, exact=False,
-                   expand=expand)
+    vs = VisitLayout(run_id="benchmark", spec=VisitSpec(0, block, 0), lo=lo, hi=hi,
+                     n_layer=mcfg.n_layer, from_acts=blk.reads_activations(pre),
+                     active=frozenset(blk.trainable(run.bcd.freeze, mcfg.tied)),
+                     recompute=recompute, recompute_active=run.bcd.recompute == "all", streamed=streamed, exact=False,
+                     expand=expand)
     low = torch.bfloat16 if run.train.precision == "bf16" else None
     model = build_model(mcfg, layers=vs.layers, embed=vs.embed, head=True, device="meta", init=False,
                         frozen_dtype=low, trainable=vs.active)

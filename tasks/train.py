@@ -22,9 +22,9 @@ from bcdflow.models.holding import probe_bytes
 from bcdflow.models.memory import NoGradPass
 from bcdflow.models.visit_compute import autocast, block_grad_norms
 from bcdflow.tasks import preemption
-from bcdflow.core.rules import sample_rows
-from bcdflow.tasks.engine import (EvalResult, Resident, TrainResult, describe, diverged_message, evaluate_model,
-                                  run_visit, val_batches)
+from bcdflow.core.rules import VisitSpec, sample_rows
+from bcdflow.tasks.engine import (EvalResult, Resident, TrainResult, diverged_message, evaluate_model, run_visit,
+                                  val_batches)
 from bcdflow.tasks.progress import Progress
 from bcdflow.tasks.retry import retrying
 from bcdflow.tasks.train_dist import launch
@@ -32,25 +32,20 @@ from bcdflow.tracking.tracker import TrackTarget
 
 
 @task(name="train-block", **retrying(2))
-def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None,
-                progress: Progress | None = None, global_step: int = 0, min_rate: float | None = None,
-                moments: dict | None = None, spent: dict | None = None) -> TrainResult:
-    """Train block ``block`` of ``version`` to local convergence (a visit's training); returns its result, the
-    block file written (content-addressed) but not committed. The recipe is ``tasks.engine.run_visit``; this task
-    picks how the model is held: in this process, or (``train.gpus`` > 1) in one torchrun process per GPU, rank 0
-    committing (tasks/train_dist.py). ``progress``: the visit's live line (tasks/progress.py), closed when the loop
-    ends; ``global_step``: the run's steps before this visit (the learning-rate schedule's clock); ``min_rate``: the
-    adaptive budget's rate to beat (``bcd.budget``); ``moments``: the optimizer state the block's last visit ended
-    with (``bcd.moments=keep``); ``spent``: the visit's clock, carried by its checkpoints (core/spend.py)."""
+def train_block(ctx: RunContext, spec: VisitSpec, track: TrackTarget | None = None,
+                progress: Progress | None = None) -> TrainResult:
+    """Train block ``spec.block`` of ``spec.version`` to local convergence (a visit's training; ``spec``: what the
+    run's state hands the visit, core/rules.visit_spec); returns its result, the block file written
+    (content-addressed) but not committed. The recipe is ``tasks.engine.run_visit``; this task picks how the model is
+    held: in this process, or (``train.gpus`` > 1) in one torchrun process per GPU, rank 0 committing
+    (tasks/train_dist.py). ``progress``: the visit's live line (tasks/progress.py), closed when the loop ends."""
     cfg = ctx.cfg
     if cfg.train.gpus > 1:
-        return launch(ctx, cycle, block, version, track, global_step=global_step, min_rate=min_rate, moments=moments,
-                      spent=spent)
+        return launch(ctx, spec, track)
     try:
-        res = run_visit(ctx, describe(ctx, cycle, block, version), Resident, track=track, progress=progress,
-                        global_step=global_step, min_rate=min_rate, moments=moments, spent=spent)
+        res = run_visit(ctx, spec, Resident, track=track, progress=progress)
     except Diverged as e:
-        raise BadInput(diverged_message(cfg, ctx.run_id, cycle, block, e)) from None
+        raise BadInput(diverged_message(cfg, ctx.run_id, spec.cycle, spec.block, e)) from None
     if res.stopped_by == "interrupted":  # SIGTERM or Ctrl-C: the checkpoint is written; this never returns
         preemption.after_checkpoint(cfg.fleet.reschedule_delay_s)
     return res

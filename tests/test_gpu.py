@@ -169,6 +169,7 @@ def test_a_streamed_visit_through_the_engine_equals_the_resident_one(tiny_cfg, d
     from bcdflow.core.context import RunContext
     from bcdflow.storage.checkpoints import load_from_manifest
     from bcdflow.storage.store import Store
+    from bcdflow.core.rules import VisitSpec
     from bcdflow.tasks.train import train_block
     from tests.helpers import new_run
 
@@ -187,7 +188,7 @@ def test_a_streamed_visit_through_the_engine_equals_the_resident_one(tiny_cfg, d
         ctx = RunContext.of(cfg, "r", new_run(cfg))
         assert ctx.device == dev
         base = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
-        res = train_block.fn(ctx, 0, 0, 0)
+        res = train_block.fn(ctx, VisitSpec(0, 0, 0))
         files = res.files(0)
         tensors = load_from_manifest(Store(cfg.store), "r", {"blocks": {str(b): f for b, f in files.items()}})
         out[offload] = (res, tensors, ctx.holding(0), base)

@@ -23,6 +23,7 @@ from bcdflow.storage.checkpoints import load_from_manifest
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import train_block
+from bcdflow.core.rules import VisitSpec
 from tests.helpers import new_run
 
 
@@ -74,7 +75,7 @@ def _visit(cfg, ds_id: str, block: int):
     if ctx.from_acts(block):
         for s in plan_shards.fn(ctx, 0, block):
             preinfer_shard.fn(ctx, 0, block, 0, s)
-    return train_block.fn(ctx, 0, block, 0)
+    return train_block.fn(ctx, VisitSpec(0, block, 0))
 
 
 @pytest.mark.parametrize("block", [0, 1])
