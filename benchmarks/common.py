@@ -166,7 +166,8 @@ class Visit:
         # the product's preparation and loss (tasks/engine.py): gradients, chunking, compile, autocast, streaming.
         # Imported here: the engine imports Prefect (tasks/data.py), which the command line configures after
         # importing this module (cli.setup_env)
-        from bcdflow.tasks.engine import VisitSpec, prepare_model, visit_step_loss
+        from bcdflow.core.rules import VisitSpec
+        from bcdflow.tasks.engine import VisitLayout, prepare_model, visit_step_loss
 
         named = prepare_model(model, trainable, getattr(args, "chunk_rows", None), getattr(args, "compile", False))
         frozen = [i for i in range(*layers) if not any(n.startswith(f"h.{i}.") for n in trainable)]
@@ -182,9 +183,9 @@ class Visit:
         if expand and hi is not None and hi < layers[1]:  # the engine's adapters and optimizer group
             self.adapters = SuffixAdapters(model, range(hi, layers[1]), expand, 0, device).attach(model)
             self.opt.add_param_group({"params": [p for _, p in self.adapters.named()], "weight_decay": 0.0})
-        self.vs = VisitSpec(run_id="benchmark", cycle=0, block=0, version=0, lo=self.start, hi=hi, n_layer=layers[1],
-                            from_acts=not embed, active=frozenset(trainable), recompute=recompute,
-                            recompute_active=False, streamed=tuple(frozen) if stream else (), exact=False)
+        self.vs = VisitLayout(run_id="benchmark", spec=VisitSpec(0, 0, 0), lo=self.start, hi=hi, n_layer=layers[1],
+                              from_acts=not embed, active=frozenset(trainable), recompute=recompute,
+                              recompute_active=False, streamed=tuple(frozen) if stream else (), exact=False)
         self.loss_fn = visit_step_loss(model, self.vs, device, args.precision)
         self.times: list[float] = []
 

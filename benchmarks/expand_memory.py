@@ -11,12 +11,14 @@ and held as the planner would hold it with them (more streaming or recompute whe
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from bcdflow.core.config import load_config
 from bcdflow.core.context import model_config
 from bcdflow.models import get_config, model_plan
-from bcdflow.models.holding import choose_holding, recommend
+from bcdflow.models.holding import fit_holding, recommend
 from bcdflow.models.memory import GB, device_budget, visit_memory
+from bcdflow.models.specs import StepShape
 
 
 def row(name: str, ranks: list[int], batch: int, seq: int, gpu_gb: float) -> dict:
@@ -27,16 +29,15 @@ def row(name: str, ranks: list[int], batch: int, seq: int, gpu_gb: float) -> dic
     else:
         cfg = get_config(name, vocab_size=50304)
     budget = device_budget(gpu_gb * GB)
-    base = recommend(cfg, batch, seq, "bf16", budget)
+    shape = StepShape(batch, seq, "bf16")
+    base = recommend(cfg, shape, budget)
     out = {"model": name, "plan": base, "budget": budget, "ranks": {}}
     if base.blocks is None:
         return out
     plan = model_plan(cfg, base.blocks)
     for r in ranks:
-        same = [visit_memory(cfg, plan, b, batch, seq, "bf16", recompute=h.recompute, streamed=h.streamed,
-                             expand_rank=r) for b, h in enumerate(base.holdings)]
-        held = [choose_holding(cfg, plan, b, batch, seq, "bf16", budget.usable, timed=False, expand_rank=r)
-                for b in range(len(plan))]
+        same = [visit_memory(cfg, plan, b, replace(h.shape, expand_rank=r)) for b, h in enumerate(base.holdings)]
+        held = [fit_holding(cfg, plan, b, replace(shape, expand_rank=r), budget.usable) for b in range(len(plan))]
         out["ranks"][r] = {"same": max(e.peak for e in same), "adapters": max(e.expand_params for e in same),
                            "held": max(h.estimate.peak for h in held), "fits": all(h.fits for h in held),
                            "streamed": sum(len(h.streamed) for h in held), "recompute": sum(h.recompute for h in held),
@@ -49,7 +50,7 @@ def fitting_blocks(cfg, start: int, batch: int, seq: int, budget, rank: int) -> 
     """The smallest block count from ``start`` whose every visit, with adapters of ``rank``, fits the budget."""
     for m in range(start, cfg.n_layer + 1):
         plan = model_plan(cfg, m)
-        if all(choose_holding(cfg, plan, b, batch, seq, "bf16", budget.usable, timed=False, expand_rank=rank).fits
+        if all(fit_holding(cfg, plan, b, StepShape(batch, seq, "bf16", expand_rank=rank), budget.usable).fits
                for b in range(len(plan))):
             return m
     return None

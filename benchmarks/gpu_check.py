@@ -24,6 +24,7 @@ check cannot rot); it takes no GPU figure and says so.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import os
 import subprocess
@@ -209,7 +210,8 @@ def time_model(rows: dict, smoke: bool) -> dict:
     measured = rates(smoke)
     from bcdflow.core.config import load_config
     from bcdflow.core.context import block_plan, model_config
-    from bcdflow.models.holding import PCIE_GBS, step_time, tflops_for
+    from bcdflow.models.holding import step_time
+    from bcdflow.models.specs import PCIE_GBS, tflops_for
     from bcdflow.models.memory import visit_memory
 
     sets = (["model.name=tiny-llama", "model.n_layer=9", "data.seq_len=32"] if smoke else
@@ -222,17 +224,15 @@ def time_model(rows: dict, smoke: bool) -> dict:
         r = rows.get(tag, {})
         if "streamed_layers" not in r:
             continue
-        est = visit_memory(mcfg, plan, block, 2, run.data.seq_len, p, recompute=r["recompute"],
-                           streamed=r["streamed"], window=run.train.stream_window)  # as the measured run held it
-        sizes = {i: f for i, (_, f) in est.layer_sizes.items()}
-        kw = dict(preinfer=run.bcd.preinfer, recompute=r["recompute"], streamed=r["streamed"], sizes=sizes,
-                  window=run.train.stream_window, precision=p)
-        assumed = step_time(mcfg, plan, block, 2, run.data.seq_len, **kw)
+        shape = replace(run.step_shape(), recompute="on" if r["recompute"] else "off",
+                        streamed=tuple(r["streamed"]))  # as the measured run held it
+        sizes = {i: f for i, (_, f) in visit_memory(mcfg, plan, block, shape).layer_sizes.items()}
+        assumed = step_time(mcfg, plan, block, shape, sizes)
         row = {"assumed_streamed_s": assumed.streamed_s, "assumed_resident_s": assumed.resident_s,
                "measured_streamed_s": r.get("step_s"), "measured_resident_s": r.get("resident_step_s")}
         if measured["h2d_gbs"]:
-            cal = step_time(mcfg, plan, block, 2, run.data.seq_len, pcie_gbs=measured["h2d_gbs"],
-                            tflops=measured["tflops"][p], **kw)
+            cal = step_time(mcfg, plan, block, replace(shape, pcie_gbs=measured["h2d_gbs"],
+                                                       tflops=measured["tflops"][p]), sizes)
             row.update(calibrated_streamed_s=cal.streamed_s, calibrated_resident_s=cal.resident_s,
                        error_streamed=cal.streamed_s / r["step_s"] - 1 if r.get("step_s") else None,
                        error_resident=(cal.resident_s / r["resident_step_s"] - 1) if r.get("resident_step_s") else None)
@@ -259,6 +259,7 @@ def engine_visits(store_root: str, sets: list[str], device: str, block: int = 0)
     from bcdflow.tasks.data import prepare_data
     from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
     from bcdflow.tasks.run import init_run
+    from bcdflow.core.rules import VisitSpec
     from bcdflow.tasks.train import train_block
 
     out = {}
@@ -271,7 +272,7 @@ def engine_visits(store_root: str, sets: list[str], device: str, block: int = 0)
         if ctx.from_acts(block):
             for s in plan_shards.fn(ctx, 0, block):
                 preinfer_shard.fn(ctx, 0, block, 0, s)
-        res = train_block.fn(ctx, 0, block, 0)
+        res = train_block.fn(ctx, VisitSpec(0, block, 0))
         tensors = load_from_manifest(Store(cfg.store), "r", {"blocks": {str(b): f for b, f in res.files(block).items()}})
         out[offload] = (res, tensors, ctx.holding(block))
         if torch.cuda.is_available():

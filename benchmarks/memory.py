@@ -22,6 +22,7 @@ from benchmarks import report
 from benchmarks.common import MB, Workload, best, round_robin
 from benchmarks.isolate import Remote
 from bcdflow.models.memory import visit_memory
+from bcdflow.models.specs import StepShape
 
 # paper Table 11 (GPT-2, Adam): memory at 1/UFP unfrozen over the full update's
 PAPER_ADAM = {1: 2432.60, 2: 1520.38, 3: 1216.30, 4: 1064.26}
@@ -94,8 +95,9 @@ def run(prof: dict, device, out: Path, **_) -> dict:
 def planned(w: Workload, plan, block, recompute: bool = False) -> int:
     """The planner's prediction (models/memory.py) for the same step, from the config alone."""
     c = w.c
-    return visit_memory(w.cfg, plan, block, c["batch_size"], c["seq_len"], c["precision"], w.args.optim,
-                        recompute, chunk_rows=c.get("chunk_rows")).peak
+    shape = StepShape(c["batch_size"], c["seq_len"], c["precision"], w.args.optim, chunk_rows=c.get("chunk_rows"),
+                      recompute="on" if recompute else "off")
+    return visit_memory(w.cfg, plan, block, shape).peak
 
 
 def measure_all(w: Workload, c: dict) -> dict:

@@ -27,6 +27,7 @@ about CUDA streaming):
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import gc
 import itertools
 import json
@@ -37,14 +38,16 @@ import torch
 
 from bcdflow.core.config import load_config
 from bcdflow.core.context import block_plan, cap_fraction, model_config, resolve_device
+from bcdflow.core.rules import VisitSpec
 from bcdflow.models import build_model
 from bcdflow.models.build import materialize
 from bcdflow.models.expand import SuffixAdapters
 from bcdflow.models.holding import choose_holding
 from bcdflow.models.memory import GB, device_budget, visit_memory
+from bcdflow.models.specs import StepShape
 from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
-from bcdflow.tasks.engine import VisitSpec, prepare_model, visit_step_loss
+from bcdflow.tasks.engine import VisitLayout, prepare_model, visit_step_loss
 from bcdflow.tasks.expand import adapter_group, suffix_layers
 
 
@@ -57,11 +60,11 @@ def build_visit(run, mcfg, plan, block: int, device: torch.device, streamed: tup
     blk, pre = plan[block], run.bcd.preinfer
     lo, hi = blk.layers
     expand = run.bcd.expand_rank if run.bcd.expand != "off" and hi < mcfg.n_layer else 0
-    vs = VisitSpec(run_id="benchmark", cycle=0, block=block, version=0, lo=lo, hi=hi,
-                   n_layer=mcfg.n_layer, from_acts=blk.reads_activations(pre),
-                   active=frozenset(blk.trainable(run.bcd.freeze, mcfg.tied)),
-                   recompute=recompute, recompute_active=run.bcd.recompute == "all", streamed=streamed, exact=False,
-                   expand=expand)
+    vs = VisitLayout(run_id="benchmark", spec=VisitSpec(0, block, 0), lo=lo, hi=hi,
+                     n_layer=mcfg.n_layer, from_acts=blk.reads_activations(pre),
+                     active=frozenset(blk.trainable(run.bcd.freeze, mcfg.tied)),
+                     recompute=recompute, recompute_active=run.bcd.recompute == "all", streamed=streamed, exact=False,
+                     expand=expand)
     low = torch.bfloat16 if run.train.precision == "bf16" else None
     model = build_model(mcfg, layers=vs.layers, embed=vs.embed, head=True, device="meta", init=False,
                         frozen_dtype=low, trainable=vs.active)
@@ -225,20 +228,16 @@ def main(argv: list[str] | None = None) -> dict:
     plan = block_plan(run, mcfg)
     B, T, p = run.train.batch_size, run.data.seq_len, run.train.precision
     budget = device_budget(args.cap_gb * GB) if args.cap_gb else None
-    kw = dict(preinfer=run.bcd.preinfer, freeze=run.bcd.freeze, chunk_rows=run.train.loss_chunk_rows,
-              weight_decay=run.optim.weight_decay, expand_rank=run.bcd.expand_rank if run.bcd.expand != "off" else 0)
 
     def held(b: int, holding: str):
         """The planner's holding for this way: (recompute, streamed layers, estimate)."""
         offload = {"resident": "off", "stream": "stream", "auto": "auto"}[holding]
-        h = choose_holding(mcfg, plan, b, B, T, p, budget.usable if budget else None, run.optim.name,
-                           recompute=run.bcd.recompute, offload=offload, window=run.train.stream_window,
-                           pcie_gbs=run.train.pcie_gbs, tflops=run.train.tflops, **kw)
-        return h
+        return choose_holding(mcfg, plan, b, replace(run.step_shape(), offload=offload),
+                              budget.usable if budget else None)
 
     if args.blocks_to_run == "worst":
-        blocks = [max(range(len(plan)), key=lambda b: visit_memory(mcfg, plan, b, B, T, p, stream=True,
-                                                                    preinfer=run.bcd.preinfer).peak)]
+        every = StepShape(B, T, p, preinfer=run.bcd.preinfer, offload="stream")  # every frozen layer streamed
+        blocks = [max(range(len(plan)), key=lambda b: visit_memory(mcfg, plan, b, every).peak)]
     elif args.blocks_to_run == "all":
         blocks = list(range(len(plan)))
     else:

@@ -22,6 +22,7 @@ from bcdflow.tasks.data import prepare_data
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.run import init_run
 from bcdflow.tasks.train import train_block
+from bcdflow.core.rules import VisitSpec
 
 SMALL = ["model.name=tiny", "model.d_model=128", "model.n_head=4", "model.n_layer=6", "data.seq_len=128",
          "data.vocab_size=1024", "data.builtin_bytes=2000000", "bcd.blocks=3", "bcd.cycles=1", "bcd.patience=0",
@@ -41,11 +42,11 @@ def main() -> None:
         init_run.fn(cfg, "r", ds)
         for shard in plan_shards.fn(RunContext.of(cfg, "r", ds), 0, 1):
             preinfer_shard.fn(RunContext.of(cfg, "r", ds), 0, 1, 0, shard)
-        train_block.fn(RunContext.of(cfg, "r", ds), 0, 0, 0)  # warm-up
+        train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 0, 0))  # warm-up
         ms: dict[int, list[float]] = {0: [], 1: []}
         for _ in range(args.repeats):
             for block in ms:
-                res = train_block.fn(RunContext.of(cfg, "r", ds), 0, block, 0)
+                res = train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, block, 0))
                 ms[block].append(res.seconds / res.steps * 1e3)
     print(json.dumps({f"block {b}": {"median_ms_per_step": round(statistics.median(v), 2),
                                      "all": [round(x, 2) for x in v]} for b, v in ms.items()}, indent=1))

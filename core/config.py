@@ -21,13 +21,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bcdflow.constants import MAX_LEASE_SECONDS
+from bcdflow.errors import BadInput
 from bcdflow.core.orders import ORDERS
 from bcdflow.core.spend import DEFAULT_KIND, DEFAULT_PRICES, parse_prices
 from bcdflow.models.model_config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelConfig, get_config
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import layer_bounds
-from bcdflow.models.trainer import OptimSpec, StopRule
+from bcdflow.models.specs import PCIE_GBS, OptimSpec, StepShape, StopRule
+from bcdflow.storage import layout, runs
 from bcdflow.storage.backends import backend_of
 from bcdflow.storage.store import check_url
 
@@ -293,7 +295,7 @@ class TrainSection(_Section):
     ``train.gpus`` > 1 or ``train.compile``)."""
     stream_window: int = Field(2, ge=1)
     """Device slots for streamed layers (the one computing and the ones copied in ahead of it)."""
-    pcie_gbs: float = Field(25.0, gt=0)
+    pcie_gbs: float = Field(PCIE_GBS, gt=0)
     """Host-to-device bandwidth the planner's time model assumes, GB/s (PCIe 4.0 x16 in practice)."""
     tflops: float | None = Field(None, gt=0)
     """Matmul throughput the planner's time model assumes, TFLOP/s; None = by ``precision`` (fp32 40, bf16 80: about
@@ -516,6 +518,18 @@ class RunConfig(_Section):
         return StopRule(b.max_steps, b.patience, b.min_delta, b.window,
                         min_rate=min_rate if b.budget == "adaptive" else None)
 
+    def step_shape(self, no_grad: bool = False) -> StepShape:
+        """One training step of a visit as the planner sees it (models/memory.py, models/holding.py). Several
+        processes (``train.gpus``) or ``train.compile`` stream nothing; ``no_grad``: a no-grad pass's (pre-inference,
+        an evaluation), held by one process as ``train.offload`` says whatever the visit's processes."""
+        t, b = self.train, self.bcd
+        one = t.gpus == 1 and not t.compile
+        return StepShape(t.batch_size, self.data.seq_len, t.precision, self.optim.name, self.optim.weight_decay,
+                         t.loss_chunk_rows, recompute=b.recompute, preinfer=b.preinfer, freeze=tuple(b.freeze),
+                         offload=t.offload if one or no_grad else "off", window=t.stream_window,
+                         expand_rank=b.expand_rank if b.expand != "off" else 0, gpus=t.gpus,
+                         pcie_gbs=t.pcie_gbs, tflops=t.tflops)
+
     def storage_options(self) -> dict:
         """fsspec options for the store URL: its backend's, from the section named as the backend
         (``storage/backends.py``; ``s3.*`` for an ``s3://`` store); none for a local path or ``memory://``."""
@@ -535,6 +549,16 @@ class RunConfig(_Section):
         return f"sqlite:///{os.path.abspath('bcdflow-mlflow.db')}"
 
 
+def store_config(url: str, endpoint_url: str | None = None) -> RunConfig:
+    """The run config of a store named on the command line (``--store``, ``--endpoint-url``): the endpoint is the
+    option its backend names (``storage/backends.Backend.endpoint``: an S3-compatible server for ``s3://``), and is
+    left out for a store whose backend takes none (a local path, ``memory://``)."""
+    backend = backend_of(url)
+    if endpoint_url is None or backend is None or backend.endpoint is None:
+        return RunConfig(store=url)
+    return RunConfig(store=url, **{backend.name: {backend.endpoint: endpoint_url}})
+
+
 # defaults changed after runs were stored without the key: such a run ran the former value, and continues with it
 FORMER_DEFAULTS = {"bcd": {"expand": "off"}}
 
@@ -547,6 +571,27 @@ def with_former_defaults(stored: dict) -> dict:
         if isinstance(out.get(sec), dict):
             out[sec] = {**keys, **out[sec]}
     return out
+
+
+def stored_config(stored: dict, where: str, store: str | None = None) -> RunConfig:
+    """The settings a stored run was trained with: its ``config.json`` (``stored``, a dict as
+    ``storage/runs.read_config`` returns it) through ``RunConfig``, each key it lacks whose default has since changed
+    filled with the former one, the run record's own keys (mode, dataset, plan, ...) left aside; ``store``: the URL it
+    is read from (a run can move between stores). Every command that reads a stored run takes its settings from here,
+    so a default is its field's and never spelled again; a config that does not parse is damaged (RunStateError
+    naming ``where``, the object)."""
+    raw = {k: v for k, v in with_former_defaults(stored).items() if k in RunConfig.model_fields and k != "store"}
+    try:
+        return parse_config({**raw, **({"store": store} if store else {})})
+    except BadInput as e:
+        raise runs.RunStateError(f"run config {where} is damaged ({e}); restore the object or start a new run with "
+                                 "another --run-id") from None
+
+
+def read_settings(store, run_id: str) -> RunConfig:
+    """:func:`stored_config` of run ``run_id`` of ``store`` (``storage/store.Store``): its config.json read and checked
+    by ``storage/runs.read_config``."""
+    return stored_config(runs.read_config(store, run_id), store.url_of(layout.config_key(run_id)), store.url)
 
 
 def check_model(cfg: RunConfig, mcfg: ModelConfig) -> None:

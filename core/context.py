@@ -15,6 +15,7 @@ import contextlib
 import math
 import os
 import threading
+from dataclasses import replace
 from functools import cached_property
 from typing import Collection, Iterator
 
@@ -29,8 +30,8 @@ from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
 from bcdflow.models.build import materialize, param_sizes
 from bcdflow.models.model_config import ModelConfig, get_config
-from bcdflow.models.holding import Holding, choose_holding, no_grad_holding
-from bcdflow.models.memory import (CONTEXT_BYTES, GB, Budget, device_budget, load_bytes, no_grad_memory,
+from bcdflow.models.holding import Holding, choose_holding, fit_holding, no_grad_holding
+from bcdflow.models.memory import (CONTEXT_BYTES, GB, Budget, NoGradPass, device_budget, load_bytes, no_grad_memory,
                                    reading_bytes, stage_bytes)
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.stream import LayerStream, host_buffer
@@ -147,10 +148,11 @@ _checked: list[str] = []  # the config the CLI checked for the flow it starts ne
 _checked_lock = threading.Lock()
 
 
-def preflight(cfg: RunConfig, *, in_flow: bool = False) -> None:
+def preflight(cfg: RunConfig, *, in_flow: bool = False, store: Store | None = None) -> None:
     """The checks that need the machine, the file system or the store, before anything is written (nothing written
     on failure, docs/DESIGN.md §8): the device and the plan's fit (unless visits go to a pool: they train on the
-    workers' devices), the tokenizer and Hugging Face checkpoint files, the model's size, the corpus files, the store.
+    workers' devices), the tokenizer and Hugging Face checkpoint files, the model's size, the corpus files, the store
+    (``store``: the one the caller opened for ``cfg``, else opened here).
 
     Once per run start: the CLI checks before its flow starts (``in_flow=False``, which marks the config checked),
     and the flow's own call (``in_flow=True``) takes the mark and checks nothing more when it names the same config;
@@ -181,7 +183,7 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False) -> None:
         if sum(os.path.getsize(f) for f in files) == 0:
             raise BadInput(f"data.files: corpus is empty (0 bytes in {len(files)} files)")
         check_text_files(files)
-    open_store(cfg).probe()  # one clear line (no retries) when the store cannot be used
+    (store if store is not None else open_store(cfg)).probe()  # one clear line (no retries) when it cannot be used
     if not in_flow:
         with _checked_lock:
             _checked[:] = [key]
@@ -219,18 +221,6 @@ def check_model_size(cfg: RunConfig) -> None:
                        f"{have / 1e9:,.0f} GB of memory")
 
 
-def visit_holding(cfg: RunConfig, mcfg: ModelConfig, plan: Plan, block: int, seq: int,
-                  budget: float | None, timed: bool = True) -> Holding:
-    """How block ``block``'s visit holds its model within ``budget`` (models/holding.choose_holding with the run's
-    ``bcd.recompute``, ``train.offload`` and time-model keys)."""
-    t = cfg.train
-    return choose_holding(mcfg, plan, block, t.batch_size, seq, t.precision, budget, cfg.optim.name,
-                          recompute=cfg.bcd.recompute, offload=t.offload if t.gpus == 1 and not t.compile else "off",
-                          window=t.stream_window, pcie_gbs=t.pcie_gbs, tflops=t.tflops, preinfer=cfg.bcd.preinfer,
-                          freeze=cfg.bcd.freeze, chunk_rows=t.loss_chunk_rows, weight_decay=cfg.optim.weight_decay,
-                          timed=timed, expand_rank=cfg.bcd.expand_rank if cfg.bcd.expand != "off" else 0)
-
-
 def check_plan_fits(cfg: RunConfig) -> None:
     """Refuse, before anything is written, a run whose visits cannot fit the device even held the leanest way it
     allows (recompute and every frozen layer streamed, as the settings permit), naming the figures; and a host whose
@@ -243,9 +233,8 @@ def check_plan_fits(cfg: RunConfig) -> None:
     budget = memory_budget(cfg, resolve_device(cfg.train.device))
     mcfg = model_config(cfg)
     plan = block_plan(cfg, mcfg)
-    seq = cfg.data.seq_len
-    holds = [visit_holding(cfg, mcfg, plan, b, seq, None if budget is None else budget.usable, timed=False)
-             for b in range(len(plan))]
+    shape, seq = cfg.step_shape(), cfg.data.seq_len
+    holds = [fit_holding(mcfg, plan, b, shape, None if budget is None else budget.usable) for b in range(len(plan))]
     if budget is not None:
         bad = [(b, h) for b, h in enumerate(holds) if not h.fits]
         if bad:
@@ -254,30 +243,28 @@ def check_plan_fits(cfg: RunConfig) -> None:
                            f"way the settings allow ({h.words()}), and the device has {budget.line()}; use more "
                            "blocks (bcdflow plan-memory recommends a count), train.offload=auto, "
                            "bcd.recompute=auto, a smaller train.batch_size or train.gpus=N")
-    t, cuda = cfg.train, resolve_device(cfg.train.device).type == "cuda"
+    cuda = resolve_device(cfg.train.device).type == "cuda"
     # a visit's host peak: its streamed layers' page-locked buffers, the largest block file it reads while loading
     # (one at a time), and on CUDA its two page-locked batch slots
     need, what = 0, ""
     for b, h in enumerate(holds):
-        acts = plan[b].reads_activations(cfg.bcd.preinfer)
-        parts = (h.estimate.host_bytes, load_bytes(mcfg, plan, b, cfg.bcd.preinfer),
-                 stage_bytes(t.batch_size, seq, mcfg.d_model, acts) if cuda else 0)
+        parts = (h.estimate.host_bytes, load_bytes(mcfg, plan, b, shape),
+                 stage_bytes(mcfg, plan, b, shape) if cuda else 0)
         if sum(parts) > need:
             need = sum(parts)
             what = (f"block {b}'s visit: {parts[0] / 1e9:.1f} GB of streamed layers (pinned, as allocated), "
                     f"{parts[1] / 1e9:.1f} GB to read its largest block file, {parts[2] / 1e9:.2f} GB of batch "
                     "slots")
     if cfg.bcd.preinfer:  # pre-inference: its prefix's streamed layers and the shards' page-locked output buffers
+        passes = cfg.step_shape(no_grad=True)
         workers = cfg.bcd.preinfer_workers or (2 if cuda else 1)
         staging = workers * cfg.bcd.shard_rows * seq * mcfg.d_model * 4
         for b in range(1, len(plan)):
             lo = plan[b].layers[0]
-            streamed, rows = no_grad_holding(mcfg, (0, lo), True, False, seq, t.precision,
-                                             None if budget is None else budget.usable, t.batch_size,
-                                             cfg.bcd.shard_rows, offload=t.offload, window=t.stream_window,
-                                             rows=cfg.bcd.preinfer_batch_size)
-            prefix = no_grad_memory(mcfg, (0, lo), True, False, rows, seq, t.precision, streamed,
-                                    t.stream_window).host_bytes if streamed else 0
+            part = NoGradPass((0, lo), True, False, cfg.bcd.shard_rows, cfg.bcd.preinfer_batch_size)
+            streamed, rows = no_grad_holding(mcfg, part, passes, None if budget is None else budget.usable)
+            prefix = no_grad_memory(mcfg, part, replace(passes, batch=rows, streamed=streamed)).host_bytes \
+                if streamed else 0
             loading = reading_bytes(mcfg, plan, range(b))  # the prefix is blocks [0, b): one file at a time
             if prefix + staging + loading > need:
                 need = prefix + staging + loading
@@ -405,21 +392,19 @@ class RunContext:
         return self._budget[0]
 
     def holding(self, block: int) -> Holding:
-        """How block ``block``'s visit holds its model on this device (recompute, streamed layers), chosen once."""
+        """How block ``block``'s visit holds its model on this device (models/holding.choose_holding with the run's
+        ``bcd.recompute``, ``train.offload`` and time-model keys: recompute, streamed layers), chosen once."""
         if block not in self._holdings:
-            self._holdings[block] = visit_holding(self.cfg, self.model_cfg, self.plan, block, self.dataset.seq_len,
-                                                  self.budget())
+            self._holdings[block] = choose_holding(self.model_cfg, self.plan, block, self.cfg.step_shape(),
+                                                   self.budget())
         return self._holdings[block]
 
-    def no_grad_pass(self, layers: tuple[int, int], embed: bool, head: bool, limit: int,
-                     rows: int | None = None, extra: int = 0) -> tuple[tuple[int, ...], int]:
+    def no_grad_pass(self, part: NoGradPass, extra: int = 0) -> tuple[tuple[int, ...], int]:
         """(streamed layers, rows per forward) of a no-grad pass over a model part on this device: pre-inference's
-        prefix, an evaluation model (models/holding.no_grad_holding; ``rows``: a set batch; ``extra``: bytes held
-        beside it)."""
-        t = self.cfg.train
-        return no_grad_holding(self.model_cfg, layers, embed, head, self.dataset.seq_len, t.precision, self.budget(),
-                               t.batch_size, limit, offload=t.offload, window=t.stream_window,
-                               chunk_rows=t.loss_chunk_rows, rows=rows, extra=extra)
+        prefix, an evaluation model (models/holding.no_grad_holding; ``extra``: bytes held beside it)."""
+        budget = self.budget()
+        return no_grad_holding(self.model_cfg, part, self.cfg.step_shape(no_grad=True),
+                               None if budget is None else budget - extra)
 
     def trainable(self, block: int) -> set[str]:
         """The parameters block ``block``'s visit trains (``Block.trainable``: less what ``bcd.freeze`` keeps)."""
@@ -450,7 +435,8 @@ class RunContext:
 
     def _prefix_pass(self, block: int) -> tuple[tuple[int, ...], int]:
         lo = self.plan[block].layers[0]
-        return self.no_grad_pass((0, lo), True, False, self.cfg.bcd.shard_rows, self.cfg.bcd.preinfer_batch_size)
+        return self.no_grad_pass(NoGradPass((0, lo), True, False, self.cfg.bcd.shard_rows,
+                                            self.cfg.bcd.preinfer_batch_size))
 
     def preinfer_rows(self, block: int) -> int:
         """Rows per pre-inference forward of block ``block``'s prefix (``bcd.preinfer_batch_size``, else the most

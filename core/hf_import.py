@@ -3,8 +3,8 @@
 The mapping tables are ``models/hf_names.py`` (pure), the file reading ``storage/hf_checkpoint.py``; this module joins them:
 
     mcfg = checkpoint_model(cfg)                       # config.json only, checked against the run config
-    ck = check_checkpoint(cfg)                         # every file, tensor and the tokenizer (CLI preflight,
-                                                       # and again in the flow before anything is written)
+    ck = check_checkpoint(cfg)                         # every file, tensor and the tokenizer: once per run start
+                                                       # (the CLI's preflight; a file changed since: again)
     entries = write_version0(store, run_id, ck, mcfg, plan)   # block by block, never the whole model
 
 Each block's tensors are read by name from the shards that hold them (views of the mapped file), mapped to
@@ -15,6 +15,7 @@ so peak memory is about one block, and a later visit reads only the blocks it ne
 from __future__ import annotations
 
 import os
+import threading
 from functools import lru_cache
 
 from tokenizers import Tokenizer
@@ -66,7 +67,7 @@ def tensor_names(ck: Checkpoint, mcfg: ModelConfig) -> dict[str, str]:
     """Our parameter name -> the name it has in the checkpoint's files (older GPT-2 files lack the
     ``transformer.`` prefix). A missing tensor, a shape that contradicts config.json or a dtype other than
     fp32/bf16/fp16 is bad input naming the tensor."""
-    prefix = hfmap.FAMILY_MAPS[mcfg.family].base_prefix
+    prefix = hfmap.hf_format(mcfg.family).base_prefix
     out = {}
     for ours, shape in param_shapes(mcfg).items():
         canonical = hfmap.hf_name(mcfg, ours)
@@ -88,11 +89,46 @@ def source_dtype(ck: Checkpoint, mcfg: ModelConfig) -> str:
     return ST_DTYPES[ck.info(tensor_names(ck, mcfg)["wte.weight"])[0]]
 
 
+_checked: dict[tuple, Checkpoint] = {}  # the last check in this process: what it read, as it was -> its checkpoint
+_checked_lock = threading.Lock()
+
+
+def _what_check_reads(cfg: RunConfig) -> tuple | None:
+    """The settings :func:`check_checkpoint` checks and every file it reads as they are now (the checkpoint folder's
+    and ``data.tokenizer``: name, size, modification time); None when they cannot be listed (the check says why)."""
+    try:
+        folder = resolve(cfg.model.from_hf)
+        files = tuple(sorted((e.name, st.st_size, st.st_mtime_ns) for e in os.scandir(folder) for st in [e.stat()]))
+        tok = os.stat(os.path.expanduser(cfg.data.tokenizer)) if cfg.data.tokenizer else None
+    except (OSError, DataError):
+        return None
+    d, b = cfg.data, cfg.bcd
+    return (cfg.model.from_hf, folder, files, d.tokenizer, tok and (tok.st_size, tok.st_mtime_ns), d.format, d.seq_len,
+            b.blocks, tuple(b.boundaries or ()))
+
+
 def check_checkpoint(cfg: RunConfig) -> Checkpoint:
     """Everything about ``model.from_hf`` that needs its files, before anything is written: config.json, the
     index and every shard it lists, each tensor's presence, shape and dtype, the tokenizer (its ids must fit
     the embedding rows; padded rows beyond the tokenizer are normal), the chat template for
-    ``data.format=chat``, and that ``data.tokenizer`` does not contradict the checkpoint's."""
+    ``data.format=chat``, and that ``data.tokenizer`` does not contradict the checkpoint's.
+
+    Once per run start: the CLI's preflight checks, and the data check and the flow's first write (the token dataset,
+    ``tasks/data.py``) take that check while nothing it read has changed (a file's size or time, a setting it
+    checks); a change checks again."""
+    key = _what_check_reads(cfg)
+    with _checked_lock:
+        if key is not None and key in _checked:
+            return _checked[key]
+    ck = _check(cfg)
+    if key is not None:
+        with _checked_lock:
+            _checked.clear()
+            _checked[key] = ck
+    return ck
+
+
+def _check(cfg: RunConfig) -> Checkpoint:
     ck = Checkpoint.open(cfg.model.from_hf)
     mcfg = checkpoint_model(cfg)
     tensor_names(ck, mcfg)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
-
 
 def _random(seed: int, n_blocks: int, cycle: int) -> list[int]:
+    import numpy as np  # here: the config reads this registry's names at once (the read-only commands)
+
     rng = np.random.default_rng(np.random.SeedSequence([seed, cycle, 7919]))  # a permutation per (seed, cycle)
     return [int(b) for b in rng.permutation(n_blocks)]
 

@@ -6,6 +6,7 @@ call them directly.
     for lo, hi in batch_ranges(len(rows), bs, seed, c, b):   # §2.1 the order it reads them in, epoch by epoch
     todo = blocks_to_visit(cfg, n_blocks, cycle, done)       # §2.9 which blocks are left in a cycle, in order
     bar = rate_to_beat(visits, block)                        # §2.3 the adaptive budget's bar for a visit
+    spec = visit_spec(cfg, state, cycle, block, clock)       # §2.3 what the run's state hands a visit (VisitSpec)
     stop = stop_reason(cfg, visits, n_blocks, next_block=b)  # §2.8 whether the run stops before that visit
 
 The step loop's own stop rule (a visit's local convergence: step cap, plateau, the bar above) is
@@ -13,6 +14,8 @@ The step loop's own stop rule (a visit's local convergence: step cap, plateau, t
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -20,7 +23,7 @@ import numpy as np
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
 from bcdflow.core.orders import ORDERS
-from bcdflow.storage.runs import VisitRecord
+from bcdflow.storage.runs import RunState, VisitRecord
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:
@@ -84,16 +87,60 @@ def rate_to_beat(visits: list[VisitRecord], block: int) -> float | None:
     return sum(last.values()) / len(last) if last else None
 
 
+# -- what a visit starts from (docs/DESIGN.md §2.3) ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class VisitSpec:
+    """One visit as its flow hands it to training (``tasks/train.train_block``, ``tasks/train_dist.launch``, whose
+    ``spec.json`` carries it, ``tasks/engine.run_visit``): which visit, on which version, and what the run's committed
+    state says it starts from (:func:`visit_spec`). A new input a visit takes from the run is a field here."""
+    cycle: int
+    block: int
+    version: int
+    """The version it trains on (the run's last committed one)."""
+    global_step: int = 0
+    """The run's steps before this visit: the learning-rate schedule's clock."""
+    min_rate: float | None = None
+    """``bcd.budget=adaptive``: the rate to beat (:func:`rate_to_beat`); None: no such rule."""
+    moments: dict | None = None
+    """``bcd.moments=keep``: the optimizer state the block's last visit ended with (a block file's manifest entry)."""
+    clock: dict | None = None
+    """What the visit's earlier attempts spent, and this attempt's start (``core/spend.Earlier.clock``): each
+    mid-visit checkpoint carries its reading, so a resumed visit is billed for them."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "VisitSpec":
+        return cls(**d)
+
+
+def visit_spec(cfg: RunConfig, state: RunState, cycle: int, block: int, clock: dict | None = None) -> VisitSpec:
+    """Visit (``cycle``, ``block``) of a run whose committed state is ``state``: on its version, after its steps,
+    against the adaptive budget's bar, from the block's kept moments (as the config asks); ``clock``: the visit's
+    earlier attempts' (``core/spend.Earlier.clock``). Read from the committed state, so a resumed or dispatched visit
+    gets the same inputs."""
+    moments = next((v.moments for v in reversed(state.visits) if v.block == block), None)
+    return VisitSpec(cycle, block, state.version, global_step=state.steps,
+                     min_rate=rate_to_beat(state.visits, block) if cfg.bcd.budget == "adaptive" else None,
+                     moments=moments if cfg.bcd.moments == "keep" else None, clock=clock)
+
+
 # -- the run's stop rules (docs/DESIGN.md §2.8) -------------------------------------------------------------------
 
-# Why a run stopped (``stop_reason``'s and ``end_reason``'s first element, ``state.json``'s ``stop_reason``), in words
-# for a person: the run's last log line, its Prefect artifacts and its MLflow description say these (``stop_words``).
+# Why a run stopped (``stop_reason``'s and ``end_reason``'s first element, ``state.json``'s ``stop_reason``): every
+# table of reasons is keyed by these. In words for a person (the run's last log line, its Prefect artifacts and its
+# MLflow description: ``stop_words``), and what trains a run stopped for it further (``bcdflow resume`` of a done run)
+TARGET, NO_IMPROVEMENT, BUDGET, CYCLES = "target_val_loss", "no_improvement", "budget", "cycles"
 STOP_WORDS = {
-    "target_val_loss": "its validation loss reached stop.target_val_loss",
-    "no_improvement": "stop.patience_cycles whole cycles in a row brought no new best validation loss",
-    "budget": "the next visit's predicted spend would exceed what is left of spend.budget_usd",
-    "cycles": "every planned cycle (bcd.cycles) is done",
+    TARGET: "its validation loss reached stop.target_val_loss",
+    NO_IMPROVEMENT: "stop.patience_cycles whole cycles in a row brought no new best validation loss",
+    BUDGET: "the next visit's predicted spend would exceed what is left of spend.budget_usd",
+    CYCLES: "every planned cycle (bcd.cycles) is done",
 }
+FURTHER = {TARGET: "--set stop.target_val_loss=<lower>", NO_IMPROVEMENT: "--set stop.patience_cycles=<more, or 0>",
+           BUDGET: "--set spend.budget_usd=<more>", CYCLES: "--set bcd.cycles=<more>"}
 
 
 def stop_words(reason: str) -> str:
@@ -125,14 +172,14 @@ def stop_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int,
     st = cfg.stop
     best = min((v.val_loss for v in visits), default=float("inf"))
     if st.target_val_loss is not None and best <= st.target_val_loss:
-        return "target_val_loss", f"validation loss {best:.4f} <= target {st.target_val_loss:g}"
+        return TARGET, f"validation loss {best:.4f} <= target {st.target_val_loss:g}"
     if st.patience_cycles and (n := stale_cycles(visits, n_blocks, st.min_delta)) >= st.patience_cycles:
-        return "no_improvement", f"{n} whole cycle(s) without a validation loss below {best:.4f}"
+        return NO_IMPROVEMENT, f"{n} whole cycle(s) without a validation loss below {best:.4f}"
     if next_block is not None and (why := spend.over_budget(cfg.spend, visits, next_block)):
-        return "budget", why
+        return BUDGET, why
     return None
 
 
 def end_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int) -> tuple[str, str]:
     """Why a run whose loop ended stopped: a rule of :func:`stop_reason`, else every cycle was done."""
-    return stop_reason(cfg, visits, n_blocks) or ("cycles", f"{cfg.bcd.cycles} cycle(s) done")
+    return stop_reason(cfg, visits, n_blocks) or (CYCLES, f"{cfg.bcd.cycles} cycle(s) done")

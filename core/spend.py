@@ -30,12 +30,11 @@ DEFAULT_KIND = "rtx4090"
 STAGES = ("preinfer", "train", "eval")
 
 
-def priced_as(cfg: dict) -> tuple[int, str]:
-    """(GPUs, device kind) a stored run's training is priced as (its config.json: ``spend.train_gpus`` or
-    ``train.gpus``, ``spend.train_device``); ``bcdflow status`` and ``compare`` mark the kind when it is
-    :data:`DEFAULT_KIND`."""
-    sp = cfg.get("spend") or {}
-    return sp.get("train_gpus") or (cfg.get("train") or {}).get("gpus", 1), sp.get("train_device") or DEFAULT_KIND
+def priced_as(cfg) -> tuple[int, str]:
+    """(GPUs, device kind) a run's training is priced as (a ``RunConfig``, a stored run's as
+    ``core/config.stored_config`` reads it back: ``spend.train_gpus`` or ``train.gpus``, ``spend.train_device``);
+    ``bcdflow status`` and ``compare`` mark the kind when it is :data:`DEFAULT_KIND`."""
+    return cfg.spend.train_gpus or cfg.train.gpus, cfg.spend.train_device
 _KIND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 

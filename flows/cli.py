@@ -41,6 +41,7 @@ from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows.compare import BRACKET_TOL, TOL
 from bcdflow.flows.status import cmd_runs, cmd_status, existing_state as _existing_state, status_dict, status_table
 from bcdflow.flows.store_admin import cli_store as _store
+from bcdflow.storage.backends import BACKENDS
 from bcdflow.tracking.tables import strict_json
 
 # Prefect, torch and what imports them (flows, tasks, core.context, core.config) are imported inside the commands
@@ -233,10 +234,11 @@ def _check_run_id(run_id: str | None) -> None:
         check_run_id(run_id)
 
 
-def _preflight(cfg, mode: str) -> None:
+def _preflight(cfg, mode: str, store) -> None:
     """Checks that need the machine, the file system or the store, done before any flow starts (nothing
     written on failure): ``core/context.preflight`` of the config the run trains (a baseline's is one block:
-    ``flows/bcd.full_config``; the flow's own call is then free), and the fleet extra."""
+    ``flows/bcd.full_config``; the flow's own call is then free) with the command's ``store`` (probed there, once),
+    and the fleet extra."""
     from bcdflow.core.context import preflight
 
     if cfg.fleet.preinfer == "dask":
@@ -248,10 +250,10 @@ def _preflight(cfg, mode: str) -> None:
         from bcdflow.flows.bcd import full_config
 
         cfg = full_config(cfg)
-    preflight(cfg)
+    preflight(cfg, store=store)
 
 
-def _config(args, base: list[str] | None = None, mode: str = "bcd"):
+def _config(args, base: list[str] | None = None):
     from bcdflow.core.config import load_config
 
     sets = list(base or []) + list(args.set or [])
@@ -261,31 +263,33 @@ def _config(args, base: list[str] | None = None, mode: str = "bcd"):
     check_prefect_home()
     check_prefect_api()
     check_tracking(cfg)
-    _preflight(cfg, mode)
     return cfg
 
 
-def _check_continuable(store, run_id: str) -> None:
+def _continuable(store, run_id: str, state=None) -> dict | None:
     """A run that exists must be whole before it is continued: its config, its state and every file of its last
-    committed version (a finished run whose last manifest is gone is damaged, not done)."""
+    committed version (a finished run whose last manifest is gone is damaged, not done). Its stored config (the
+    record), or None for a new run; ``state``: the run's, read already."""
     from bcdflow.storage import checkpoints, runs
 
-    state = runs.read_state(store, run_id)
-    if state is not None:
-        runs.read_config(store, run_id)
-        checkpoints.check_version(store, run_id, state.version)
+    state = state or runs.read_state(store, run_id)
+    if state is None:
+        return None
+    record = runs.read_config(store, run_id)
+    checkpoints.check_version(store, run_id, state.version)
+    return record
 
 
-def _check_same_data(store, run_id: str, cfg) -> None:
+def _check_same_data(record: dict | None, run_id: str, cfg) -> None:
     """A run continues on the data it started on: the token dataset id of the data now (a hash of the files'
-    contents and the tokenizer, computed without writing) must be the run's. The same ``data.files`` glob with
-    new contents would otherwise mix the old data's checkpoint and activations with the new."""
-    from bcdflow.storage import runs
+    contents and the tokenizer, computed without writing) must be the run's (``record``: its stored config; None: a
+    new run). The same ``data.files`` glob with new contents would otherwise mix the old data's checkpoint and
+    activations with the new."""
     from bcdflow.tasks.data import data_id
 
-    if runs.read_state(store, run_id) is None:
+    if record is None:
         return
-    old, new = runs.read_config(store, run_id).get("dataset"), data_id(cfg)
+    old, new = record.get("dataset"), data_id(cfg)
     if old is not None and old != new:
         key = "data.files" if cfg.data.files else "data.path" if cfg.data.path else "data"
         raise BadInput(f"{key}: the data of run {run_id!r} changed since it started (token dataset {old}, now "
@@ -309,17 +313,20 @@ def _call(fn, cfg, run_id: str, debug: bool = False) -> dict:
 
 
 def _run(args, mode: str, base: list[str] | None = None) -> dict:
-    cfg = _config(args, base, mode)
+    """A run started from the command line: the config, the checks, the store opened and probed once (what the
+    command reads is read once), then the flow."""
+    cfg = _config(args, base)
     from bcdflow.core.context import open_store
     from bcdflow.flows.bcd import bcd_train_config, full_train_config
     from bcdflow.flows.params import new_run_id
 
+    store = open_store(cfg)
+    _preflight(cfg, mode, store)
     run_id = args.run_id or new_run_id(mode)
-    _check_continuable(open_store(cfg), run_id)
-    _check_same_data(open_store(cfg), run_id, cfg)
+    _check_same_data(_continuable(store, run_id), run_id, cfg)
     summary = _call(full_train_config if mode == "full" else bcd_train_config, cfg, run_id, args.debug)
     print(strict_json(summary))
-    return {"cfg": cfg, "run_id": run_id, "summary": summary}
+    return {"cfg": cfg, "run_id": run_id, "summary": summary, "store": store}
 
 
 def cmd_train(args) -> int:
@@ -335,55 +342,45 @@ def cmd_baseline(args) -> int:
 def cmd_resume(args) -> int:
     """Continue a run from its stored config: committed visits are skipped, complete shards reused, an
     interrupted visit continues from its last checkpoint, the MLflow run is continued."""
-    from bcdflow.core.config import RunConfig, parse_config, with_former_defaults
-    from bcdflow.storage import layout, runs
+    from bcdflow.core.config import stored_config
+    from bcdflow.storage import layout
 
     store = _store(args.store, args)
     state = _existing_state(store, args.run_id)
-    _check_continuable(store, args.run_id)  # a finished run whose last version is gone is damaged, not done
+    record = _continuable(store, args.run_id, state)  # a finished run whose last version is gone is damaged, not done
     if state.status == "done":
         print(_finished(state, args.store))
         return 0
-    stored = with_former_defaults(runs.read_config(store, args.run_id))  # a run continues as it was trained
-    raw = {k: v for k, v in stored.items() if k in RunConfig.model_fields}
-    try:
-        cfg = parse_config({**raw, "store": args.store})
-    except BadInput as e:  # the stored config, not the command line (the store was checked above)
-        raise runs.RunStateError(f"run config {store.url_of(layout.config_key(args.run_id))} is damaged ({e}); "
-                                 "restore the object") from None
+    # a run continues as it was trained: its stored settings, at the store it is resumed from
+    cfg = stored_config(record, store.url_of(layout.config_key(args.run_id)), args.store)
     check_prefect_home()
     check_prefect_api()
     check_tracking(cfg)
-    _preflight(cfg, stored.get("mode", "bcd"))
-    _check_same_data(store, args.run_id, cfg)
+    _preflight(cfg, record.get("mode") or "bcd", store)
+    _check_same_data(record, args.run_id, cfg)
     from bcdflow.flows.bcd import bcd_train_config, full_train_config
 
-    fn = full_train_config if stored.get("mode") == "full" else bcd_train_config
+    fn = full_train_config if record.get("mode") == "full" else bcd_train_config
     print(strict_json(_call(fn, cfg, args.run_id, args.debug)))
     return 0
 
 
-# what continues a run that stopped for each reason (core/rules.stop_reason)
-_FURTHER = {"cycles": "--set bcd.cycles=<more>", "budget": "--set spend.budget_usd=<more>",
-            "target_val_loss": "--set stop.target_val_loss=<lower>",
-            "no_improvement": "--set stop.patience_cycles=<more, or 0>"}
-
-
 def _finished(state, store: str) -> str:
-    """What ``resume`` says of a run that is done: there is nothing to resume, and what would train it further."""
+    """What ``resume`` says of a run that is done: there is nothing to resume, and what would train it further (keyed
+    by the reasons' owner, core/rules.py)."""
+    from bcdflow.core.rules import CYCLES, FURTHER
+
     val = f", val loss {state.visits[-1].val_loss:.4f}" if state.visits else ""
-    more = _FURTHER.get(state.stop_reason or "", "--set bcd.cycles=<more>")
+    more = FURTHER.get(state.stop_reason or "", FURTHER[CYCLES])
     return (f"run {state.run_id} is done ({state.stop_reason}: {state.stop_detail}) at version {state.version}{val}: "
             f"nothing to resume.\nTo train it further: bcdflow train --run-id {state.run_id} --store {store} "
             f"{more} (with the run's own settings: the same -c file or --set keys)")
 
 
 def cmd_demo(args) -> int:
-    from bcdflow.core.context import open_store
-
     out = _run(args, "bcd", DEMO)
     cfg, run_id = out["cfg"], out["run_id"]
-    print(status_table(status_dict(open_store(cfg), run_id)))
+    print(status_table(status_dict(out["store"], run_id)))
     uri = cfg.resolved_tracking_uri()
     print(f"\nresults: store {cfg.store} run {run_id}")
     print(f"  bcdflow status {run_id} --store {cfg.store}")
@@ -484,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
         if one_run:
             sp.add_argument("run_id")
         sp.add_argument("--store", default="./bcdflow-store", help="store URL (default ./bcdflow-store)")
-        sp.add_argument("--endpoint-url", help="S3-compatible endpoint for an s3:// store")
+        sp.add_argument("--endpoint-url", help="an object store's endpoint (" + ", ".join(
+            f"{b.example.partition('://')[0]}:// {b.name}.{b.endpoint}" for b in BACKENDS.values() if b.endpoint) + ")")
 
     sp = sub.add_parser("resume", help="continue an interrupted run where it stopped", parents=[common])
     store_opts(sp)

@@ -23,14 +23,11 @@ import math
 
 from bcdflow.core import spend
 from bcdflow.errors import BadInput
-from bcdflow.storage import layout, runs
+from bcdflow.storage import runs
 from bcdflow.storage.store import Store, raise_naming
 from bcdflow.tracking.tables import md_table
 
 TOL, BRACKET_TOL = 0.02, 0.1
-# optimizers that do not train every parameter (models/optimizers.OPTIMIZERS' full_parameter=False; spelled here too,
-# since compare imports no torch: tests/test_peers.py keeps the two the same)
-NOT_FULL_PARAMETER = ("lora",)
 COSTS = ("step", "tokens", "seconds", "gpu_hours", "spend_usd")
 RUN_COLUMNS = [
     ("run_id", "run", "s"), ("mode", "mode", "s"), ("method", "method", "s"), ("device", "priced as", "s"),
@@ -46,24 +43,21 @@ class CompareError(BadInput):
 
 
 def _run_summary(store: Store, run_id: str) -> dict:
+    from bcdflow.core.config import read_settings  # torch-free, like the registry below; not for `bcdflow --help`
+    from bcdflow.models.optimizers import OPTIMIZERS
+
     state = runs.read_state(store, run_id)  # every record checked (storage/runs.py): damage names the file
     if state is None:
         raise CompareError(f"run {run_id!r} not found in store {store.url}")
     if not state.visits:
         raise CompareError(f"run {run_id!r} has no committed visit yet")
-    cfg = runs.read_config(store, run_id)
-    sp = cfg.get("spend") or {}  # as the run validated it (core/config.SpendSection), defaults filled in
+    cfg = read_settings(store, run_id)  # as the run trained (core/config.stored_config: RunConfig's defaults)
     gpus, kind = spend.priced_as(cfg)
     pts = spend.curve(state.visits)
-    try:
-        prices = spend.parse_prices(sp.get("prices") or [])
-    except ValueError as e:
-        raise runs.RunStateError(f"run config {store.url_of(layout.config_key(run_id))} is damaged (spend.prices: "
-                                 f"{e}); restore the object") from None
-    optim = (cfg.get("optim") or {}).get("name", "adamw")
-    method = optim + (" (not full-parameter)" if optim in NOT_FULL_PARAMETER else "")
-    return {"run_id": run_id, "mode": state.mode, "method": method, "prices": prices,
-            "curve": pts, "window": (cfg.get("bcd") or {}).get("window", 20),
+    optim = cfg.optim.name
+    method = optim + ("" if OPTIMIZERS[optim].full_parameter else " (not full-parameter)")
+    return {"run_id": run_id, "mode": state.mode, "method": method, "prices": spend.parse_prices(cfg.spend.prices),
+            "curve": pts, "window": cfg.bcd.window,
             "device": f"{gpus}×{kind}" + ("*" if kind == spend.DEFAULT_KIND else ""),
             "stop_reason": state.stop_reason, "final_val_loss": state.visits[-1].val_loss,
             "best_val_loss": min(p["val_loss"] for p in pts), "steps": pts[-1]["step"], "tokens": pts[-1]["tokens"],

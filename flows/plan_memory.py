@@ -51,34 +51,28 @@ def _visit_row(h, plan_, b: int) -> dict:
 def plan(cfg, gpu_gb: float) -> dict:
     """Every visit at the config's ``bcd.blocks`` as the run would hold it on a ``gpu_gb`` card, full training, and
     the recommendation with its own visits."""
+    from dataclasses import replace
+
     from bcdflow.core.context import model_config  # torch: not for `bcdflow --help` (flows/cli.py)
     from bcdflow.models import model_plan
-    from bcdflow.models.holding import plan_holdings, recommend, tflops_for
-    from bcdflow.models.memory import GB, device_budget, visit_memory
+    from bcdflow.models.holding import plan_holdings, recommend
+    from bcdflow.models.memory import GB, device_budget, plan_visits, visit_memory
+    from bcdflow.models.specs import tflops_for
 
     mcfg = model_config(cfg)
-    t = cfg.train
-    B, T, p, opt = t.batch_size, cfg.data.seq_len, t.precision, cfg.optim.name
+    t, shape, split = cfg.train, cfg.step_shape(), cfg.bcd.split
+    B, T, p, opt = shape.batch, shape.seq, shape.precision, shape.optim
     budget = device_budget(gpu_gb * GB, gpus=t.gpus)
-    freeze = tuple(cfg.bcd.freeze)
-    offload = t.offload if t.gpus == 1 and not t.compile else "off"
-    kw = dict(recompute=cfg.bcd.recompute, offload=offload, window=t.stream_window, preinfer=cfg.bcd.preinfer,
-              pcie_gbs=t.pcie_gbs, tflops=t.tflops, chunk_rows=t.loss_chunk_rows, weight_decay=cfg.optim.weight_decay,
-              expand_rank=cfg.bcd.expand_rank if cfg.bcd.expand != "off" else 0)
-    full = visit_memory(mcfg, None, None, B, T, p, opt, chunk_rows=t.loss_chunk_rows,
-                        weight_decay=cfg.optim.weight_decay)
+    full = visit_memory(mcfg, None, None, shape)
 
     def visits(blocks: int) -> list[dict]:
-        plan_ = model_plan(mcfg, blocks, split=cfg.bcd.split, freeze=freeze)
-        hs = plan_holdings(mcfg, blocks, B, T, p, budget.usable, opt, cfg.bcd.split, freeze, **kw)
+        plan_ = model_plan(mcfg, blocks, split=split, freeze=shape.freeze)
+        hs = plan_holdings(mcfg, blocks, shape, budget.usable, split)
         return [_visit_row(h, plan_, b) for b, h in enumerate(hs)]
 
-    rec_kw = {k: v for k, v in kw.items() if k != "chunk_rows"}
-    rec = recommend(mcfg, B, T, p, budget, opt, cfg.bcd.split, freeze=freeze, shard_rows=cfg.bcd.shard_rows,
-                    chunk_rows=t.loss_chunk_rows, **rec_kw)
-    if rec.blocks is None and not freeze:  # what freezing the big-vocabulary parts would make fit (a trade-off)
-        alt = recommend(mcfg, B, T, p, budget, opt, cfg.bcd.split, freeze=("embeddings", "head"),
-                        shard_rows=cfg.bcd.shard_rows, chunk_rows=t.loss_chunk_rows, **rec_kw)
+    rec = recommend(mcfg, shape, budget, split, cfg.bcd.shard_rows)
+    if rec.blocks is None and not shape.freeze:  # what freezing the big-vocabulary parts would make fit (a trade-off)
+        alt = recommend(mcfg, replace(shape, freeze=("embeddings", "head")), budget, split, cfg.bcd.shard_rows)
         if alt.blocks is not None:
             rec.hint = (f"with bcd.freeze=[embeddings,head] (no longer full-parameter): bcd.blocks={alt.blocks} fits "
                         f"(worst visit {alt.worst_peak / GB:.1f} GB)")
@@ -87,18 +81,15 @@ def plan(cfg, gpu_gb: float) -> dict:
                       "line": budget.line()},
            "blocks": cfg.bcd.blocks, "full": dict(full.to_dict(), fits=full.peak <= budget.usable),
            "pcie_gbs": t.pcie_gbs, "tflops": tflops_for(p, t.tflops), "stream_window": t.stream_window,
-           "recompute": cfg.bcd.recompute, "offload": offload, "visits": visits(cfg.bcd.blocks),
+           "recompute": cfg.bcd.recompute, "offload": shape.offload, "visits": visits(cfg.bcd.blocks),
            "recommendation": {"blocks": rec.blocks, "host_bytes": rec.host_bytes, "worst_peak": rec.worst_peak,
                               "line": rec.line() + (f"; {rec.hint}" if rec.hint else ""), "visits": []}}
     if rec.blocks is not None:
-        plan_ = model_plan(mcfg, rec.blocks, split=cfg.bcd.split, freeze=freeze)
+        plan_ = model_plan(mcfg, rec.blocks, split=split, freeze=shape.freeze)
         out["recommendation"]["visits"] = [_visit_row(h, plan_, b) for b, h in enumerate(rec.holdings)]
-    if t.gpus > 1:  # per process, the batch split over the GPUs
-        from bcdflow.models.memory import plan_visits
-        out["per_gpu"] = {mode: max(e.peak for e in plan_visits(mcfg, cfg.bcd.blocks, B, T, p, opt, False,
-                                                                 gpus=t.gpus, parallel=mode, split=cfg.bcd.split,
-                                                                 preinfer=cfg.bcd.preinfer, freeze=freeze))
-                          for mode in ("ddp", "fsdp")}
+    if t.gpus > 1:  # per process, the batch split over the GPUs (as tasks/train_dist.choose_parallel plans one)
+        out["per_gpu"] = {mode: max(e.peak for e in plan_visits(
+            mcfg, cfg.bcd.blocks, replace(shape, recompute="off", parallel=mode), split)) for mode in ("ddp", "fsdp")}
     return out
 
 

@@ -7,7 +7,7 @@ running anything and without importing Prefect or torch.
 from __future__ import annotations
 
 from bcdflow.core.spend import DEFAULT_KIND, priced_as
-from bcdflow.errors import BadInput
+from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows.store_admin import cli_store
 from bcdflow.tracking.tables import strict_json
 
@@ -35,19 +35,60 @@ def stored_version(store, run_id: str, version: int | None):
     return state, version
 
 
+def stored_run(store, run_id: str):
+    """(record, settings): run ``run_id``'s config.json as stored (its plan, dataset, mode) and the settings it was
+    trained with, read through ``RunConfig`` (core/config.stored_config: the defaults are its fields')."""
+    from bcdflow.core.config import stored_config
+    from bcdflow.storage import layout, runs
+
+    record = runs.read_config(store, run_id)
+    return record, stored_config(record, store.url_of(layout.config_key(run_id)), store.url)
+
+
+def run_overview(store, run_id: str, record: dict | None = None, cfg=None) -> dict:
+    """One run's row (storage/overview.overview) with what its settings say: the visits planned (``bcd.cycles`` of
+    its blocks), a visit's step cap; a run without a config.json yet has none."""
+    from bcdflow.storage import layout, overview
+
+    if record is None and store.exists(layout.config_key(run_id)):
+        record, cfg = stored_run(store, run_id)
+    if cfg is None:
+        return overview.overview(store, run_id)
+    return overview.overview(store, run_id, cfg.bcd.cycles * cfg.n_blocks, cfg.bcd.max_steps, record.get("mode"))
+
+
+def overviews(store) -> list[dict]:
+    """Every run of the store, most recently changed first. A local store that does not exist is bad input (a
+    mistyped --store), not an empty list. A damaged run is listed too, beside the others, as ``damaged`` with what
+    is wrong (``damage``: the line ``bcdflow status`` would exit with); it never hides the good runs."""
+    from bcdflow.storage import layout, runs
+
+    if store.is_local and not store.fs.exists(store.root):
+        raise BadInput(f"store {store.url} does not exist (check --store)")
+    rows = []
+    for r in runs.list_runs(store):
+        try:
+            rows.append({**run_overview(store, r), "damage": None})
+        except DamagedArtifact as e:
+            rows.append({"run_id": r, "mode": None, "status": "damaged", "stop_reason": None, "version": None,
+                         "visits_done": None, "visits_planned": None, "val_loss": None, "spend_usd": None,
+                         "changed": store.modified(layout.state_key(r)) or store.modified(layout.config_key(r)),
+                         "lease_owner": None, "training": None, "damage": str(e)})
+    return sorted(rows, key=lambda o: o["changed"] or 0, reverse=True)
+
+
 def status_dict(store, run_id: str) -> dict:
     """The run's committed visits, and (``live``) what it is doing now: running (its lease's owner, the visit in
     training and its last checkpoint's step), interrupted or done (storage/overview.py)."""
-    from bcdflow.storage import overview, runs
-
     state = existing_state(store, run_id)
-    cfg = runs.read_config(store, run_id)
+    record, cfg = stored_run(store, run_id)
     keep = {"cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
             "preinfer_seconds", "train_seconds", "lost_seconds", "tokens_per_s", "stopped_by", "spend_usd"}
-    live = overview.overview(store, run_id)
+    live = run_overview(store, run_id, record, cfg)
     gpus, kind = priced_as(cfg)
     return {"run_id": run_id, "version": state.version, "status": state.status, "mode": state.mode,
-            "blocks": (cfg.get("plan") or {}).get("blocks") or [], "visits": [v.model_dump(include=keep) for v in state.visits],
+            "blocks": (record.get("plan") or {}).get("blocks") or [],
+            "visits": [v.model_dump(include=keep) for v in state.visits],
             "priced_as": f"{gpus}×{kind}", "default_price_kind": kind == DEFAULT_KIND,
             "live": {k: live[k] for k in ("status", "visits_done", "visits_planned", "spend_usd", "changed",
                                           "lease_owner", "training")}}
@@ -106,8 +147,6 @@ def runs_table(rows: list[dict]) -> str:
 def cmd_runs(args) -> int:
     """Every run of the store: mode, status (done / running / interrupted), version, visits done of planned, last
     validation loss, spend and when it last changed."""
-    from bcdflow.storage.overview import overviews
-
     store = cli_store(args.store, args, write=False)
     rows = overviews(store)
     if args.json:

@@ -34,17 +34,14 @@ def add_parsers(sub, common, store_opts) -> None:
 
 
 def cli_store(url: str, args=None, write: bool = True):
-    """The store named on the command line (with ``--endpoint-url`` for S3), checked before use; ``write=False``
-    for the commands that only read it (a read-only store is fine, and nothing is written)."""
+    """The store named on the command line (with ``--endpoint-url``, its backend's endpoint option), checked before
+    use; ``write=False`` for the commands that only read it (a read-only store is fine, and nothing is written).
+    A command opens its store once, here, and hands it on."""
+    from bcdflow.core.config import store_config
     from bcdflow.storage.store import Store, check_url
 
     check_url(url)
-    opts = {}
-    if getattr(args, "endpoint_url", None):  # its backend's options (none for a store that takes no endpoint)
-        from bcdflow.core.config import RunConfig
-
-        opts = RunConfig(store=url, s3={"endpoint_url": args.endpoint_url}).storage_options()
-    store = Store(url, opts)
+    store = Store(url, store_config(url, getattr(args, "endpoint_url", None)).storage_options())
     store.probe(write)
     return store
 
@@ -53,14 +50,15 @@ def mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
-def _lease(store, run_id: str, cfg: dict | None, damaged_ok: bool = False):
+def _lease(store, run_id: str, cfg, damaged_ok: bool = False):
     """The run's lease (not yet taken), after checking that no visit of it is held by a live process (a fleet worker
     can train a visit while the run's own process is gone); taking it refuses a live run (LeaseHeld names its holder).
-    ``damaged_ok`` (``rm``): a visit lease object that is damaged names no live process, and is passed over."""
+    ``cfg``: the run's settings (``fleet.lease_seconds``); ``damaged_ok`` (``rm``): a visit lease object that is damaged
+    names no live process, and is passed over."""
     from bcdflow.storage import layout
     from bcdflow.storage.lease import Lease, LeaseDamaged
 
-    ttl = float((cfg or {}).get("fleet", {}).get("lease_seconds", 60.0))  # checked by runs.read_config
+    ttl = cfg.fleet.lease_seconds
     for name in store.listdir(layout.visits_key(run_id)):
         if (cb := layout.parse_visit(name)) is None:
             continue
@@ -105,13 +103,14 @@ def _exists(store, run_id: str) -> None:
 
 
 def cmd_prune(args) -> int:
-    from bcdflow.storage import layout, runs
+    from bcdflow.core.config import read_settings
+    from bcdflow.storage import layout
     from bcdflow.storage.lease import LeaseHeld
     from bcdflow.storage.prune import apply_prune, plan_prune, size_of
 
     store = cli_store(args.store, args, write=not args.dry_run)
     _exists(store, args.run_id)
-    cfg = runs.read_config(store, args.run_id)  # damage: one line naming it, nothing written
+    cfg = read_settings(store, args.run_id)  # damage: one line naming it, nothing written
     # the plan is made and checked before anything is written (the lease included): damage removes nothing
     plan = plan_prune(store, args.run_id, args.keep, args.pin)
     lease = _lease(store, args.run_id, cfg)
@@ -149,6 +148,7 @@ def cmd_prune(args) -> int:
 def cmd_rm(args) -> int:
     """Remove a run, damaged or not: a damaged config, state or lease does not stop it (it removes what the layout
     names, never through a link), and nothing but the run's own objects goes."""
+    from bcdflow.core.config import RunConfig, read_settings
     from bcdflow.storage import runs
     from bcdflow.storage.lease import LeaseDamaged
     from bcdflow.storage.prune import dataset_users, remove_run, run_removal
@@ -156,9 +156,13 @@ def cmd_rm(args) -> int:
     store = cli_store(args.store, args)
     _exists(store, args.run_id)
     try:
-        cfg = runs.read_config(store, args.run_id)
+        dataset = runs.read_config(store, args.run_id).get("dataset")
     except runs.RunStateError:  # a damaged run can still be removed
-        cfg = {}
+        dataset = None
+    try:
+        cfg = read_settings(store, args.run_id)
+    except runs.RunStateError:  # its lease then lasts what a run's lasts by default
+        cfg = RunConfig()
     run_removal(store, args.run_id)  # refused before anything is written when the run's folder is a link
     lease = _lease(store, args.run_id, cfg, damaged_ok=True)
     try:
@@ -170,7 +174,7 @@ def cmd_rm(args) -> int:
     if removal.left:
         shown = ", ".join(removal.left[:5]) + (f" and {len(removal.left) - 5} more" if len(removal.left) > 5 else "")
         print(f"  left in runs/{args.run_id}/ what bcdflow did not write: {shown}")
-    if dataset := cfg.get("dataset"):
+    if dataset:
         users = dataset_users(store, dataset)
         print(f"  its token dataset datasets/{dataset} stays" +
               (f" (used by {', '.join(users)})" if users else " (no other run uses it now)"))

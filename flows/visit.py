@@ -26,7 +26,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, open_store, resolve_device
-from bcdflow.core.rules import rate_to_beat
+from bcdflow.core.rules import visit_spec
 from bcdflow.models.trainer import FINAL_LOSS_STEPS, stop_words
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows import artifacts
@@ -182,10 +182,9 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     # the live line and the visit run's progress artifact while it trains (tasks/progress.py)
     spent = before_usd + preinfer_s * preinfer_usd_per_s(cfg)
     live = visit_progress(cfg, run_id, cycle, block, spend_before=spent, log=log, artifact=True)
-    moments = next((v.moments for v in reversed(state.visits) if v.block == block), None)
-    tr = train_block(ctx, cycle, block, version, track=track, progress=live, global_step=state.steps,
-                     min_rate=rate_to_beat(state.visits, block), moments=moments if cfg.bcd.moments == "keep" else None,
-                     spent=earlier.clock(preinfer_s, since))
+    # what the committed state hands the visit: its global step, the budget's bar, the block's kept moments, the clock
+    tr = train_block(ctx, visit_spec(cfg, state, cycle, block, earlier.clock(preinfer_s, since)), track=track,
+                     progress=live)
     why = f"stopped by {tr.stopped_by}: {stop_words(tr.stopped_by)}"
     live.finish(tr.steps, why)  # its artifact's last word: the visit's real end, not the last throttled update
     if tr.val_loss is None:  # the visit could not validate the new version itself: the whole model, from the store

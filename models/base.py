@@ -15,9 +15,6 @@ import torch.nn.functional as F
 
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.models.model_config import ModelConfig
-
-EMBED_PREFIXES = ("wte.", "wpe.")
-HEAD_PREFIXES = ("ln_f.", "lm_head.")
 # the loss over the vocabulary runs in row chunks whose fp32 logits take about this many bytes: never the
 # (B*T, V) logits and their gradient at once (gpt2-124m at 8x1024: 1.6 GB of fp32 logits -> 128 MB)
 LOSS_CHUNK_BYTES = 128 << 20
@@ -106,7 +103,14 @@ class _NoGradCtx:
 
 
 class Decoder(nn.Module):
-    """Base class; a family supplies ``_make_embed``, ``_make_layer``, ``_make_head`` and ``_embed_tokens``."""
+    """Base class; a family supplies ``_make_embed``, ``_make_layer``, ``_make_head`` and ``_embed_tokens``, the
+    planner hooks below, ``residual_projections`` and, to read and write Hugging Face checkpoints, ``hf``."""
+
+    residual_projections: tuple[str, ...] = ()
+    """Name suffixes of the layers' output projections into the residual stream, initialised scaled by
+    1/sqrt(2 * n_layer) (GPT-2's init)."""
+    hf = None
+    """The family's Hugging Face format (``models/hf_names.HFFormat``), or None when it reads no checkpoints."""
 
     def __init__(self, cfg: ModelConfig, layers: tuple[int, int] | None = None,
                  embed: bool = True, head: bool = True):
@@ -211,7 +215,7 @@ class Decoder(nn.Module):
                     p.zero_()
                 else:
                     p.fill_(1.0)  # norm gains
-            elif name.endswith(("c_proj.weight", "wo.weight", "w2.weight")):
+            elif name.endswith(self.residual_projections):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layer))
             else:
                 nn.init.normal_(p, 0.0, std)

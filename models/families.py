@@ -3,8 +3,10 @@
 An entry says what the config needs to know without importing torch (positions, default tying, the MLP's default
 width) and where the family's ``Decoder`` lives; the decoder class itself carries what depends on its layers: its
 modules, and the planner's per-token byte counts (``saved_bytes``, ``adapter_input_bytes``, ``infer_bytes``,
-``buffer_bytes``; models/memory.py asks them). Adding a family is its module (a ``Decoder`` subclass with those
-four) plus one entry here; a family that reads Hugging Face checkpoints adds its name table in models/hf_names.py.
+``buffer_bytes``; models/memory.py asks them), the projections its init scales (``residual_projections``) and, to read
+and write Hugging Face checkpoints, its format (``hf``: names, transform, config.json keys; models/hf_names.py). Adding
+a family is its module (a ``Decoder`` subclass with those) plus one entry here: no other module names a family
+(``tests/test_models.py``).
 """
 from __future__ import annotations
 

@@ -4,10 +4,11 @@ budget, spread over the layers so each copy hides behind the most compute), and 
 choice; the same for the no-grad passes (pre-inference, evaluation), with their batch; and the smallest
 ``bcd.blocks`` whose every visit fits a device.
 
-    b = device_budget(24 * GB)                                             # models/memory.py: context and reserve
-    h = choose_holding(cfg, plan, 0, batch=2, seq=1024, precision="bf16", budget=b.usable)
+    b = device_budget(24 * GB)                                    # models/memory.py: context and reserve
+    shape = StepShape(batch=2, seq=1024, precision="bf16")        # models/specs.py; a run's: cfg.step_shape()
+    h = choose_holding(cfg, plan, 0, shape, b.usable)
     h.recompute, h.streamed, h.estimate.peak, h.time.resident_s, h.time.streamed_s
-    rec = recommend(cfg, 2, 1024, "bf16", b)                               # rec.blocks, rec.holdings
+    rec = recommend(cfg, shape, b)                                # rec.blocks, rec.holdings
 
 The step time (:func:`step_time`) is a per-phase pipeline of one compute stream and one copy engine: each layer's
 matmuls and attention at ``tflops`` (forward 2NP; backward 2NP for input gradients, 2NP more over trainable
@@ -19,26 +20,15 @@ are simulated and the second is timed (the first fills the slots). The optimizer
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from bcdflow.models.model_config import ModelConfig
-from bcdflow.models.memory import (Budget, Estimate, GB, Step, _layer_act, _layer_of, _numel, _shapes,
+from bcdflow.models.memory import (Budget, Estimate, GB, NoGradPass, layer_of, layer_saved_bytes, model_shapes,
                                    no_grad_memory, no_grad_rows, stream_uses, visit_memory)
 from bcdflow.models.build import model_plan
 from bcdflow.models.plan import Plan
-
-PCIE_GBS = 25.0
-"""Host-to-device copy bandwidth a streamed layer gets, GB/s: PCIe 4.0 x16 in practice (an RTX 4090's bus)."""
-TFLOPS = {"fp32": 40.0, "bf16": 80.0}
-"""Matmul throughput a training step reaches, TFLOP/s, by ``train.precision``: about half an RTX 4090's dense peak
-in each (bf16 on tensor cores, 165; fp32 on the CUDA cores, 82.6: torch leaves TF32 off). ``train.tflops``
-overrides it; ``make gpu-check`` measures both on the card it runs on."""
-
-
-def tflops_for(precision: str, tflops: float | None = None) -> float:
-    """The matmul throughput the time model uses: ``tflops`` where given, else :data:`TFLOPS` of the precision."""
-    return float(tflops) if tflops else TFLOPS.get(precision, TFLOPS["fp32"])
+from bcdflow.models.specs import StepShape, tflops_for
 
 
 @dataclass(frozen=True)
@@ -66,9 +56,9 @@ def _events(cfg: ModelConfig, plan: Plan | None, block: int | None, seq: int, pr
     mats: dict[int, int] = {}
     train: dict[int, int] = {}
     for k, shp in shapes.items():
-        if (i := _layer_of(k)) is not None and len(shp) >= 2:
-            mats[i] = mats.get(i, 0) + _numel(shp)
-            train[i] = train.get(i, 0) + (_numel(shp) if k in trainable else 0)
+        if (i := layer_of(k)) is not None and len(shp) >= 2:
+            mats[i] = mats.get(i, 0) + math.prod(shp)
+            train[i] = train.get(i, 0) + (math.prod(shp) if k in trainable else 0)
     attn = 2 * seq * C  # causal QK^T and AV per token
     head = "wte.weight" if cfg.tied else "lm_head.weight"
     out = [(i, False, 2 * mats.get(i, 0) + attn) for i in range(held_lo, n)]
@@ -102,18 +92,19 @@ def _pipeline(events: list[tuple], uses: list[tuple[int, bool, list[int]]], size
     return t_c - end_first
 
 
-def step_time(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int, seq: int, *, preinfer: bool = True,
-              freeze: Sequence[str] = (), recompute: bool = False, recompute_active: bool = False,
-              streamed: Sequence[int] = (), sizes: dict[int, int] | None = None, window: int = 2,
-              pcie_gbs: float = PCIE_GBS, tflops: float | None = None, precision: str = "fp32") -> StepTime:
-    """Predicted step time of a visit (``block`` None: full training), resident and with ``streamed`` layers copied
-    through ``window`` slots (``sizes``: their flat bytes, ``Estimate.layer_sizes``); compute at ``tflops``, else
-    the precision's (:func:`tflops_for`)."""
-    shapes = _shapes(cfg)
+def step_time(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: StepShape,
+              sizes: dict[int, int] | None = None) -> StepTime:
+    """Predicted step time of a visit (``block`` None: full training), resident and with ``shape.streamed`` layers
+    copied through ``shape.window`` slots (``sizes``: their flat bytes, ``Estimate.layer_sizes``); compute at
+    ``shape.tflops``, else the precision's (:func:`tflops_for`), copies at ``shape.pcie_gbs``."""
+    batch, seq, preinfer, freeze, window = shape.batch, shape.seq, shape.preinfer, shape.freeze, shape.window
+    recompute, recompute_active = shape.recompute in ("on", "all"), shape.recompute == "all"
+    streamed = shape.streamed or ()
+    shapes = model_shapes(cfg)
     trainable = set(shapes) if block is None else plan[block].trainable(freeze, cfg.tied)
     lo = 0 if block is None else plan[block].layers[0]
     events = _events(cfg, plan, block, seq, preinfer, trainable, recompute, recompute_active, shapes)
-    N, rate, pcie = batch * seq, tflops_for(precision, tflops) * 1e12, pcie_gbs * 1e9
+    N, rate, pcie = batch * seq, tflops_for(shape.precision, shape.tflops) * 1e12, shape.pcie_gbs * 1e9
     resident = sum(f for _, _, f in events) * N / rate
     if not streamed:
         return StepTime(resident, resident, tokens=N)
@@ -142,9 +133,9 @@ def step_time(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int
 def layer_params(cfg: ModelConfig) -> dict[int, int]:
     """Layer -> its parameter count."""
     out: dict[int, int] = {}
-    for k, shp in _shapes(cfg).items():
-        if (i := _layer_of(k)) is not None:
-            out[i] = out.get(i, 0) + _numel(shp)
+    for k, shp in model_shapes(cfg).items():
+        if (i := layer_of(k)) is not None:
+            out[i] = out.get(i, 0) + math.prod(shp)
     return out
 
 
@@ -171,6 +162,8 @@ class Holding:
     estimate: Estimate
     time: StepTime | None
     fits: bool
+    shape: StepShape
+    """The step as held: its ``recompute`` (off, on, all) and ``streamed`` layers."""
 
     @property
     def frozen(self) -> int:
@@ -194,19 +187,16 @@ def _fewest_streamed(est: Estimate, budget: float, window: int) -> int:
     return min(len(est.layer_sizes), max(k, window + 1))
 
 
-def choose_holding(cfg: ModelConfig, plan: Plan, block: int, batch: int, seq: int, precision: str,
-                   budget: float | None, optim: str = "adamw", *, recompute: str = "auto", offload: str = "auto",
-                   window: int = 2, pcie_gbs: float = PCIE_GBS, tflops: float | None = None, preinfer: bool = True,
-                   freeze: Sequence[str] = (), timed: bool = True, **kw) -> Holding:
-    """Block ``block``'s visit held within ``budget`` bytes (None: no limit): ``recompute`` (``bcd.recompute``: auto,
-    on, off, all) and ``offload`` (``train.offload``: auto streams the fewest frozen layers that make it fit, stream
-    all of them, off none). Of the ways that fit, the fastest by :func:`step_time` (``timed``); if none fits, the
-    smallest (``fits`` False). ``kw``: ``visit_memory``'s chunk_rows, weight_decay, shapes."""
-    kinds = [False, True] if recompute == "auto" else [recompute in ("on", "all")]
+def _options(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, budget: float | None) -> list[Holding]:
+    """Block ``block``'s visit held each way ``shape.recompute`` allows (``auto``: off and on), each with the frozen
+    layers ``shape.offload`` streams: ``auto`` the fewest that make it fit ``budget`` bytes (None: no limit),
+    ``stream`` all of them, ``off`` none."""
+    kinds = ["off", "on"] if shape.recompute == "auto" else [shape.recompute]
+    offload, window = shape.offload, shape.window
     options = []
     for rc in kinds:
-        common = dict(recompute=rc, preinfer=preinfer, freeze=freeze, recompute_active=recompute == "all", **kw)
-        base = visit_memory(cfg, plan, block, batch, seq, precision, optim, window=window, **common)
+        held = replace(shape, recompute=rc, streamed=())
+        base = visit_memory(cfg, plan, block, held)
         frozen = sorted(base.layer_sizes)
         lo = plan[block].layers[0]
         if offload == "stream":
@@ -218,65 +208,78 @@ def choose_holding(cfg: ModelConfig, plan: Plan, block: int, batch: int, seq: in
         est = base
         while True:
             layers = streamed_choice(frozen, lo, k)
-            est = visit_memory(cfg, plan, block, batch, seq, precision, optim, window=window, streamed=layers,
-                               **common) if layers else base
+            est = visit_memory(cfg, plan, block, replace(held, streamed=layers)) if layers else base
             if offload != "auto" or budget is None or est.peak <= budget or k >= len(frozen):
                 break
             k += 1
-        options.append(Holding(rc, tuple(layers), est, None, budget is None or est.peak <= budget))
+        options.append(Holding(rc != "off", tuple(layers), est, None, budget is None or est.peak <= budget,
+                               replace(held, streamed=tuple(layers))))
+    return options
+
+
+def fit_holding(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, budget: float | None) -> Holding:
+    """Whether block ``block``'s visit fits ``budget`` bytes held as ``shape`` allows, untimed (a fit check, the
+    recommendation's search): the first way that fits (no recompute before recompute), else the smallest
+    (``fits`` False)."""
+    options = _options(cfg, plan, block, shape, budget)
     fitting = [o for o in options if o.fits]
-    if timed and len(fitting) > 1:
+    return fitting[0] if fitting else min(options, key=lambda o: o.estimate.peak)
+
+
+def choose_holding(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, budget: float | None) -> Holding:
+    """Block ``block``'s visit held within ``budget`` bytes (None: no limit): ``shape.recompute``
+    (``bcd.recompute``: auto, on, off, all) and ``shape.offload`` (``train.offload``: auto streams the fewest frozen
+    layers that make it fit, stream all of them, off none). Of the ways that fit, the fastest by :func:`step_time`;
+    if none fits, the smallest (``fits`` False)."""
+    options = _options(cfg, plan, block, shape, budget)
+    fitting = [o for o in options if o.fits]
+    if len(fitting) > 1:
         for o in fitting:
-            o.time = step_time(cfg, plan, block, batch, seq, preinfer=preinfer, freeze=freeze, recompute=o.recompute,
-                               recompute_active=recompute == "all", streamed=o.streamed,
-                               sizes={i: f for i, (_, f) in o.estimate.layer_sizes.items()}, window=window,
-                               pcie_gbs=pcie_gbs, tflops=tflops, precision=precision)
+            o.time = _timed(cfg, plan, block, o)
         return min(fitting, key=lambda o: (o.time.streamed_s, len(o.streamed), o.recompute))
     pick = fitting[0] if fitting else min(options, key=lambda o: o.estimate.peak)
-    if timed:
-        pick.time = step_time(cfg, plan, block, batch, seq, preinfer=preinfer, freeze=freeze, recompute=pick.recompute,
-                              recompute_active=recompute == "all", streamed=pick.streamed,
-                              sizes={i: f for i, (_, f) in pick.estimate.layer_sizes.items()}, window=window,
-                              pcie_gbs=pcie_gbs, tflops=tflops, precision=precision)
+    pick.time = _timed(cfg, plan, block, pick)
     return pick
 
 
-def probe_bytes(cfg: ModelConfig, rows: int, seq: int, precision: str) -> int:
-    """What ``bcd.order=greedy``'s probe (models/visit_compute.block_grad_norms) holds beyond a no-grad pass: one layer's
-    activations with autograd and its weight gradients, and the head's gradient (the largest of them at a time)."""
-    st = Step(cfg, rows, seq, precision)
-    s = st.s
+def _timed(cfg: ModelConfig, plan: Plan, block: int, h: Holding) -> StepTime:
+    return step_time(cfg, plan, block, h.shape, {i: f for i, (_, f) in h.estimate.layer_sizes.items()})
+
+
+def probe_bytes(cfg: ModelConfig, shape: StepShape) -> int:
+    """What ``bcd.order=greedy``'s probe (models/visit_compute.block_grad_norms) of ``shape.batch`` rows holds beyond
+    a no-grad pass: one layer's activations with autograd and its weight gradients, and the head's gradient (the
+    largest of them at a time)."""
+    s = shape.dtype_bytes
     layer = max(layer_params(cfg).values(), default=0)
-    return max(rows * seq * _layer_act(st, "trainable") + layer * s, cfg.vocab_size * cfg.d_model * s)
+    return max(shape.batch * shape.seq * layer_saved_bytes(cfg, shape, "trainable") + layer * s,
+               cfg.vocab_size * cfg.d_model * s)
 
 
-def no_grad_holding(cfg: ModelConfig, layers: tuple[int, int], embed: bool, head: bool, seq: int, precision: str,
-                    budget: float | None, min_rows: int, limit: int, *, offload: str = "auto", window: int = 2,
-                    chunk_rows: int | None = None, rows: int | None = None,
-                    extra: int = 0) -> tuple[tuple[int, ...], int]:
+def no_grad_holding(cfg: ModelConfig, part: NoGradPass, shape: StepShape,
+                    budget: float | None) -> tuple[tuple[int, ...], int]:
     """(streamed layers, rows per forward) of a no-grad pass over a model part (the pre-inference prefix, an
-    evaluation model): every layer resident where a batch of ``min_rows`` rows fits ``budget`` (less ``extra`` bytes
-    the caller holds beside it), else the fewest streamed layers (spread) that make it fit; then the most rows up to
-    ``limit`` (``rows``: as given)."""
-    budget = None if budget is None else budget - extra
-    lo, hi = layers
+    evaluation model): every layer resident where a batch of ``shape.batch`` rows (``part.rows`` when set) fits
+    ``budget`` (None: no limit), else the fewest streamed layers (spread) that make it fit (``shape.offload``:
+    ``stream`` all of them, ``off`` none); then the most rows up to ``part.limit`` (``part.rows``: as given)."""
+    lo, hi = part.layers
     all_layers = list(range(lo, hi))
-    want = rows or min_rows
+    want = replace(shape, batch=part.rows or shape.batch)
 
     def peak(streamed) -> int:
-        return no_grad_memory(cfg, layers, embed, head, want, seq, precision, streamed, window, chunk_rows).peak
+        return no_grad_memory(cfg, part, replace(want, streamed=tuple(streamed))).peak
 
-    if offload == "stream":
+    if shape.offload == "stream":
         streamed: list[int] = all_layers
-    elif offload == "off" or budget is None or peak(()) <= budget:
+    elif shape.offload == "off" or budget is None or peak(()) <= budget:
         streamed = []
     else:
         streamed = all_layers
-        for k in range(min(window + 1, len(all_layers)), len(all_layers) + 1):
+        for k in range(min(shape.window + 1, len(all_layers)), len(all_layers) + 1):
             if peak(spread(all_layers, k)) <= budget:
                 streamed = spread(all_layers, k)
                 break
-    n = rows or no_grad_rows(cfg, layers, embed, head, seq, precision, budget, limit, streamed, window, chunk_rows)
+    n = part.rows or no_grad_rows(cfg, part, replace(shape, streamed=tuple(streamed)), budget)
     return tuple(streamed), n
 
 
@@ -314,48 +317,40 @@ class Recommendation:
                 f"{self.worst_peak / GB:.1f} GB of {usable}; {full})")
 
 
-def plan_holdings(cfg: ModelConfig, blocks: int, batch: int, seq: int, precision: str, budget: float | None,
-                  optim: str = "adamw", split: str = "params", freeze: Sequence[str] = (), timed: bool = True,
-                  **kw) -> list[Holding]:
-    """Every visit of the ``bcd.blocks=blocks`` plan as :func:`choose_holding` holds it."""
-    plan = model_plan(cfg, blocks, split=split, freeze=freeze)
-    shapes = _shapes(cfg)
-    return [choose_holding(cfg, plan, b, batch, seq, precision, budget, optim, freeze=freeze, shapes=shapes,
-                           timed=timed, **kw) for b in range(len(plan))]
+def plan_holdings(cfg: ModelConfig, blocks: int, shape: StepShape, budget: float | None,
+                  split: str = "params") -> list[Holding]:
+    """Every visit of the ``bcd.blocks=blocks`` plan (``bcd.split=split``) as :func:`choose_holding` holds it."""
+    plan = model_plan(cfg, blocks, split=split, freeze=shape.freeze)
+    return [choose_holding(cfg, plan, b, shape, budget) for b in range(len(plan))]
 
 
-def prefix_host_bytes(cfg: ModelConfig, plan: Plan, block: int, seq: int, precision: str, budget: float | None,
-                      min_rows: int, limit: int, **kw) -> int:
+def _prefix_host_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, budget: float | None,
+                       shard_rows: int) -> int:
     """Pinned host bytes the pre-inference prefix of ``block``'s visit streams (0 when it fits resident)."""
     lo = plan[block].layers[0]
     if not lo:
         return 0
-    streamed, rows = no_grad_holding(cfg, (0, lo), True, False, seq, precision, budget, min_rows, limit, **kw)
-    return no_grad_memory(cfg, (0, lo), True, False, rows, seq, precision, streamed,
-                          kw.get("window", 2)).host_bytes if streamed else 0
+    part = NoGradPass((0, lo), True, False, shard_rows)
+    streamed, rows = no_grad_holding(cfg, part, shape, budget)
+    return no_grad_memory(cfg, part, replace(shape, batch=rows, streamed=streamed)).host_bytes if streamed else 0
 
 
-def recommend(cfg: ModelConfig, batch: int, seq: int, precision: str, budget: Budget, optim: str = "adamw",
-              split: str = "params", preinfer: bool = True, freeze: Sequence[str] = (), recompute: str = "auto",
-              offload: str = "auto", window: int = 2, shard_rows: int = 256, **kw) -> Recommendation:
+def recommend(cfg: ModelConfig, shape: StepShape, budget: Budget, split: str = "params",
+              shard_rows: int = 256) -> Recommendation:
     """The smallest block count whose every visit fits ``budget.usable``, each visit held as :func:`choose_holding`
-    chooses with these ``recompute``/``offload`` settings (more blocks cost more visits). ``kw``: pcie_gbs,
-    tflops, chunk_rows, weight_decay, expand_rank (``bcd.expand``'s adapters)."""
-    full = visit_memory(cfg, None, None, batch, seq, precision, optim, chunk_rows=kw.get("chunk_rows"),
-                        weight_decay=kw.get("weight_decay", 1e-5))
-    settings = {k: v for k, v in (("bcd.recompute", recompute), ("train.offload", offload)) if v != "auto"}
-    shapes = _shapes(cfg)
-    mem_kw = {k: v for k, v in kw.items() if k in ("chunk_rows", "weight_decay", "expand_rank")}
+    chooses with the ``shape``'s ``recompute``/``offload`` settings (more blocks cost more visits); ``shard_rows``:
+    pre-inference's rows a shard (its prefix's streamed layers count toward the host memory)."""
+    full = visit_memory(cfg, None, None, shape)
+    settings = {k: v for k, v in (("bcd.recompute", shape.recompute), ("train.offload", shape.offload))
+                if v != "auto"}
     for m in range(1, cfg.n_layer + 1):
-        plan = model_plan(cfg, m, split=split, freeze=freeze)
+        plan = model_plan(cfg, m, split=split, freeze=shape.freeze)
         order = sorted(range(len(plan)), key=lambda b: (b not in (0, len(plan) - 1), b))  # the big ones first
-        if all(choose_holding(cfg, plan, b, batch, seq, precision, budget.usable, optim, recompute=recompute,
-                              offload=offload, window=window, preinfer=preinfer, freeze=freeze, timed=False,
-                              shapes=shapes, **mem_kw).fits for b in order):  # stops at the first that does not
-            hs = plan_holdings(cfg, m, batch, seq, precision, budget.usable, optim, split, freeze, recompute=recompute,
-                               offload=offload, window=window, preinfer=preinfer, **kw)
+        if all(fit_holding(cfg, plan, b, shape, budget.usable).fits
+               for b in order):  # stops at the first that does not
+            hs = plan_holdings(cfg, m, shape, budget.usable, split)
             host = max([h.estimate.host_bytes for h in hs] + [
-                prefix_host_bytes(cfg, plan, b, seq, precision, budget.usable, batch, shard_rows, offload=offload,
-                                  window=window) for b in range(len(plan)) if preinfer and any(h.streamed for h in hs)])
+                _prefix_host_bytes(cfg, plan, b, shape, budget.usable, shard_rows)
+                for b in range(len(plan)) if shape.preinfer and any(h.streamed for h in hs)])
             return Recommendation(m, hs, budget, full.peak, full.peak <= budget.usable, host, settings=settings)
     return Recommendation(None, [], budget, full.peak, full.peak <= budget.usable, settings=settings)

@@ -19,6 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bcdflow.models.base import Decoder
+from bcdflow.models.errors import ConfigError
+from bcdflow.models.hf_names import (HFFormat, get_flag, get_float, get_int, get_object, get_text, refuse_if,
+                                     rope_settings)
 from bcdflow.models.model_config import ModelConfig, RopeScaling
 
 
@@ -106,7 +109,89 @@ class Layer(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+# -- Hugging Face checkpoints (models/hf_names.py): LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM ----------
+HF_NAMES: dict[str, str] = {
+    "model.embed_tokens.weight": "wte.weight",
+    "model.layers.{i}.input_layernorm.weight": "h.{i}.attention_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "h.{i}.attention.wq.weight",
+    "model.layers.{i}.self_attn.q_proj.bias": "h.{i}.attention.wq.bias",  # Qwen2
+    "model.layers.{i}.self_attn.k_proj.weight": "h.{i}.attention.wk.weight",
+    "model.layers.{i}.self_attn.k_proj.bias": "h.{i}.attention.wk.bias",  # Qwen2
+    "model.layers.{i}.self_attn.v_proj.weight": "h.{i}.attention.wv.weight",
+    "model.layers.{i}.self_attn.v_proj.bias": "h.{i}.attention.wv.bias",  # Qwen2
+    "model.layers.{i}.self_attn.o_proj.weight": "h.{i}.attention.wo.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "h.{i}.ffn_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "h.{i}.feed_forward.w1.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "h.{i}.feed_forward.w3.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "h.{i}.feed_forward.w2.weight",
+    "model.norm.weight": "ln_f.weight",
+    "lm_head.weight": "lm_head.weight",  # untied only
+}
+QWEN2 = "Qwen2ForCausalLM"  # q/k/v biases (model.qkv_bias)
+
+
+def _read_hf_config(d: dict, arch: str) -> dict:
+    act = get_text(d, "hidden_act", "silu")
+    refuse_if(act != "silu", f"hidden_act {act!r}")
+    refuse_if(get_flag(d, "attention_bias", False), "attention_bias=true (biases on all four attention projections)")
+    refuse_if(get_flag(d, "mlp_bias", False), "mlp_bias=true")
+    d_model, n_head = get_int(d, "hidden_size", limit="d_model"), get_int(d, "num_attention_heads", limit="n_head")
+    head_dim = get_int(d, "head_dim", None)
+    refuse_if(head_dim not in (None, d_model // n_head) or d_model % n_head != 0,
+              f"head_dim={head_dim} other than hidden_size/num_attention_heads")
+    theta, rope_scaling = rope_settings(d)
+    prf = get_float(get_object(d, "rope_parameters") or {}, "partial_rotary_factor",
+                    get_float(d, "partial_rotary_factor", 1.0), "rope_parameters.")
+    refuse_if(prf != 1.0, f"partial_rotary_factor={prf}")
+    return dict(n_layer=get_int(d, "num_hidden_layers", limit="n_layer"), d_model=d_model, n_head=n_head,
+                n_kv_head=get_int(d, "num_key_value_heads", n_head, limit="n_kv_head"),
+                d_ff=get_int(d, "intermediate_size", limit="d_ff"),
+                n_ctx=get_int(d, "max_position_embeddings", limit="n_ctx"),
+                vocab_size=get_int(d, "vocab_size", limit="vocab_size"), norm_eps=get_float(d, "rms_norm_eps", 1e-6),
+                rope_theta=theta, tie_embeddings=get_flag(d, "tie_word_embeddings", False), bias=False,
+                qkv_bias=arch == QWEN2, rope_scaling=rope_scaling)
+
+
+def _write_hf_config(cfg: ModelConfig, arch: str) -> dict:
+    if cfg.qkv_bias != (arch == QWEN2):
+        raise ConfigError(f"--format hf: {arch} {'has no' if cfg.qkv_bias else 'needs'} q/k/v biases "
+                          f"(model.qkv_bias={str(cfg.qkv_bias).lower()})")
+    out = {"hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layer,
+           "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
+           "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_dim,
+           "max_position_embeddings": cfg.n_ctx, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+           "rope_theta": cfg.rope_theta, "rope_scaling": None}
+    if cfg.rope_scaling is not None:
+        r = cfg.rope_scaling
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+                               "high_freq_factor": r.high_freq_factor,
+                               "original_max_position_embeddings": r.original_max_position_embeddings}
+    if arch == "LlamaForCausalLM":
+        out.update({"attention_bias": False, "mlp_bias": False})
+    else:  # Mistral, Qwen2: full attention (we train without a window)
+        out.update({"sliding_window": None})
+        if arch == QWEN2:
+            out.update({"use_sliding_window": False})
+    return out
+
+
+def _attention_window(d: dict, arch: str) -> int | None:
+    """Mistral's sliding window, and Qwen2's where ``use_sliding_window`` says so."""
+    if arch == "MistralForCausalLM" or (arch == QWEN2 and get_flag(d, "use_sliding_window", False)):
+        return get_int(d, "sliding_window", None)
+    return None
+
+
+HF_FORMAT = HFFormat(HF_NAMES, "model.", {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                                          QWEN2: "qwen2"}, _read_hf_config, _write_hf_config,
+                     default_architecture=lambda cfg: QWEN2 if cfg.qkv_bias else "LlamaForCausalLM",
+                     attention_window=_attention_window)
+
+
 class LLaMA(Decoder):
+    residual_projections = ("wo.weight", "w2.weight")  # attention's and the MLP's output projections
+    hf = HF_FORMAT
+
     def _make_embed(self, positions: bool) -> None:
         self.wte = nn.Embedding(self.cfg.vocab_size, self.cfg.d_model)
 

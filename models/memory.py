@@ -1,10 +1,14 @@
 """The memory planner: the peak device memory of one training step of each block's visit, and of full training,
 from the model config alone (parameter shapes from a meta-device model: no weights, no device).
 
-    est = visit_memory(cfg, plan, block=0, batch=4, seq=1024, precision="bf16")   # one visit's step
-    est = visit_memory(cfg, None, None, 4, 1024, "bf16")                          # full-parameter training
+    shape = StepShape(batch=4, seq=1024, precision="bf16")   # models/specs.py; a run's: RunConfig.step_shape()
+    est = visit_memory(cfg, plan, 0, shape)                   # one visit's step
+    est = visit_memory(cfg, None, None, shape)                # full-parameter training
     est.peak, est.parts()    # bytes: weights, grads, optim, activations, logits, input, temporaries
-    rec = recommend(cfg, 4, 1024, "bf16", gpu_bytes=24 * GB)                      # smallest bcd.blocks that fits
+    rec = recommend(cfg, shape, device_budget(24 * GB))       # models/holding.py: smallest bcd.blocks that fits
+
+Every public function takes the model config, the plan and block where it plans a visit, the step's shape
+(``StepShape``: batch, sequence, precision, recompute, streamed layers, ...) and a budget where it fits one.
 
 What a step holds (the product's path: tasks/train.py -> models/visit_compute.visit_loss -> models/trainer.run_steps):
 
@@ -36,8 +40,9 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Collection, Sequence
+import types
+from dataclasses import asdict, dataclass, field, replace
+from typing import Collection, Mapping, Sequence
 
 from bcdflow.models.base import loss_chunk_rows
 from bcdflow.models.build import model_plan, param_shapes
@@ -45,6 +50,7 @@ from bcdflow.models.families import decoder_class
 from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import Plan
+from bcdflow.models.specs import StepShape
 from bcdflow.models.stream import Schedule, SlotPlan, aligned, layer_bytes
 
 GB = 1e9
@@ -93,74 +99,46 @@ class Estimate:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class Step:
-    """One configuration of the step: model, batch, precision, optimizer, distribution."""
-    cfg: ModelConfig
-    batch: int
-    seq: int
-    precision: str = "fp32"
-    optim: str = "adamw"
-    weight_decay: float = 1e-5
-    chunk_rows: int | None = None
-    gpus: int = 1
-    parallel: str = "single"  # single | ddp | fsdp
-    shapes: dict = field(default_factory=dict, compare=False, hash=False)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens each process holds: data parallel and FSDP split the batch over the processes."""
-        rows = self.batch if self.parallel == "single" else -(-self.batch // self.gpus)
-        return rows * self.seq
-
-    @property
-    def s(self) -> int:
-        return 2 if self.precision == "bf16" else 4
-
-
 @functools.lru_cache(maxsize=None)  # the planner asks millions of times about a few thousand names
-def _layer_of(name: str) -> int | None:
+def layer_of(name: str) -> int | None:
+    """The decoder layer a parameter belongs to (``h.{i}.*``), None for the embeddings and the head."""
     return int(name.split(".")[1]) if name.startswith("h.") else None
 
 
-def _numel(shape) -> int:
-    return math.prod(shape)
+_numel = math.prod
 
 
-def _layer_act(st: Step, kind: str) -> int:
+def layer_saved_bytes(cfg: ModelConfig, shape: StepShape, kind: str) -> int:
     """Bytes per token a layer saves for backward: ``trainable``, ``frozen`` (on the gradient path; the family's
     counts, ``Decoder.saved_bytes``) or ``recompute`` (its fp32 input only)."""
     if kind == "recompute":
-        return 4 * st.cfg.d_model
-    return decoder_class(st.cfg.family).saved_bytes(st.cfg, st.s, kind)
+        return 4 * cfg.d_model
+    return decoder_class(cfg.family).saved_bytes(cfg, shape.dtype_bytes, kind)
 
 
-def expand_bytes(st: Step, shapes: dict[str, tuple[int, ...]], layer: int, rank: int) -> tuple[int, int]:
-    """``bcd.expand``'s cost on one adapted layer (models/expand.py): its adapter parameters (r × (in + out) per
-    linear map) and the bytes per token its backward keeps for them: each adapted map's input (a frozen map keeps
-    none; the ``A`` gradient needs it: the family's ``Decoder.adapter_input_bytes``) and its rank-r product (for
-    ``B``'s)."""
-    c = st.cfg
-    mats = [v for k, v in shapes.items() if _layer_of(k) == layer and len(v) == 2]
+def expand_bytes(cfg: ModelConfig, shape: StepShape, layer: int) -> tuple[int, int]:
+    """``bcd.expand``'s cost on one adapted layer (models/expand.py) at rank ``shape.expand_rank``: its adapter
+    parameters (r × (in + out) per linear map) and the bytes per token its backward keeps for them: each adapted
+    map's input (a frozen map keeps none; the ``A`` gradient needs it: the family's ``Decoder.adapter_input_bytes``)
+    and its rank-r product (for ``B``'s)."""
+    rank, s = shape.expand_rank, shape.dtype_bytes
+    mats = [v for k, v in model_shapes(cfg).items() if layer_of(k) == layer and len(v) == 2]
     params = sum(rank * (o + i) for o, i in mats)
-    inputs = decoder_class(c.family).adapter_input_bytes(c, st.s)
-    return params, inputs + st.s * rank * len(mats)
+    inputs = decoder_class(cfg.family).adapter_input_bytes(cfg, s)
+    return params, inputs + s * rank * len(mats)
 
 
-def _layer_backward_temp(st: Step) -> int:
+def _layer_backward_temp(cfg: ModelConfig, shape: StepShape) -> int:
     """Bytes per token alive beyond the saved activations while a layer runs backward: the gradients of the MLP's
     hidden activations (two of them, width F, in the compute dtype) and of the residual stream."""
-    c = st.cfg
-    return 2 * st.s * c.ffn_dim + 4 * c.d_model
+    return 2 * shape.dtype_bytes * cfg.ffn_dim + 4 * cfg.d_model
 
 
 @functools.lru_cache(maxsize=8)
-def _shape_cache(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple(param_shapes(cfg).items())  # a meta-device model: the recommendation asks hundreds of times
-
-
-def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return dict(_shape_cache(cfg))
+def model_shapes(cfg: ModelConfig) -> Mapping[str, tuple[int, ...]]:
+    """Parameter name -> shape, from a meta-device model once per config (the recommendation asks hundreds of
+    times); read-only."""
+    return types.MappingProxyType(dict(param_shapes(cfg)))
 
 
 def stream_uses(streamed: Sequence[int], grad_from: int | None, window: int, train: bool = True
@@ -189,29 +167,31 @@ def stream_traffic(streamed: Sequence[int], grad_from: int | None, window: int, 
     return fwd, bwd
 
 
-def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: int, seq: int,
-                 precision: str = "fp32", optim: str = "adamw", recompute: bool = False, preinfer: bool = True,
-                 chunk_rows: int | None = None, weight_decay: float = 1e-5, gpus: int = 1,
-                 parallel: str = "single", shapes: dict | None = None, stream: bool = False,
-                 window: int = 2, freeze: Sequence[str] = (), recompute_active: bool = False,
-                 streamed: Collection[int] | None = None, expand_rank: int = 0) -> Estimate:
+def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: StepShape) -> Estimate:
     """Peak bytes of one step of block ``block``'s visit (``plan`` and ``block`` None: full training, every
-    parameter trainable, the whole model held, fp32 master weights throughout).
+    parameter trainable, the whole model held, fp32 master weights throughout, nothing recomputed).
 
-    ``preinfer``: a visit to block b > 0 reads the prefix's stored hidden states (fp32, ``(B, T, C)``) and holds
-    layers >= b; off, it holds the whole model and runs the prefix under no_grad. ``parallel``: ``ddp`` splits the
-    batch over ``gpus`` processes (each holds every weight, gradient and moment of the visit); ``fsdp`` also
-    shards weights, gradients and moments, and gathers one layer's weights at a time (two with prefetch).
-    ``stream``: the frozen layers held stay in host memory and the device holds ``window`` slot buffers for them
-    (models/stream.py); ``streamed``: only these frozen layers do (partial residency: the rest stay on the device).
-    ``freeze``: parameters no visit trains (``bcd.freeze``). ``recompute_active`` (``bcd.recompute=all``): the
-    active block's layers keep only their input too, and run their forward again one at a time in backward.
-    ``expand_rank`` (``bcd.expand``): low-rank adapters of that rank on every linear map of the layers after the
-    block, with their gradients, optimizer state and what their backward keeps (:func:`expand_bytes`)."""
-    st = Step(cfg, batch, seq, precision, optim, weight_decay, chunk_rows, gpus, parallel)
-    shapes = shapes or _shapes(cfg)
+    Of the ``shape``: ``preinfer``: a visit to block b > 0 reads the prefix's stored hidden states (fp32,
+    ``(B, T, C)``) and holds layers >= b; off, it holds the whole model and runs the prefix under no_grad.
+    ``recompute``: ``on`` (``auto`` counts as off: the holding decides, models/holding.py) keeps only the input of
+    each frozen layer after the block, ``all`` of the active block's layers too, which run their forward again one
+    at a time in backward. ``parallel``: ``ddp`` splits the batch over ``gpus`` processes (each holds every weight,
+    gradient and moment of the visit); ``fsdp`` also shards weights, gradients and moments, and gathers one layer's
+    weights at a time (two with prefetch). ``streamed``: these frozen layers stay in host memory and the device
+    holds ``window`` slot buffers for them (models/stream.py; None: every frozen layer held with
+    ``offload=stream``, else none); the rest stay on the device. ``freeze``: parameters no visit trains
+    (``bcd.freeze``). ``expand_rank`` (``bcd.expand``): low-rank adapters of that rank on every linear map of the
+    layers after the block, with their gradients, optimizer state and what their backward keeps
+    (:func:`expand_bytes`)."""
+    shapes = model_shapes(cfg)
     n = cfg.n_layer
     full = block is None
+    precision, optim, weight_decay, chunk_rows = shape.precision, shape.optim, shape.weight_decay, shape.chunk_rows
+    preinfer, freeze, window, expand_rank = shape.preinfer, shape.freeze, shape.window, shape.expand_rank
+    gpus, parallel = shape.gpus, shape.parallel
+    recompute = shape.recompute in ("on", "all") and not full
+    recompute_active = shape.recompute == "all" and not full
+    stream, streamed = shape.offload == "stream", shape.streamed
     if full:
         lo, hi, trainable = 0, n, set(shapes)
     else:
@@ -221,7 +201,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     held_lo = lo if from_acts else 0
 
     def held(name: str) -> bool:
-        i = _layer_of(name)
+        i = layer_of(name)
         if i is not None:
             return i >= held_lo
         if name.startswith("wpe."):
@@ -240,7 +220,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     train_numel = sum(_numel(shapes[k]) for k in trainable)
     shard = gpus if parallel == "fsdp" else 1
     weights = sum(wbytes(k) for k in held_names)
-    layer_train_names = {_layer_of(k) for k in trainable if _layer_of(k) is not None}
+    layer_train_names = {layer_of(k) for k in trainable if layer_of(k) is not None}
     frozen_held = [i for i in range(held_lo, n) if i not in layer_train_names] if not full else []
     if streamed is None:
         streamed = frozen_held if stream else []
@@ -249,7 +229,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     streamed = sorted(streamed)
     held_by_layer: dict[int | None, list[str]] = {}
     for k in held_names:
-        held_by_layer.setdefault(_layer_of(k), []).append(k)
+        held_by_layer.setdefault(layer_of(k), []).append(k)
     sizes = {i: (sum(wbytes(k) for k in held_by_layer.get(i, ())),  # (bytes, flat bytes as the stream allocates)
                  layer_bytes(wbytes(k) for k in held_by_layer.get(i, ()))) for i in frozen_held}
     flat = {i: sizes[i][1] for i in streamed}
@@ -264,13 +244,13 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     moments = OPTIMIZERS[optim].state
     opt = 4 * moments * train_numel // shard
     # bcd.expand: per adapted layer (after the block) its adapter parameters and saved bytes per token
-    adapted = {i: expand_bytes(st, shapes, i, expand_rank) for i in range(hi, n)} if expand_rank and not full else {}
+    adapted = {i: expand_bytes(cfg, shape, i) for i in range(hi, n)} if expand_rank and not full else {}
     expand_params = sum(p for p, _ in adapted.values())
     weights += 4 * expand_params
     opt += 4 * moments * expand_params
     grads += 4 * expand_params
-    N = st.tokens
-    C, V, s = cfg.d_model, cfg.vocab_size, st.s
+    N = shape.tokens
+    C, V, s = cfg.d_model, cfg.vocab_size, shape.dtype_bytes
     inp = N * (4 * C + 8) if from_acts else N * 16  # fp32 hidden states + long targets, or long ids + targets
     weights += decoder_class(cfg.family).buffer_bytes(cfg)  # derived tables (RoPE's)
 
@@ -278,16 +258,16 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
     acts: list[tuple[int, int, int]] = []  # (layer, saved bytes, weight-grad bytes added when it runs backward)
     layer_train = dict.fromkeys(range(n), 0)
     for k in trainable:
-        if (i := _layer_of(k)) is not None:
+        if (i := layer_of(k)) is not None:
             layer_train[i] += _numel(shapes[k])
     cast = 0  # bf16 autocast copies of trainable matrices, kept for backward
     for i in range(lo, n):
         kind = "trainable" if layer_train[i] else ("recompute" if recompute and i >= hi else "frozen")
         if layer_train[i] and recompute_active:
             kind = "recompute"
-        a = N * _layer_act(st, kind)
+        a = N * layer_saved_bytes(cfg, shape, kind)
         if precision == "bf16" and kind == "trainable":
-            mats = sum(_numel(shapes[k]) for k in trainable if _layer_of(k) == i and len(shapes[k]) >= 2)
+            mats = sum(_numel(shapes[k]) for k in trainable if layer_of(k) == i and len(shapes[k]) >= 2)
             a += 2 * mats // shard
             cast += 2 * mats // shard
         if i in adapted:  # its gradients come in its backward; a recomputed layer makes its saved part again there
@@ -321,15 +301,15 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
 
     at("forward", saved + ln_f, grad_h + chunk + w_copy, grad_w, 0)
     running_act, running_grads = saved + ln_f, grad_w
-    back_t = N * _layer_backward_temp(st)
+    back_t = N * _layer_backward_temp(cfg, shape)
     at("backward head", running_act, grad_h, running_grads, 2 * N * 4 * C)
     running_act -= ln_f
     for i, a, g in reversed(acts):
-        redo = N * _layer_act(st, "frozen") if recompute and not layer_train[i] and i >= hi else 0
+        redo = N * layer_saved_bytes(cfg, shape, "frozen") if recompute and not layer_train[i] and i >= hi else 0
         if redo and i in adapted:
             redo += N * adapted[i][1] + 2 * adapted[i][0] * (precision == "bf16")
         if recompute_active and layer_train[i]:  # the layer's own activations, back for its backward
-            redo = N * _layer_act(st, "trainable")
+            redo = N * layer_saved_bytes(cfg, shape, "trainable")
         at(f"backward layer {i}", running_act, 0, running_grads, back_t + redo)
         running_act -= a
         running_grads += g
@@ -348,24 +328,20 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, batch: 
                     **{k: parts[k] for k in ("activations", "logits", "grads", "temporaries", "phase")})
 
 
-def plan_visits(cfg: ModelConfig, blocks: int, batch: int, seq: int, precision: str = "fp32", optim: str = "adamw",
-                recompute: bool = False, split: str = "params", preinfer: bool = True, **kw) -> list[Estimate]:
-    """The estimate of every block's visit under the ``bcd.blocks=blocks`` plan (``stream``, ``window``: see
-    :func:`visit_memory`)."""
-    plan = model_plan(cfg, blocks, split=split, freeze=kw.get("freeze", ()))
-    shapes = _shapes(cfg)
-    return [visit_memory(cfg, plan, b, batch, seq, precision, optim, recompute, preinfer, shapes=shapes, **kw)
-            for b in range(len(plan))]
+def plan_visits(cfg: ModelConfig, blocks: int, shape: StepShape, split: str = "params") -> list[Estimate]:
+    """The estimate of every block's visit under the ``bcd.blocks=blocks`` plan (``bcd.split=split``)."""
+    plan = model_plan(cfg, blocks, split=split, freeze=shape.freeze)
+    return [visit_memory(cfg, plan, b, shape) for b in range(len(plan))]
 
 
 # -- the device budget ------------------------------------------------------------------------------------------
-def load_bytes(cfg: ModelConfig, plan: Plan, block: int, preinfer: bool = True, stored_bytes: int = 4) -> int:
+def load_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, stored_bytes: int = 4) -> int:
     """Host bytes loading block ``block``'s visit part takes beside its streamed buffers: the largest block file it
     reads (``RunContext.load_part`` reads one block file at a time and copies each tensor where it lives), at
     ``stored_bytes`` a parameter (4: a trained version's fp32 files; version 0 keeps a checkpoint's own dtype), and
     one tensor's conversion (a copy to CUDA that changes the dtype converts on the host into a temporary of the
     destination's size: the largest tensor at 4 bytes)."""
-    lo = plan[block].layers[0] if plan[block].reads_activations(preinfer) else 0
+    lo = plan[block].layers[0] if plan[block].reads_activations(shape.preinfer) else 0
     owners = {b for b in range(len(plan)) if b >= block or not lo}
     if lo and cfg.tied:
         owners.add(plan.owner("wte.weight"))  # the tied head reads block 0's embedding
@@ -376,22 +352,28 @@ def reading_bytes(cfg: ModelConfig, plan: Plan, blocks: Collection[int], stored_
     """Host bytes reading ``blocks`` one file at a time takes at its peak: the largest file and the largest tensor's
     conversion (4 bytes a parameter); 0 for none."""
     names = {n for b in blocks for n in plan[b].params}
-    largest = max((_numel(s) for n, s in _shapes(cfg).items() if n in names), default=0)
+    largest = max((_numel(s) for n, s in model_shapes(cfg).items() if n in names), default=0)
     return file_bytes(cfg, plan, blocks, stored_bytes) + 4 * largest
 
 
 def file_bytes(cfg: ModelConfig, plan: Plan, blocks: Collection[int], stored_bytes: int = 4) -> int:
     """The largest block file of ``blocks`` (0 for none), at ``stored_bytes`` a parameter, with its safetensors
     header (under 256 bytes a tensor: name, dtype, shape, offsets)."""
-    sizes = {n: _numel(s) for n, s in _shapes(cfg).items()}
+    sizes = {n: _numel(s) for n, s in model_shapes(cfg).items()}
     return max((sum(sizes[n] * stored_bytes + 256 for n in plan[b].params) for b in blocks), default=0)
 
 
-def stage_bytes(batch: int, seq: int, d_model: int, from_acts: bool, slots: int = 2) -> int:
-    """Page-locked host bytes of a training loop's batch slots on CUDA (models/stream.BatchStage, two by default):
-    each holds a batch's inputs (the prefix's fp32 states, or int64 token ids) and int64 targets, each aligned."""
-    inputs = batch * seq * (4 * d_model if from_acts else 8)
-    return slots * (aligned(inputs) + aligned(batch * seq * 8))
+def stage_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape) -> int:
+    """Page-locked host bytes of block ``block``'s training loop's batch slots on CUDA (models/stream.BatchStage:
+    two): each holds a batch's inputs (the prefix's fp32 states, or int64 token ids) and int64 targets, each
+    aligned."""
+    n = shape.batch * shape.seq
+    inputs = n * (4 * cfg.d_model if plan[block].reads_activations(shape.preinfer) else 8)
+    return BATCH_SLOTS * (aligned(inputs) + aligned(n * 8))
+
+
+BATCH_SLOTS = 2
+"""Page-locked batch slots of a training loop on CUDA (models/stream.BatchStage)."""
 
 
 CONTEXT_BYTES = int(0.5 * GB)
@@ -446,19 +428,34 @@ def _infer_token_bytes(cfg: ModelConfig, s: int) -> int:
     return decoder_class(cfg.family).infer_bytes(cfg, s)
 
 
-def no_grad_memory(cfg: ModelConfig, layers: tuple[int, int], embed: bool, head: bool, rows: int, seq: int,
-                   precision: str = "fp32", streamed: Collection[int] = (), window: int = 2,
-                   chunk_rows: int | None = None, shapes: dict | None = None) -> Estimate:
-    """Peak bytes of a no-grad forward of a model part (``RunContext.load_part`` with every weight frozen: the
-    pre-inference prefix ``(0, lo)`` with ``embed``, an evaluation model with ``head``) over ``rows`` rows; its
-    ``streamed`` layers in ``window`` slots. Nothing is saved for a backward, so the peak is the weights, the
-    input and one layer's (or the loss chunk's) temporaries."""
-    shapes = shapes or _shapes(cfg)
+@dataclass(frozen=True)
+class NoGradPass:
+    """A no-grad pass over a model part (``RunContext.load_part`` with every weight frozen): layers [lo, hi), with
+    the embeddings (pre-inference's prefix ``(0, lo)``) and the head (an evaluation), at most ``limit`` rows a
+    forward (a shard, the validation rows), or ``rows`` when the batch is set (``bcd.preinfer_batch_size``,
+    ``train.eval_batch_size``)."""
+    layers: tuple[int, int]
+    embed: bool
+    head: bool
+    limit: int = 1
+    rows: int | None = None
+
+
+def no_grad_memory(cfg: ModelConfig, part: NoGradPass, shape: StepShape) -> Estimate:
+    """Peak bytes of ``part``'s no-grad forward over ``shape.batch`` rows, its ``shape.streamed`` layers in
+    ``shape.window`` slots (None: every layer with ``offload=stream``, else none). Nothing is saved for a backward,
+    so the peak is the weights, the input and one layer's (or the loss chunk's) temporaries."""
+    shapes = model_shapes(cfg)
+    layers, embed, head = part.layers, part.embed, part.head
+    rows, seq, precision, window, chunk_rows = shape.batch, shape.seq, shape.precision, shape.window, shape.chunk_rows
     lo, hi = layers
-    s = 2 if precision == "bf16" else 4
+    s = shape.dtype_bytes
+    streamed = shape.streamed
+    if streamed is None:
+        streamed = range(lo, hi) if shape.offload == "stream" else ()
 
     def part(name: str) -> bool:
-        i = _layer_of(name)
+        i = layer_of(name)
         if i is not None:
             return lo <= i < hi
         if name.startswith(("wte.", "wpe.")):
@@ -471,7 +468,7 @@ def no_grad_memory(cfg: ModelConfig, layers: tuple[int, int], embed: bool, head:
     names = [k for k in shapes if part(k)]
     by_layer: dict[int, list[str]] = {}
     for k in names:
-        if (i := _layer_of(k)) is not None:
+        if (i := layer_of(k)) is not None:
             by_layer.setdefault(i, []).append(k)
     streamed = sorted(streamed)
     flat = {i: layer_bytes(wbytes(k) for k in by_layer.get(i, ())) for i in streamed}
@@ -494,16 +491,16 @@ def no_grad_memory(cfg: ModelConfig, layers: tuple[int, int], embed: bool, head:
                     host_bytes=sum(flat.values()), frozen_layers=hi - lo, phase="forward")
 
 
-def no_grad_rows(cfg: ModelConfig, layers: tuple[int, int], embed: bool, head: bool, seq: int, precision: str,
-                 room: float | None, limit: int, streamed: Collection[int] = (), window: int = 2,
-                 chunk_rows: int | None = None) -> int:
-    """Rows per no-grad forward: the most, up to ``limit``, whose peak (:func:`no_grad_memory`) fits ``room`` bytes;
-    without a budget (the CPU) :data:`NO_BUDGET_TOKENS` tokens; at least one row."""
+def no_grad_rows(cfg: ModelConfig, part: NoGradPass, shape: StepShape, room: float | None) -> int:
+    """Rows per no-grad forward: the most, up to ``part.limit``, whose peak (:func:`no_grad_memory` with the
+    ``shape``'s streamed layers) fits ``room`` bytes; without a budget (the CPU) :data:`NO_BUDGET_TOKENS` tokens; at
+    least one row."""
+    limit = part.limit
     if room is None:
-        return max(1, min(limit, NO_BUDGET_TOKENS // seq))
+        return max(1, min(limit, NO_BUDGET_TOKENS // shape.seq))
 
     def peak(r: int) -> int:
-        return no_grad_memory(cfg, layers, embed, head, r, seq, precision, streamed, window, chunk_rows).peak
+        return no_grad_memory(cfg, part, replace(shape, batch=r)).peak
 
     lo_r, hi_r = 1, max(1, limit)
     if peak(hi_r) <= room:

@@ -5,7 +5,9 @@
     OPTIMIZERS["adamw"].state                 # fp32 tensors of state per trainable parameter (the planner, models/memory.py)
 
 A new optimizer is one entry here: ``core/config.OptimSection.name`` accepts the names of this registry, the trainer
-builds it, and the planner counts its state.
+builds it, and the planner counts its state. An entry is data (names, rates, counts, flags): its builder and wrapper
+are named by import path and imported when an optimizer is built, so the run config and the commands that only read
+a store (``compare`` labels a run that is not full-parameter training) load no torch (``tests/test_config.py``).
 
 The peers (issue 35: ``galore``, ``apollo``, ``apollo-mini``, ``badam``, ``lisa``, ``lora``; models/peers.py) are the
 methods a user would otherwise run, each a way to train the whole model in the baseline's step loop (``bcdflow
@@ -15,19 +17,19 @@ full-parameter training.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
-from bcdflow.models import peers
 from bcdflow.models.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class Optimizer:
-    build: Callable[..., torch.optim.Optimizer]
-    """``build(params, spec)``: the optimizer over ``params`` with ``spec``'s settings (``models/trainer.OptimSpec``)."""
+    builder: str
+    """``module:function`` of ``build(params, spec) -> torch.optim.Optimizer``: the optimizer over ``params`` with
+    ``spec``'s settings (``models/specs.OptimSpec``), imported on first use."""
     paper_lr: float
     """The learning rate of the paper's §4.2.1 when ``optim.lr`` is unset."""
     state: int
@@ -39,15 +41,27 @@ class Optimizer:
     the baseline's one-block loop, not inside a BCD visit. ``state`` is then the planner's upper bound (AdamW's)."""
     full_parameter: bool = True
     """Whether every parameter of the model can change (LoRA: the adapters only, merged at the end)."""
-    wrap: Callable | None = None
-    """``wrap(model, spec) -> (trained named parameters, finish)``: a model wrapper (LoRA's adapters); ``finish()``
-    leaves the model as its own names again, the wrapper merged in, before its block is written."""
+    wrapper: str | None = None
+    """``module:function`` of ``wrap(model, spec) -> (trained named parameters, finish)``: a model wrapper (LoRA's
+    adapters); ``finish()`` leaves the model as its own names again, the wrapper merged in, before its block is
+    written."""
+
+    def build(self, params, spec):
+        """The torch optimizer over ``params`` (its builder imported now)."""
+        return _function(self.builder)(params, spec)
+
+    @property
+    def wrap(self) -> Callable | None:
+        """The model wrapper (imported now), or None."""
+        return _function(self.wrapper) if self.wrapper else None
 
     def check(self, name: str, blocks: int, gpus: int) -> None:
         """A peer's needs, before a run writes anything: its package (the ``peers`` extra), one block (the
         baseline: ``bcdflow baseline``) and one process."""
         if not self.peer:
             return
+        from bcdflow.models import peers  # torch: a run that checks is about to train
+
         peers.require(name)
         if blocks != 1:
             raise ConfigError(f"optim.name: {name} trains the whole model in the baseline's step loop: run it with "
@@ -56,31 +70,23 @@ class Optimizer:
             raise ConfigError(f"train.gpus: optim.name={name} trains in one process (set train.gpus=1)")
 
 
-def _adamw(params, spec):
-    # fused: one kernel per parameter group, no foreach temporaries (3.5x faster on CPU here)
-    return torch.optim.AdamW(params, lr=spec.base_lr, betas=spec.betas, eps=spec.eps,
-                             weight_decay=spec.weight_decay, fused=True)
+@functools.lru_cache(maxsize=None)
+def _function(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def _adamw_named(named, spec):
-    return _adamw([p for _, p in named], spec)
-
-
-def _sgd(params, spec):
-    return torch.optim.SGD(params, lr=spec.base_lr, momentum=spec.momentum, weight_decay=spec.weight_decay,
-                           foreach=True)
-
-
+_PEERS = "bcdflow.models.peers"
 OPTIMIZERS: dict[str, Optimizer] = {
-    "adamw": Optimizer(_adamw, paper_lr=1e-4, state=2),
-    "sgd": Optimizer(_sgd, paper_lr=0.1, state=1, decay_temporary=True),
+    "adamw": Optimizer("bcdflow.models.trainer:adamw", paper_lr=1e-4, state=2),
+    "sgd": Optimizer("bcdflow.models.trainer:sgd", paper_lr=0.1, state=1, decay_temporary=True),
     # the peers (models/peers.py): paper_lr is the authors' rate where they give one for pre-training (GaLore's and
     # APOLLO's READMEs: 0.01), else AdamW's; LoRA's 10x AdamW's ("LoRA without regret", Schulman et al. 2025)
-    "galore": Optimizer(peers.galore, paper_lr=1e-2, state=2, peer=True),
-    "apollo": Optimizer(peers.apollo, paper_lr=1e-2, state=2, peer=True),
-    "apollo-mini": Optimizer(lambda named, spec: peers.apollo(named, spec, mini=True), paper_lr=1e-2, state=2,
-                             peer=True),
-    "badam": Optimizer(peers.badam, paper_lr=1e-4, state=2, peer=True),
-    "lisa": Optimizer(peers.lisa, paper_lr=1e-4, state=2, peer=True),
-    "lora": Optimizer(_adamw_named, paper_lr=1e-3, state=2, peer=True, full_parameter=False, wrap=peers.lora_wrap),
+    "galore": Optimizer(f"{_PEERS}:galore", paper_lr=1e-2, state=2, peer=True),
+    "apollo": Optimizer(f"{_PEERS}:apollo", paper_lr=1e-2, state=2, peer=True),
+    "apollo-mini": Optimizer(f"{_PEERS}:apollo_mini", paper_lr=1e-2, state=2, peer=True),
+    "badam": Optimizer(f"{_PEERS}:badam", paper_lr=1e-4, state=2, peer=True),
+    "lisa": Optimizer(f"{_PEERS}:lisa", paper_lr=1e-4, state=2, peer=True),
+    "lora": Optimizer("bcdflow.models.trainer:adamw_named", paper_lr=1e-3, state=2, peer=True, full_parameter=False,
+                      wrapper=f"{_PEERS}:lora_wrap"),
 }

@@ -165,6 +165,11 @@ def apollo(named, spec, mini: bool = False) -> torch.optim.Optimizer:
     return Apollo(groups, **_adamw_kw(spec), scale_front=s["front"])
 
 
+def apollo_mini(named, spec) -> torch.optim.Optimizer:
+    """APOLLO-Mini: rank 1, tensor-wise scaling (the README's setting for small models)."""
+    return apollo(named, spec, mini=True)
+
+
 def _perm(seed: int, tag: int, epoch: int, n: int) -> list[int]:
     """The ``epoch``-th random order of ``n`` items, from the run's seed (CONVENTIONS 16)."""
     return np.random.default_rng(np.random.SeedSequence([seed, tag, epoch])).permutation(n).tolist()

@@ -11,8 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from bcdflow.models.base import EMBED_PREFIXES, HEAD_PREFIXES
 from bcdflow.models.errors import ConfigError
+
+EMBED_PREFIXES = ("wte.", "wpe.")
+HEAD_PREFIXES = ("ln_f.", "lm_head.")
 
 _LAYER = re.compile(r"^h\.(\d+)\.")
 

@@ -6,7 +6,6 @@ block lowers the loss more slowly than the other blocks did on their last visits
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -16,52 +15,7 @@ import torch
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.models.errors import ConfigError, Diverged
 from bcdflow.models.optimizers import OPTIMIZERS
-
-
-@dataclass
-class OptimSpec:
-    name: str = "adamw"
-    lr: float | None = None  # None = the paper's default for the optimizer
-    weight_decay: float = 1e-5
-    momentum: float = 0.9
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 = off
-    warmup_steps: int = 0
-    """Linear warmup over a loop's first steps (each visit's, after its fresh optimizer)."""
-    schedule: str = "constant"
-    """``cosine``: the learning rate decays over the run's ``total_steps`` (global steps, counted across visits)
-    from ``lr`` to ``min_lr_ratio`` × ``lr``; ``constant``: no decay."""
-    total_steps: int = 0
-    min_lr_ratio: float = 0.1
-    lr_scale: float = 1.0
-    """This loop's multiplier of ``lr`` (``bcd.lr_scales``: one per block)."""
-    switch_every: int | None = None
-    """BAdam's and LISA's steps between switches (None: the method's default; models/peers.py)."""
-    rank: int | None = None
-    """GaLore's and APOLLO's projection rank, LoRA's rank (None: the method's default)."""
-    lisa_layers: int = 1
-    """LISA's decoder layers sampled per period (gamma)."""
-    seed: int = 0
-    """The run's seed: BAdam's block order and LISA's draws derive from it."""
-
-    @property
-    def base_lr(self) -> float:
-        return (self.lr if self.lr is not None else OPTIMIZERS[self.name].paper_lr) * self.lr_scale
-
-    def lr_at(self, step: int, global_step: int) -> float:
-        """The learning rate of the loop's ``step``-th step (0-based) at the run's ``global_step`` (0-based)."""
-        lr = self.base_lr
-        if self.schedule == "cosine" and self.total_steps:
-            frac = min(1.0, global_step / self.total_steps)
-            lr *= self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-        if self.warmup_steps:
-            lr *= min(1.0, (step + 1) / self.warmup_steps)
-        return lr
-
-    @property
-    def scheduled(self) -> bool:
-        return bool(self.warmup_steps) or (self.schedule == "cosine" and bool(self.total_steps))
+from bcdflow.models.specs import OptimSpec, StopRule
 
 
 def make_optimizer(params: list, spec: OptimSpec) -> torch.optim.Optimizer:
@@ -95,50 +49,21 @@ def stop_words(stopped_by: str) -> str:
     return STOP_WORDS.get(stopped_by, stopped_by)
 
 
-@dataclass
-class StopRule:
-    """When a loop has converged (checked at the end of each window of ``window`` steps).
-
-    The loss is noisy (each step sees other rows), so both rules read a least-squares line through the last
-    ``horizon`` step losses (at least ``max(patience, 2)`` windows, half the loop once it is longer), not a
-    comparison of two window means, which a lucky window fools:
-
-    - ``plateau`` (``patience`` > 0): even the optimistic end of the slope's noise (slope + ``z`` standard
-      errors) lowers the loss by less than ``min_delta`` per window;
-    - ``budget`` (``min_rate`` set; ``bcd.budget=adaptive``): the line lowers the loss by less than ``min_rate``
-      per step, the rate the other blocks reached on their last visits: a step spent elsewhere buys more.
-    """
-    max_steps: int
-    patience: int = 0  # plateau rule: 0 = off; else its horizon in windows (at least 2)
-    min_delta: float = 1e-2
-    window: int = 20
-    min_rate: float | None = None
-    z: float = 2.0
-
-    def horizon(self, steps: int) -> int:
-        return max(max(self.patience, 2) * self.window, steps // 2)
-
-    def verdict(self, losses: list[float]) -> str | None:
-        """``"plateau"``, ``"budget"`` or None (go on) after ``losses`` (one per step so far)."""
-        if (self.patience == 0 and self.min_rate is None) or len(losses) < max(self.patience, 2) * self.window:
-            return None
-        slope, se = loss_trend(losses, self.horizon(len(losses)))
-        if self.patience and (-slope + self.z * se) * self.window < self.min_delta:
-            return "plateau"
-        if self.min_rate is not None and -slope < self.min_rate:
-            return "budget"
-        return None
+# -- the builders of models/optimizers.OPTIMIZERS' entries (the registry names them; torch lives here) -------------
+def adamw(params, spec: OptimSpec) -> torch.optim.Optimizer:
+    # fused: one kernel per parameter group, no foreach temporaries (3.5x faster on CPU here)
+    return torch.optim.AdamW(params, lr=spec.base_lr, betas=spec.betas, eps=spec.eps,
+                             weight_decay=spec.weight_decay, fused=True)
 
 
-def loss_trend(losses: list[float], horizon: int) -> tuple[float, float]:
-    """Least-squares slope (loss per step) of the last ``horizon`` losses and its standard error."""
-    y = losses[-horizon:]
-    n = len(y)
-    mid, mean = (n - 1) / 2, sum(y) / n
-    sxx = sum((t - mid) ** 2 for t in range(n))
-    slope = sum((t - mid) * (v - mean) for t, v in enumerate(y)) / sxx
-    rss = sum((v - mean - slope * (t - mid)) ** 2 for t, v in enumerate(y))
-    return slope, math.sqrt(rss / max(n - 2, 1) / sxx)
+def sgd(params, spec: OptimSpec) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=spec.base_lr, momentum=spec.momentum, weight_decay=spec.weight_decay,
+                           foreach=True)
+
+
+def adamw_named(named, spec: OptimSpec) -> torch.optim.Optimizer:
+    """AdamW over ``(name, parameter)`` pairs (a peer that trains what its wrapper adds: ``lora``)."""
+    return adamw([p for _, p in named], spec)
 
 
 def visit_rate(losses: list[float], window: int) -> float | None:

@@ -1,6 +1,7 @@
 """What a store says about its runs, read without running anything: ``bcdflow runs`` and ``bcdflow status``.
 
-    for o in overviews(store): print(o["run_id"], o["status"], o["visits_done"], "/", o["visits_planned"])
+    o = overview(store, run_id, planned=6, max_steps=200)   # the run's settings say how many visits, how many steps
+    o["status"], o["visits_done"], o["training"]
 
 A run's status is what its objects say (docs/DESIGN.md §5, I7): ``done`` (state.json says so), ``running`` (its run
 lease is held by a live process: the lease names the owner), ``interrupted`` (neither: the process died or was
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from bcdflow.errors import BadInput, DamagedArtifact
+from bcdflow.errors import DamagedArtifact
 
 from . import layout, runs
 from .ckpt_pointer import POINTER as CKPT_POINTER, read_pointer
@@ -75,14 +76,13 @@ def training_visit(store: Store, run_id: str, max_steps: int | None = None) -> d
     return found[0] if found else None
 
 
-def overview(store: Store, run_id: str) -> dict:
-    """One run's row: mode, status, version, visits done of planned, last validation loss, spend, last change
-    (epoch seconds: state.json or the latest mid-visit checkpoint), the run lease's owner and the visit in
-    training."""
-    cfg = runs.read_config(store, run_id) if store.exists(layout.config_key(run_id)) else {}
+def overview(store: Store, run_id: str, planned: int | None = None, max_steps: int | None = None,
+             mode: str | None = None) -> dict:
+    """One run's row: mode, status, version, visits done of ``planned``, last validation loss, spend, last change
+    (epoch seconds: state.json or the latest mid-visit checkpoint), the run lease's owner and the visit in training
+    (of ``max_steps``). What the run's settings say (visits planned, a visit's step cap, its mode before it has a
+    state) comes from the caller, who reads them through ``core/config.stored_config`` (flows/status.py)."""
     state = runs.read_state(store, run_id)
-    bcd = cfg.get("bcd") or {}
-    planned = (bcd.get("cycles") or 0) * len((cfg.get("plan") or {}).get("blocks") or [])
     owner = _holder(store, layout.run_key(run_id))
     if state is None:
         status = "running" if owner else "new"
@@ -90,34 +90,16 @@ def overview(store: Store, run_id: str) -> dict:
         status = "done"
     else:
         status = "running" if owner else "interrupted"
-    training = training_visit(store, run_id, bcd.get("max_steps")) if status != "done" else None
+    training = training_visit(store, run_id, max_steps) if status != "done" else None
     changed = [t for t in (store.modified(layout.state_key(run_id)), store.modified(layout.config_key(run_id)),
                            (training or {}).get("checkpoint_at")) if t]
     visits = state.visits if state else []
-    return {"run_id": run_id, "mode": (state.mode if state else cfg.get("mode")) or "bcd", "status": status,
+    return {"run_id": run_id, "mode": (state.mode if state else mode) or "bcd", "status": status,
             "stop_reason": state.stop_reason if state else None, "version": state.version if state else 0,
             "visits_done": len(visits), "visits_planned": planned or None,
             "val_loss": visits[-1].val_loss if visits else None, "spend_usd": state.spend_usd if state else 0.0,
             "changed": max(changed) if changed else None, "lease_owner": owner.get("owner") if owner else None,
             "training": training}
-
-
-def overviews(store: Store) -> list[dict]:
-    """Every run of the store, most recently changed first. A local store that does not exist is bad input (a
-    mistyped --store), not an empty list. A damaged run is listed too, beside the others, as ``damaged`` with what
-    is wrong (``damage``: the line ``bcdflow status`` would exit with); it never hides the good runs."""
-    if store.is_local and not store.fs.exists(store.root):
-        raise BadInput(f"store {store.url} does not exist (check --store)")
-    rows = []
-    for r in runs.list_runs(store):
-        try:
-            rows.append({**overview(store, r), "damage": None})
-        except DamagedArtifact as e:
-            rows.append({"run_id": r, "mode": None, "status": "damaged", "stop_reason": None, "version": None,
-                         "visits_done": None, "visits_planned": None, "val_loss": None, "spend_usd": None,
-                         "changed": store.modified(layout.state_key(r)) or store.modified(layout.config_key(r)),
-                         "lease_owner": None, "training": None, "damage": str(e)})
-    return sorted(rows, key=lambda o: o["changed"] or 0, reverse=True)
 
 
 def ago(t: float | None, now: float | None = None) -> str:

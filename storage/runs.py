@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from bcdflow.constants import MAX_LEASE_SECONDS
 from bcdflow.errors import DamagedArtifact
 
 from .layout import (RUNS, block_name, config_key, is_plain_name, is_run_id, parse_visit, state_key, state_seq,
@@ -183,29 +182,9 @@ def write_config(store: Store, run_id: str, config: dict[str, Any]) -> None:
 
 
 class _Section(BaseModel):
-    """A section of a stored run config, as the commands that only read a store use it: the keys they read are
-    checked for type and range, the others are the run's (``core/config.RunConfig`` checked them when it started)."""
+    """A part of a stored run config's record: the keys read here are checked for type, the others are the run's
+    settings (``core/config.stored_config`` reads them through ``RunConfig``)."""
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-
-class _Bcd(_Section):
-    cycles: int = Field(0, ge=0)
-    max_steps: int | None = Field(None, ge=1)
-    window: int = Field(20, ge=1)
-
-
-class _Fleet(_Section):
-    lease_seconds: float = Field(60.0, gt=0, le=MAX_LEASE_SECONDS)
-
-
-class _Train(_Section):
-    gpus: int = Field(1, ge=1)
-
-
-class _Spend(_Section):
-    prices: list[str] = []
-    train_device: str | None = None
-    train_gpus: int | None = Field(None, ge=1)
 
 
 class _PlanBlock(_Section):
@@ -217,16 +196,13 @@ class _Plan(_Section):
 
 
 class StoredConfig(_Section):
-    """What ``runs/{id}/config.json`` must hold for the commands that read it without parsing the whole config
-    (``status``, ``runs``, ``compare``, ``prune``, ``rm``, ``export``, ``generate``): each of these keys of the right
-    type and in range, else the config is damaged (:class:`RunStateError` naming the file and the key)."""
+    """The run record's own keys of ``runs/{id}/config.json``, beside the settings the run was made with (those are
+    ``core/config.RunConfig``'s, read back by ``core/config.stored_config``): each of these of the right type, else
+    the config is damaged (:class:`RunStateError` naming the file and the key). ``prune``, ``rm``, ``export`` and
+    ``generate`` read the plan and the dataset from here."""
     mode: Literal["bcd", "full"] | None = None
     dataset: str | None = None
     plan: _Plan | None = None
-    bcd: _Bcd = Field(default_factory=_Bcd)
-    fleet: _Fleet = Field(default_factory=_Fleet)
-    train: _Train = Field(default_factory=_Train)
-    spend: _Spend = Field(default_factory=_Spend)
     model_resolved: dict | None = None
     hf: dict | None = None
 

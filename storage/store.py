@@ -1,4 +1,4 @@
-"""One storage root (any fsspec URL: a local path, ``memory://``, ``s3://bucket/prefix``).
+"""One storage root (any fsspec URL: a local path, ``memory://``, or a backend's: ``s3://bucket/prefix``).
 
 Every artifact goes through :class:`Store`, so the rest of the code never builds URLs by hand.
 Object stores have no rename: atomicity comes from writing immutable, content-addressed objects
@@ -22,7 +22,7 @@ from fsspec.utils import get_protocol
 
 from bcdflow.errors import BadInput
 
-from .backends import backend_of
+from .backends import BACKENDS, backend_of
 from .layout import UnsafeName, probe_key
 
 
@@ -37,7 +37,7 @@ def check_url(url: str) -> str:
         fsspec.get_filesystem_class(protocol)
     except ValueError:
         raise BadInput(f"store: {url!r} has an unknown protocol {protocol!r} (use a local path, memory:// or "
-                       "s3://bucket/prefix)") from None
+                       f"{' or '.join(b.example for b in BACKENDS.values())})") from None
     except ImportError as e:
         raise BadInput(f"store: protocol {protocol!r} of {url!r} needs a package that is not installed ({e})") from None
     return url
@@ -49,26 +49,19 @@ _exclusive: dict[str, str | None] = {}
 _exclusive_lock = threading.Lock()
 
 
-def means_exists(e: BaseException) -> bool:
-    """Whether an exclusive create that raised ``e`` found an object at its key. s3fs raises FileExistsError for
-    S3's 412 PreconditionFailed only when the reply names the ``If-None-Match`` condition; an S3-compatible store
-    that leaves the condition out gets a plain OSError (EINVAL), and a 409 ConditionalRequestConflict (another
-    conditional write of the key in flight: one of them wins, so this one lost) an OSError (EIO). Both are told by
-    the HTTP status of the botocore error s3fs chains as the cause. Such a create fails closed: the caller sees
-    "exists" (a lease in use, a state made by another writer) and no two callers both win."""
+def means_exists(e: BaseException, backend=None) -> bool:
+    """Whether an exclusive create that raised ``e`` found an object at its key: FileExistsError anywhere in its
+    chain of causes, or what the store's backend says its own errors mean (``Backend.found``: S3's 409/412 that s3fs
+    passes on as another OSError). Such a create fails closed: the caller sees "exists" (a lease in use, a state made
+    by another writer) and no two callers both win."""
     seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, FileExistsError):
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, FileExistsError):
             return True
-        reply = getattr(e, "response", None)
-        if isinstance(reply, dict):
-            status = (reply.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            code = (reply.get("Error") or {}).get("Code")
-            if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return True
-        seen.add(id(e))
-        e = e.__cause__
-    return False
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return backend is not None and backend.found(e)
 
 
 _umask_lock = threading.Lock()
@@ -135,10 +128,12 @@ class Store:
             url = os.path.abspath(os.path.expanduser(url))
         self.url = check_url(url).rstrip("/")
         self.storage_options = dict(storage_options or {})
-        if (backend := backend_of(url)) is not None:
-            self.storage_options = {**backend.defaults, **self.storage_options}
+        self.backend = backend_of(url)
+        if self.backend is not None:
+            self.storage_options = {**self.backend.defaults, **self.storage_options}
         self.fs, self.root = url_to_fs(self.url, **self.storage_options)
         self.is_local = "file" in _protocols(self.fs)
+        self._probed: bool | None = None  # None: not yet; else whether for writing (probe: once per store object)
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -176,9 +171,9 @@ class Store:
 
     def create(self, data: bytes, *parts: str) -> bool:
         """Write a whole object only if none exists at that key; False when one does. Atomic on a local disk
-        (a hard link of a complete temporary file) and on S3 (a conditional PUT, ``If-None-Match: *``), so of
-        two processes creating the same key exactly one wins: the basis of leases and of manifests that are
-        never overwritten (docs/DESIGN.md I7)."""
+        (a hard link of a complete temporary file) and on an object store (S3: a conditional PUT, ``If-None-Match:
+        *``), so of two processes creating the same key exactly one wins: the basis of leases and of manifests that
+        are never overwritten (docs/DESIGN.md I7)."""
         p = self.path(*parts)
         if not self.is_local:
             self.check_exclusive()
@@ -194,11 +189,11 @@ class Store:
 
     def _put_new(self, path: str, data: bytes) -> bool:
         """An object store's create-if-absent (S3: a PUT with ``If-None-Match: *``); False when the store says an
-        object is there (FileExistsError, or an HTTP 409/412 however s3fs translated it: ``means_exists``)."""
+        object is there (FileExistsError, or what its backend says an error means: ``means_exists``)."""
         try:
             self.fs.pipe_file(path, data, mode="create")
         except Exception as e:
-            if means_exists(e):
+            if means_exists(e, self.backend):
                 return False
             raise
         return True
@@ -302,7 +297,14 @@ class Store:
         writable directory (``write=False``, for commands that only read: ``status``, ``export``, ``compare``: a
         read-only one is fine); a store its backend cannot reach (``storage/backends.py``: an S3 bucket without
         credentials, unreachable, missing or denied). ``write``: also that an exclusive create is exclusive
-        (``check_exclusive``, once per store and process)."""
+        (``check_exclusive``, once per store and process). Once per store object: a command probes the store it
+        opened, and what it hands it to does not probe it again."""
+        if self._probed or (self._probed is False and not write):
+            return
+        self._check(write)
+        self._probed = write
+
+    def _check(self, write: bool) -> None:
         if self.is_local:
             path = self.root
             if os.path.exists(path) and not os.path.isdir(path):
@@ -317,9 +319,8 @@ class Store:
             if write and not os.access(path, os.W_OK):
                 raise BadInput(f"store: cannot create or write {self.url} (no write permission in {path})")
             return
-        backend = backend_of(self.url)
-        if backend is not None and backend.reachable is not None:
-            backend.reachable(self.storage_options, self.url, self.root)
+        if self.backend is not None and self.backend.reachable is not None:
+            self.backend.reachable(self.storage_options, self.url, self.root)
         if write:
             self.check_exclusive()
 

@@ -1,5 +1,6 @@
-"""The visit engine: one description of a visit (:class:`VisitSpec`, computed once from the plan and config) and
-one recipe that trains it (:func:`run_visit`), whatever holds the model: one process with its model resident or
+"""The visit engine: one record of a visit (``core/rules.VisitSpec``: which visit, on which version, what the run's
+state says it starts from), its description for this process (:class:`VisitLayout`, computed once from the plan and
+config) and one recipe that trains it (:func:`run_visit`), whatever holds the model: one process with its model resident or
 its frozen layers streamed from host memory (:class:`Resident`, ``tasks/train.py``), or one process of several
 (DDP or FSDP2: ``tasks/train_dist.Distributed``). A holding says how the model is loaded, how a batch's loss is
 taken, how tensors are gathered and who writes; the recipe (optimizer, mid-visit resume, kept moments, the data
@@ -24,10 +25,10 @@ from bcdflow.constants import IGNORE_INDEX
 from bcdflow.core import failpoints, stop_signals
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext
-from bcdflow.core.rules import batch_ranges, visit_rows
+from bcdflow.core.rules import VisitSpec, batch_ranges, visit_rows
 from bcdflow.core.spend import spent_at
 from bcdflow.models.errors import Diverged
-from bcdflow.models.memory import no_grad_memory, no_grad_rows, visit_memory
+from bcdflow.models.memory import NoGradPass, no_grad_memory, no_grad_rows, visit_memory
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import block_tensors
 from bcdflow.models.stream import BatchStage
@@ -145,20 +146,16 @@ def prefetched(ranges: Iterator[tuple[int, int]], fetch: Callable, device) -> It
         stage.close()
 
 
-def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single",
-                  expand: int = 0) -> bool:
+def use_recompute(cfg: RunConfig, ctx: RunContext, block: int, gpus: int = 1, parallel: str = "single") -> bool:
     """``bcd.recompute``: on, off, or (auto) as the visit's holding chooses on one process (models/holding.py); on
-    several, on when a replica would not fit the budget without it (``expand``: the visit's adapter rank)."""
+    several, on when a replica (with its adapters, ``bcd.expand``) would not fit the budget without it."""
     if cfg.bcd.recompute != "auto":
         return cfg.bcd.recompute in ("on", "all")
     if gpus == 1:
         return ctx.holding(block).recompute
     budget = ctx.budget()
-    return budget is not None and visit_memory(
-        ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len, cfg.train.precision,
-        cfg.optim.name, preinfer=cfg.bcd.preinfer, chunk_rows=cfg.train.loss_chunk_rows,
-        weight_decay=cfg.optim.weight_decay, gpus=gpus, parallel=parallel, freeze=cfg.bcd.freeze,
-        expand_rank=expand).peak > budget
+    shape = dataclasses.replace(cfg.step_shape(), recompute="off", gpus=gpus, parallel=parallel)
+    return budget is not None and visit_memory(ctx.model_cfg, ctx.plan, block, shape).peak > budget
 
 
 def compile_layers(model) -> None:
@@ -180,7 +177,7 @@ def val_batches(ds: TokenDataset, cfg: RunConfig, rows: int) -> list[tuple[torch
     return list(zip(inputs.split(rows), targets.split(rows)))
 
 
-def visit_eval_rows(ctx: RunContext, vs: "VisitSpec") -> int:
+def visit_eval_rows(ctx: RunContext, vs: "VisitLayout") -> int:
     """Rows per validation forward inside a visit: ``train.eval_batch_size``, else the most whose no-grad pass fits
     in what a training step holds beyond the visit's weights, optimizer state and input (free between steps), or
     (no budget: the CPU) 16k tokens; up to ``train.eval_rows``."""
@@ -190,14 +187,16 @@ def visit_eval_rows(ctx: RunContext, vs: "VisitSpec") -> int:
     room = None
     if ctx.budget() is not None:  # a step's input and temporaries, free between steps; the pass adds its weights
         est = ctx.holding(vs.block).estimate
+    part = NoGradPass(vs.layers, vs.embed, True, t.eval_rows)
+    shape = dataclasses.replace(ctx.cfg.step_shape(), streamed=vs.streamed)  # as the visit holds its model
+    if ctx.budget() is not None:  # a step's input and temporaries, free between steps; the pass adds its weights
+        est = ctx.holding(vs.block).estimate
         room = est.input + est.activations + est.logits + est.temporaries + no_grad_memory(
-            ctx.model_cfg, vs.layers, vs.embed, True, 1, ctx.dataset.seq_len, t.precision, vs.streamed,
-            t.stream_window, t.loss_chunk_rows).weights
-    return no_grad_rows(ctx.model_cfg, vs.layers, vs.embed, True, ctx.dataset.seq_len, t.precision, room, t.eval_rows,
-                        vs.streamed, t.stream_window, t.loss_chunk_rows)
+            ctx.model_cfg, part, dataclasses.replace(shape, batch=1)).weights
+    return no_grad_rows(ctx.model_cfg, part, shape, room)
 
 
-def visit_val_batches(cfg: RunConfig, ctx: RunContext, vs: "VisitSpec") -> list[tuple[torch.Tensor, torch.Tensor]]:
+def visit_val_batches(cfg: RunConfig, ctx: RunContext, vs: "VisitLayout") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """What a visit validates on within itself (``bcd.eval_every``): the validation batches or, for a visit
     trained from stored activations (whose model starts at its block), the frozen prefix's hidden states of them,
     computed once (the prefix is frozen for the whole visit) and rounded as the stored activations are; kept in
@@ -248,14 +247,13 @@ def optimizer_state(tensors: dict[str, torch.Tensor], names: list[str], param_gr
 # -- one description of a visit, one recipe -------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class VisitSpec:
-    """Visit (``cycle``, ``block``) of run ``run_id`` on ``version``, described once from the plan and config: the
-    layers its model holds, whether it reads the prefix's stored activations, what it trains and how (recompute,
-    streamed frozen layers), and whether its own evaluation is the new version's whole-model validation loss."""
+class VisitLayout:
+    """Visit ``spec`` of run ``run_id`` (``core/rules.VisitSpec``: its cycle, block, version and the run's inputs)
+    described once for the processes that train it, from the plan and config: the layers its model holds, whether it
+    reads the prefix's stored activations, what it trains and how (recompute, streamed frozen layers), and whether its
+    own evaluation is the new version's whole-model validation loss."""
     run_id: str
-    cycle: int
-    block: int
-    version: int
+    spec: VisitSpec
     lo: int
     """The active block's layers are [lo, hi) (``hi`` None: to the last; a benchmark's whole-model step)."""
     hi: int | None
@@ -276,6 +274,18 @@ class VisitSpec:
     block)."""
 
     @property
+    def cycle(self) -> int:
+        return self.spec.cycle
+
+    @property
+    def block(self) -> int:
+        return self.spec.block
+
+    @property
+    def version(self) -> int:
+        return self.spec.version
+
+    @property
     def layers(self) -> tuple[int, int]:
         """The layers its model holds: from ``lo`` when it reads stored activations, else all."""
         return (self.lo if self.from_acts else 0, self.n_layer)
@@ -285,15 +295,15 @@ class VisitSpec:
         return not self.from_acts
 
 
-def describe(ctx: RunContext, cycle: int, block: int, version: int, gpus: int = 1) -> VisitSpec:
-    """The visit's description for ``gpus`` processes (several: DDP or FSDP2, nothing streamed)."""
-    cfg = ctx.cfg
+def describe(ctx: RunContext, spec: VisitSpec, gpus: int = 1) -> VisitLayout:
+    """Visit ``spec`` described for ``gpus`` processes (several: DDP or FSDP2, nothing streamed)."""
+    cfg, block = ctx.cfg, spec.block
     lo, hi = ctx.plan[block].layers
     from_acts = ctx.from_acts(block)
     expand = cfg.bcd.expand_rank if cfg.bcd.expand != "off" and hi < ctx.model_cfg.n_layer else 0
-    recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp", expand=expand)
-    return VisitSpec(
-        run_id=ctx.run_id, cycle=cycle, block=block, version=version, lo=lo, hi=hi, n_layer=ctx.model_cfg.n_layer,
+    recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp")
+    return VisitLayout(
+        run_id=ctx.run_id, spec=spec, lo=lo, hi=hi, n_layer=ctx.model_cfg.n_layer,
         from_acts=from_acts, active=frozenset(ctx.trainable(block)), recompute=recompute,
         recompute_active=cfg.bcd.recompute == "all",
         streamed=ctx.holding(block).streamed if gpus == 1 else (),
@@ -314,7 +324,7 @@ def prepare_model(model: torch.nn.Module, active, chunk_rows: int | None,
     return [(n, p) for n, p in model.named_parameters() if n in active]
 
 
-def visit_step_loss(model, vs: VisitSpec, device: torch.device, precision: str) -> Callable:
+def visit_step_loss(model, vs: VisitLayout, device: torch.device, precision: str) -> Callable:
     """``loss(batch)``: the visit's mean token loss of a batch (inputs or the prefix's states, targets, ...) under
     the precision's autocast, with streamed weights saved by reference (``models.visit_compute.visit_loss``)."""
     stream = getattr(model, "stream", None)
@@ -363,13 +373,13 @@ class VisitHolding(Protocol):
 
 class Resident:
     """The visit's model in this one process: on its device, its frozen layers streamed from host memory where the
-    visit says (``VisitSpec.streamed``; models/stream.py). A :class:`VisitHolding`."""
+    visit says (``VisitLayout.streamed``; models/stream.py). A :class:`VisitHolding`."""
 
     writer = True
     world = 1
     adapters = None  # made by run_visit (suffix_adapters), beside the model
 
-    def __init__(self, ctx: RunContext, vs: VisitSpec):
+    def __init__(self, ctx: RunContext, vs: VisitLayout):
         self.ctx, self.vs, self.device = ctx, vs, ctx.device
         cfg = ctx.cfg
         self.model = ctx.load_part(ctx.manifest(vs.version), vs.layers, embed=vs.embed, head=True,
@@ -422,36 +432,32 @@ class Resident:
             self.model.stream.close()
 
 
-def run_visit(ctx: RunContext, vs: VisitSpec, hold: Callable[[RunContext, VisitSpec], VisitHolding], *,
-              track: TrackTarget | None = None, progress=None,
-              global_step: int = 0, min_rate: float | None = None, moments: dict | None = None,
-              spent: dict | None = None) -> TrainResult:
-    """Train visit ``vs`` with its model held by ``hold`` (:class:`Resident` or ``train_dist.Distributed``) to local
-    convergence; returns its result, the block file (and, ``bcd.moments=keep``, its optimizer state) written by the
-    writer, content-addressed, not committed; none of them after an interruption (its checkpoint is written).
-    ``progress``: the live line, closed when the loop ends; ``global_step``: the run's steps before this visit (the
-    learning-rate schedule's clock); ``min_rate``: the adaptive budget's rate to beat; ``moments``: the optimizer
-    state the block's last visit ended with; ``spent``: the visit's clock (``core/spend.Earlier.clock``), whose
-    reading each checkpoint carries, so a resumed visit is billed for its earlier attempts. Raises Diverged (the
-    caller words it) and LeaseLost."""
+def run_visit(ctx: RunContext, spec: VisitSpec, hold: Callable[[RunContext, VisitLayout], VisitHolding], *,
+              gpus: int = 1, track: TrackTarget | None = None, progress=None) -> TrainResult:
+    """Train visit ``spec`` (``core/rules.VisitSpec``: its version and what the run's state hands it: the global
+    step, the adaptive budget's rate to beat, the block's kept moments, the earlier attempts' clock, whose reading
+    each checkpoint carries) with its model held by ``hold`` (:class:`Resident` or ``train_dist.Distributed``, one of
+    ``gpus`` processes) to local convergence; returns its result, the block file (and, ``bcd.moments=keep``, its
+    optimizer state) written by the writer, content-addressed, not committed; none of them after an interruption (its
+    checkpoint is written). ``progress``: the live line, closed when the loop ends. Raises Diverged (the caller words
+    it) and LeaseLost."""
     cfg = ctx.cfg
+    vs = describe(ctx, spec, gpus)
     # the validation rows as this visit's model sees them (the prefix's states where it starts at its block): the
     # new version's validation loss is this model's on them, so the visit needs no reload of the whole model
     val = visit_val_batches(cfg, ctx, vs) if cfg.bcd.eval_every or vs.exact else []
     ctx.release_prefix()  # before the visit's model loads: the two are never held at once
     held = hold(ctx, vs)
     try:
-        return _train_held(ctx, vs, held, val, track=track, progress=progress, global_step=global_step,
-                           min_rate=min_rate, moments=moments, spent=spent)
+        return _train_held(ctx, vs, held, val, track=track, progress=progress)
     finally:
         held.close()  # its device slots and page-locked buffers go whatever ends the visit
 
 
-def _train_held(ctx: RunContext, vs: VisitSpec, held: VisitHolding, val: list, *, track: TrackTarget | None,
-                progress,
-                global_step: int, min_rate: float | None, moments: dict | None, spent: dict | None) -> TrainResult:
+def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list, *, track: TrackTarget | None,
+                progress) -> TrainResult:
     """The body of :func:`run_visit` once its model is held."""
-    cfg, ds, device, block = ctx.cfg, ctx.dataset, ctx.device, vs.block
+    cfg, ds, device, block, spec_in = ctx.cfg, ctx.dataset, ctx.device, vs.block, vs.spec
     names, params = [n for n, _ in held.named], [p for _, p in held.named]
     # bcd.expand: adapters on the suffix's linear maps, beside the model (a distributed holding registers its own
     # before DDP wraps the step, so DDP reduces their gradients)
@@ -488,8 +494,8 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held: VisitHolding, val: list, *
         for g in opt.param_groups:  # a continued run may have lowered optim.lr (after a divergence)
             g["lr"] = spec.base_lr * g.get("lr_ratio", 1.0)
         state = LoopState.from_dict(pointer["meta"]["loop"])
-    elif moments is not None:  # bcd.moments=keep: where the block's last visit left its optimizer
-        saved = checkpoints.load_file(ctx.store, vs.run_id, moments, f"the optimizer moments of block {block}",
+    elif spec_in.moments is not None:  # bcd.moments=keep: where the block's last visit left its optimizer
+        saved = checkpoints.load_file(ctx.store, vs.run_id, spec_in.moments, f"the optimizer moments of block {block}",
                                       held.ckpt_device)
         held.load_optim(opt, optimizer_state(saved, names, opt.state_dict()["param_groups"]))
 
@@ -504,7 +510,7 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held: VisitHolding, val: list, *
             trainckpt.save(ctx.store, vkey, st.steps, tensors, opt_state,
                            {"loop": st.to_dict(), "base_version": vs.version, "why": why,
                             **({"gpus": held.world} if held.world > 1 else {}),
-                            **({"spent": spent_at(spent)} if spent else {})})
+                            **({"spent": spent_at(spec_in.clock)} if spec_in.clock else {})})
             failpoints.hit("train-checkpoint")
         held.barrier()
 
@@ -516,10 +522,10 @@ def _train_held(ctx: RunContext, vs: VisitSpec, held: VisitHolding, val: list, *
     try:
         with stop_signals.training():
             res = run_steps(held.loss, params, prefetched(ranges, held.fetch(read, rows), device), opt, spec,
-                            cfg.stop_rule(min_rate), on_window=on_window, should_stop=held.should_stop,
+                            cfg.stop_rule(spec_in.min_rate), on_window=on_window, should_stop=held.should_stop,
                             state=state, checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
                             ckpt_seconds=cfg.checkpoint.every_seconds, clock=held.clock, progress=progress,
-                            global_step=global_step, extra=None if adapters is None else [p for _, p in adapters.named()])
+                            global_step=spec_in.global_step, extra=None if adapters is None else [p for _, p in adapters.named()])
     finally:
         if progress is not None:
             progress.close()

@@ -23,7 +23,7 @@ from bcdflow.storage import checkpoints
 
 
 def suffix_layers(vs) -> range:
-    """The layers a visit's expansion adapts: those after its active block (``VisitSpec.expand`` > 0)."""
+    """The layers a visit's expansion adapts: those after its active block (``VisitLayout.expand`` > 0)."""
     return range(vs.hi, vs.n_layer) if vs.expand and vs.hi is not None else range(0)
 
 

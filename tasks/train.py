@@ -19,11 +19,12 @@ from bcdflow.core.context import RunContext
 from bcdflow.errors import BadInput
 from bcdflow.models.errors import Diverged
 from bcdflow.models.holding import probe_bytes
+from bcdflow.models.memory import NoGradPass
 from bcdflow.models.visit_compute import autocast, block_grad_norms
 from bcdflow.tasks import preemption
-from bcdflow.core.rules import sample_rows
-from bcdflow.tasks.engine import (EvalResult, Resident, TrainResult, describe, diverged_message, evaluate_model,
-                                  run_visit, val_batches)
+from bcdflow.core.rules import VisitSpec, sample_rows
+from bcdflow.tasks.engine import (EvalResult, Resident, TrainResult, diverged_message, evaluate_model, run_visit,
+                                  val_batches)
 from bcdflow.tasks.progress import Progress
 from bcdflow.tasks.retry import retrying
 from bcdflow.tasks.train_dist import launch
@@ -31,25 +32,20 @@ from bcdflow.tracking.tracker import TrackTarget
 
 
 @task(name="train-block", **retrying(2))
-def train_block(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None,
-                progress: Progress | None = None, global_step: int = 0, min_rate: float | None = None,
-                moments: dict | None = None, spent: dict | None = None) -> TrainResult:
-    """Train block ``block`` of ``version`` to local convergence (a visit's training); returns its result, the
-    block file written (content-addressed) but not committed. The recipe is ``tasks.engine.run_visit``; this task
-    picks how the model is held: in this process, or (``train.gpus`` > 1) in one torchrun process per GPU, rank 0
-    committing (tasks/train_dist.py). ``progress``: the visit's live line (tasks/progress.py), closed when the loop
-    ends; ``global_step``: the run's steps before this visit (the learning-rate schedule's clock); ``min_rate``: the
-    adaptive budget's rate to beat (``bcd.budget``); ``moments``: the optimizer state the block's last visit ended
-    with (``bcd.moments=keep``); ``spent``: the visit's clock, carried by its checkpoints (core/spend.py)."""
+def train_block(ctx: RunContext, spec: VisitSpec, track: TrackTarget | None = None,
+                progress: Progress | None = None) -> TrainResult:
+    """Train block ``spec.block`` of ``spec.version`` to local convergence (a visit's training; ``spec``: what the
+    run's state hands the visit, core/rules.visit_spec); returns its result, the block file written
+    (content-addressed) but not committed. The recipe is ``tasks.engine.run_visit``; this task picks how the model is
+    held: in this process, or (``train.gpus`` > 1) in one torchrun process per GPU, rank 0 committing
+    (tasks/train_dist.py). ``progress``: the visit's live line (tasks/progress.py), closed when the loop ends."""
     cfg = ctx.cfg
     if cfg.train.gpus > 1:
-        return launch(ctx, cycle, block, version, track, global_step=global_step, min_rate=min_rate, moments=moments,
-                      spent=spent)
+        return launch(ctx, spec, track)
     try:
-        res = run_visit(ctx, describe(ctx, cycle, block, version), Resident, track=track, progress=progress,
-                        global_step=global_step, min_rate=min_rate, moments=moments, spent=spent)
+        res = run_visit(ctx, spec, Resident, track=track, progress=progress)
     except Diverged as e:
-        raise BadInput(diverged_message(cfg, ctx.run_id, cycle, block, e)) from None
+        raise BadInput(diverged_message(cfg, ctx.run_id, spec.cycle, spec.block, e)) from None
     if res.stopped_by == "interrupted":  # SIGTERM or Ctrl-C: the checkpoint is written; this never returns
         preemption.after_checkpoint(cfg.fleet.reschedule_delay_s)
     return res
@@ -64,7 +60,7 @@ def evaluate_version(ctx: RunContext, base_version: int, changed: dict[int, dict
     manifest = ctx.manifest(base_version)
     manifest = {**manifest, "blocks": {**manifest["blocks"], **{str(b): f for b, f in (changed or {}).items()}}}
     n = ctx.model_cfg.n_layer
-    streamed, rows = ctx.no_grad_pass((0, n), True, True, cfg.train.eval_rows, cfg.train.eval_batch_size)
+    streamed, rows = ctx.no_grad_pass(NoGradPass((0, n), True, True, cfg.train.eval_rows, cfg.train.eval_batch_size))
     model = ctx.load_part(manifest, (0, n), True, True, trainable=(), stream=streamed).eval()  # bf16: all bf16
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
     t0 = time.perf_counter()
@@ -83,8 +79,8 @@ def choose_block(ctx: RunContext, version: int, cycle: int, candidates: list[int
     at a time (models/visit_compute.block_grad_norms), never every gradient of the model at once."""
     cfg = ctx.cfg
     n, B = ctx.model_cfg.n_layer, cfg.train.batch_size
-    extra = probe_bytes(ctx.model_cfg, B, ctx.dataset.seq_len, cfg.train.precision)  # one layer's backward at a time
-    streamed, _ = ctx.no_grad_pass((0, n), True, True, B, B, extra=extra)
+    extra = probe_bytes(ctx.model_cfg, cfg.step_shape())  # one layer's backward at a time
+    streamed, _ = ctx.no_grad_pass(NoGradPass((0, n), True, True, B, B), extra=extra)
     model = ctx.load_part(ctx.manifest(version), (0, n), True, True, trainable=(), stream=streamed,
                           grad_from=0).eval()
     model.loss_chunk_rows = cfg.train.loss_chunk_rows

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from bcdflow.core import stop_signals
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext, check_gpus, resolve_device
+from bcdflow.core.rules import VisitSpec
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.models import build_model
 from bcdflow.models import parallel as par
@@ -46,8 +47,7 @@ from bcdflow.storage import checkpoints
 from bcdflow.storage.lease import lost_lease
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.tasks import preemption
-from bcdflow.tasks.engine import (TrainResult, VisitSpec, describe, device_peak, diverged_message, prepare_model,
-                                  run_visit)
+from bcdflow.tasks.engine import TrainResult, VisitLayout, device_peak, diverged_message, prepare_model, run_visit
 from bcdflow.tasks.expand import suffix_adapters
 from bcdflow.tasks.progress import visit_progress
 from bcdflow.tracking.tracker import TrackTarget
@@ -64,23 +64,22 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGTERM to torchru
         pass
 
 
-def launch(ctx: RunContext, cycle: int, block: int, version: int, track: TrackTarget | None = None,
-           global_step: int = 0, min_rate: float | None = None, moments: dict | None = None,
-           spent: dict | None = None) -> TrainResult:
-    """Train the visit with ``train.gpus`` processes and return rank 0's result (as ``train_block`` does)."""
+def launch(ctx: RunContext, spec: VisitSpec, track: TrackTarget | None = None) -> TrainResult:
+    """Train visit ``spec`` with ``train.gpus`` processes and return rank 0's result (as ``train_block`` does). Their
+    ``spec.json`` is the visit's record (``visit``: ``VisitSpec.to_dict``) with the run's config, ids and tracking."""
     cfg, run_id, dataset_id = ctx.cfg, ctx.run_id, ctx.dataset_id
+    cycle, block = spec.cycle, spec.block
     n = cfg.train.gpus
     check_gpus(cfg)  # a worker that picked this visit up may have fewer GPUs than the one that planned it
     base = os.environ.get("BCDFLOW_DIST_DIR")
     work = tempfile.mkdtemp(prefix=f"visit-c{cycle}-b{block}-", dir=base) if base else tempfile.mkdtemp(
         prefix="bcdflow-visit-")
-    spec = {"cfg": cfg.model_dump(mode="json"), "run_id": run_id, "cycle": cycle, "block": block, "version": version,
-            "dataset_id": dataset_id, "work": work, "global_step": global_step, "min_rate": min_rate,
-            "moments": moments, "spent": spent,
-            "track": None if track is None else {f.name: getattr(track, f.name) for f in dataclasses.fields(track)
-                                                 if not f.name.startswith("_")}}
+    job = {"visit": spec.to_dict(), "cfg": cfg.model_dump(mode="json"), "run_id": run_id, "dataset_id": dataset_id,
+           "work": work,
+           "track": None if track is None else {f.name: getattr(track, f.name) for f in dataclasses.fields(track)
+                                                if not f.name.startswith("_")}}
     with open(os.path.join(work, "spec.json"), "w") as f:
-        json.dump(spec, f)
+        json.dump(job, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "bcdflow.tasks.train_dist", os.path.join(work, "spec.json")]
     forwarded: set[int] = set()
@@ -161,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out = {"status": "done", "result": train_rank(cfg, spec, device).model_dump()}
         except Diverged as e:
-            out = {"status": "diverged", "message": diverged_message(cfg, spec["run_id"], spec["cycle"],
-                                                                     spec["block"], e)}
+            visit = spec["visit"]
+            out = {"status": "diverged", "message": diverged_message(cfg, spec["run_id"], visit["cycle"],
+                                                                     visit["block"], e)}
         except BaseException as e:  # noqa: BLE001 - reported to the task, which raises it there
             kind = next((k for k, cls in ERRORS.items() if isinstance(e, cls)), type(e).__name__)
             err = {"status": "error", "type": kind, "message": str(e).splitlines()[0] if str(e) else kind,
@@ -188,10 +188,9 @@ def choose_parallel(cfg: RunConfig, ctx: RunContext, block: int, world: int, rec
     budget = ctx.budget()  # with NCCL's buffers in the reserve
     if budget is None:
         return "ddp"
-    est = visit_memory(ctx.model_cfg, ctx.plan, block, cfg.train.batch_size, ctx.dataset.seq_len,
-                       cfg.train.precision, cfg.optim.name, recompute, cfg.bcd.preinfer,
-                       chunk_rows=cfg.train.loss_chunk_rows, weight_decay=cfg.optim.weight_decay, gpus=world,
-                       parallel="ddp", freeze=cfg.bcd.freeze, expand_rank=expand)
+    shape = dataclasses.replace(cfg.step_shape(), recompute="on" if recompute else "off", gpus=world,
+                                parallel="ddp")  # with its adapters (bcd.expand), as the visit holds them
+    est = visit_memory(ctx.model_cfg, ctx.plan, block, shape)
     if est.peak > budget and expand:
         raise ConfigError(f"bcd.expand: a replica of block {block}'s visit does not fit the device "
                           f"({est.peak / 1e9:.1f} GB predicted) and FSDP does not shard the adapters; set "
@@ -205,7 +204,7 @@ class Distributed:
     into this process's shards one block at a time. Each process reads its slice of every batch, the loss is the
     global mean, the stop flag and clock are synchronized, and rank 0 writes."""
 
-    def __init__(self, ctx: RunContext, vs: VisitSpec):
+    def __init__(self, ctx: RunContext, vs: VisitLayout):
         cfg, device = ctx.cfg, ctx.device
         self.ctx, self.vs, self.device = ctx, vs, device
         self.rank, self.world = par.world()
@@ -287,17 +286,15 @@ class Distributed:
         pass
 
 
-def train_rank(cfg: RunConfig, spec: dict, device: torch.device) -> TrainResult:
+def train_rank(cfg: RunConfig, job: dict, device: torch.device) -> TrainResult:
     """One process of a distributed visit: ``tasks.engine.run_visit`` with the model held by :class:`Distributed`."""
-    run_id, cycle, block = spec["run_id"], spec["cycle"], spec["block"]
+    run_id, spec = job["run_id"], VisitSpec.from_dict(job["visit"])
     rank, world = par.world()
-    ctx = RunContext.of(cfg, run_id, spec["dataset_id"])
+    ctx = RunContext.of(cfg, run_id, job["dataset_id"])
     ctx.device = device  # this process's GPU (the context is this process's own)
-    track = TrackTarget(**spec["track"]) if spec.get("track") and rank == 0 else None
-    progress = visit_progress(cfg, run_id, cycle, block, ctx.store) if rank == 0 else None  # the live line
-    return run_visit(ctx, describe(ctx, cycle, block, spec["version"], gpus=world), Distributed, track=track,
-                     progress=progress, global_step=spec.get("global_step", 0), min_rate=spec.get("min_rate"),
-                     moments=spec.get("moments"), spent=spec.get("spent"))
+    track = TrackTarget(**job["track"]) if job.get("track") and rank == 0 else None
+    progress = visit_progress(cfg, run_id, spec.cycle, spec.block, ctx.store) if rank == 0 else None  # the live line
+    return run_visit(ctx, spec, Distributed, gpus=world, track=track, progress=progress)
 
 
 if __name__ == "__main__":

@@ -128,6 +128,7 @@ def do_visit(cfg, run_id: str, ds_id: str, cycle: int, block: int, version: int)
     from bcdflow.core.context import RunContext
     from bcdflow.storage.checkpoints import commit_version
     from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
+    from bcdflow.core.rules import VisitSpec
     from bcdflow.tasks.train import train_block
 
     if cfg.bcd.preinfer and block > 0:
@@ -136,7 +137,7 @@ def do_visit(cfg, run_id: str, ds_id: str, cycle: int, block: int, version: int)
         for s in shards:
             preinfer_shard.fn(RunContext.of(cfg, run_id, ds_id), cycle, block, version, s)
         assert plan_shards.fn(RunContext.of(cfg, run_id, ds_id), cycle, block) == []  # all complete now
-    out = train_block.fn(RunContext.of(cfg, run_id, ds_id), cycle, block, version)
+    out = train_block.fn(RunContext.of(cfg, run_id, ds_id), VisitSpec(cycle, block, version))
     commit_version(Store(cfg.store), run_id, version, version + 1, {block: out.block_file})
     return out
 

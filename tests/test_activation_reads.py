@@ -17,6 +17,7 @@ from bcdflow.storage.activations import ActivationError, ActivationReader, creat
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import train_block
+from bcdflow.core.rules import VisitSpec
 from tests.helpers import new_run
 
 KEY = "runs/r/visits/c0-b1/activations.zarr"
@@ -93,7 +94,7 @@ def test_training_refuses_a_corrupt_shard_and_preinference_recomputes_it(tiny_cf
     store = Store(cfg.store)
     _flip_a_byte(store, KEY, "hidden", "c", "0", "0", "0", at=1000)  # shard 0's first chunk
     with pytest.raises(DamagedArtifact, match="shard 0 .*corrupt"):
-        train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0)
+        train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 1, 0))
     assert plan_shards.fn(RunContext.of(cfg, "r", ds), 0, 1) == [0]  # the next pre-inference redoes exactly that shard
     preinfer_shard.fn(RunContext.of(cfg, "r", ds), 0, 1, 0, 0)
-    assert train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0).steps == cfg.bcd.max_steps
+    assert train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 1, 0)).steps == cfg.bcd.max_steps

@@ -97,6 +97,7 @@ def test_bf16_zstd_activations_through_a_real_visit(tiny_cfg):
     from bcdflow.tasks.data import prepare_data
     from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
     from bcdflow.tasks.run import init_run
+    from bcdflow.core.rules import VisitSpec
     from bcdflow.tasks.train import train_block
 
     trained = {}
@@ -111,7 +112,7 @@ def test_bf16_zstd_activations_through_a_real_visit(tiny_cfg):
         if name == "bf16":
             assert hidden.dtype == np.uint16 and hidden.attrs["logical_dtype"] == "bfloat16"
             assert any("zstd" in type(c).__name__.lower() for c in hidden.compressors)
-        out = train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0)
+        out = train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 1, 0))
         assert math.isfinite(out.train_loss)
         trained[name] = checkpoints.load_from_manifest(open_store(cfg), "r", {"blocks": {"1": out.block_file}})
     v0 = checkpoints.load_blocks(open_store(cfg), "r", 0, [1])

@@ -65,7 +65,7 @@ def test_resume_of_a_finished_run_says_so_at_once(tmp_path, capsys):
     t0 = time.perf_counter()
     with pytest.MonkeyPatch.context() as mp:  # nothing may start a flow
         mp.setattr("bcdflow.flows.cli._call", lambda *a, **k: pytest.fail("resume of a finished run ran a flow"))
-        mp.setattr("bcdflow.flows.cli._check_continuable", lambda *a: None)  # the fake run has no block files
+        mp.setattr("bcdflow.flows.cli._continuable", lambda *a: {})  # the fake run has no block files
         assert main(["resume", "fin", "--store", store.url]) == 0
     assert time.perf_counter() - t0 < 5
     out = capsys.readouterr().out
@@ -232,3 +232,39 @@ def test_visit_flow_runs_are_named_by_their_run():
     assert visit_run_name("t", 0, 0) == "t/c0-b0"
     long = "an-experiment-with-a-very-long-name-7"
     assert short_run_id(long) == "an-experiment-w…g-name-7" and len(short_run_id(long)) == 24
+
+
+def test_a_command_opens_its_store_once_and_reads_each_record_once(tiny_cfg, monkeypatch, capsys):
+    """``train --run-id`` of an existing run and ``resume`` open the store once, probe it once and read the run's
+    state and config once before the flow starts (they opened it three and two times, probed it twice and read
+    state.json and config.json two and three times). The flow is left out: what is counted is the command's own."""
+    from bcdflow.flows import cli
+    from bcdflow.storage import store as store_mod
+    from tests.helpers import TINY, new_run
+
+    cfg = tiny_cfg()
+    new_run(cfg)
+    counts = {"open": 0, "probe": 0, "state": 0, "config": 0}
+
+    def counted(what, fn):
+        def wrapper(*a, **kw):
+            counts[what] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    init, check = Store.__init__, Store._check  # a store made, a store checked (Store.probe's work)
+    monkeypatch.setattr(Store, "__init__", lambda self, *a, **kw: (counts.__setitem__("open", counts["open"] + 1),
+                                                                   init(self, *a, **kw))[1])
+    monkeypatch.setattr(Store, "_check", lambda self, *a, **kw: (counts.__setitem__("probe", counts["probe"] + 1),
+                                                                check(self, *a, **kw))[1])
+    monkeypatch.setattr(runs, "read_state", counted("state", runs.read_state))
+    monkeypatch.setattr(runs, "read_config", counted("config", runs.read_config))
+    monkeypatch.setattr(cli, "_call", lambda fn, cfg, run_id, debug=False: {"run_id": run_id})
+    assert store_mod.Store is Store
+    sets = [a for s in [*TINY, "tracking_uri=none"] for a in ("--set", s)]
+    assert main(["train", *sets, "--run-id", "r", "--store", cfg.store]) == 0
+    assert counts == {"open": 1, "probe": 1, "state": 1, "config": 1}, counts
+    counts.update(dict.fromkeys(counts, 0))
+    assert main(["resume", "r", "--store", cfg.store]) == 0
+    assert counts == {"open": 1, "probe": 1, "state": 1, "config": 1}, counts
+    capsys.readouterr()

@@ -164,3 +164,31 @@ def test_yaml_file_errors(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert load_config(str(empty)) == RunConfig()
+
+
+def test_the_config_loads_without_torch():
+    """``core/config.py`` and what it imports (the optimizer registry, the model configs and plans, the records it
+    builds: models/specs.py) are torch-free, so the commands that only read a store parse a stored config through
+    ``RunConfig`` and answer at once. It imported torch through ``models/`` (the trainer's OptimSpec, the base model's
+    name prefixes, the package's own imports)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, bcdflow.core.config as c; cfg = c.load_config(sets=['optim.name=sgd']); "
+            "cfg.optim_spec(); cfg.stop_rule(); cfg.step_shape(); print(sorted(m for m in sys.modules if "
+            "m.split('.')[0] in ('torch', 'prefect', 'mlflow')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+def test_the_step_shape_is_the_runs():
+    """``RunConfig.step_shape``: the one place the planner's arguments come from a run config."""
+    cfg = load_config(sets=["train.batch_size=4", "data.seq_len=64", "train.precision=bf16", "bcd.recompute=all",
+                            "bcd.freeze=[head]", "train.stream_window=3", "train.pcie_gbs=12", "bcd.expand_rank=8"])
+    s = cfg.step_shape()
+    assert (s.batch, s.seq, s.precision, s.recompute, s.freeze, s.window, s.pcie_gbs, s.expand_rank, s.offload) == (
+        4, 64, "bf16", "all", ("head",), 3, 12.0, 8, "auto")
+    assert load_config(sets=["bcd.expand=off"]).step_shape().expand_rank == 0
+    two = load_config(sets=["train.gpus=2"])  # several processes stream nothing; their no-grad passes may
+    assert two.step_shape().offload == "off" and two.step_shape(no_grad=True).offload == "auto"

@@ -20,6 +20,7 @@ from bcdflow.models.errors import ConfigError
 from bcdflow.storage.checkpoints import load_blocks, load_from_manifest
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
+from bcdflow.core.rules import VisitSpec
 from tests.helpers import TINY, Spy, do_visit, new_run
 
 
@@ -72,7 +73,7 @@ def test_the_pre_inference_prefix_is_freed_before_the_visit_trains(tiny_cfg, mon
         return real(params, spec)
 
     monkeypatch.setattr(engine_mod, "make_optimizer", make_optimizer)
-    train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), 0, 2, 0)
+    train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), VisitSpec(0, 2, 0))
     assert alive == [False]
 
 
@@ -95,7 +96,7 @@ def test_recompute_setting_and_auto_choice(tiny_cfg, monkeypatch, setting, memor
     sets = [f"bcd.recompute={setting}"] + ([f"train.memory_gb={memory_gb}"] if memory_gb else [])
     cfg = tiny_cfg(*sets)
     ds_id = new_run(cfg)
-    out = train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), 0, 0, 0)
+    out = train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), VisitSpec(0, 0, 0))
     assert out.recompute is expect
 
 
@@ -104,9 +105,9 @@ def test_recompute_and_chunking_keep_the_visit_weights(tiny_cfg):
     cfg = tiny_cfg()
     ds_id = new_run(cfg)
     store = Store(cfg.store)
-    ref = train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), 0, 0, 0)
-    redo = train_mod.train_block.fn(RunContext.of(tiny_cfg("bcd.recompute=on"), "r", ds_id), 0, 0, 0)
-    chunk = train_mod.train_block.fn(RunContext.of(tiny_cfg("train.loss_chunk_rows=7"), "r", ds_id), 0, 0, 0)
+    ref = train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), VisitSpec(0, 0, 0))
+    redo = train_mod.train_block.fn(RunContext.of(tiny_cfg("bcd.recompute=on"), "r", ds_id), VisitSpec(0, 0, 0))
+    chunk = train_mod.train_block.fn(RunContext.of(tiny_cfg("train.loss_chunk_rows=7"), "r", ds_id), VisitSpec(0, 0, 0))
     assert redo.block_file == ref.block_file  # content-addressed: bitwise the same tensors
     t_ref = load_from_manifest(store, "r", {"blocks": {"0": ref.block_file}}, [0])
     t_chunk = load_from_manifest(store, "r", {"blocks": {"0": chunk.block_file}}, [0])
@@ -119,8 +120,8 @@ def test_compile_trains_to_the_eager_weights(tiny_cfg):
     cfg = tiny_cfg("bcd.max_steps=3")
     ds_id = new_run(cfg)
     store = Store(cfg.store)
-    eager = train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), 0, 0, 0)
-    compiled = train_mod.train_block.fn(RunContext.of(tiny_cfg("bcd.max_steps=3", "train.compile=true"), "r", ds_id), 0, 0, 0)
+    eager = train_mod.train_block.fn(RunContext.of(cfg, "r", ds_id), VisitSpec(0, 0, 0))
+    compiled = train_mod.train_block.fn(RunContext.of(tiny_cfg("bcd.max_steps=3", "train.compile=true"), "r", ds_id), VisitSpec(0, 0, 0))
     a = load_from_manifest(store, "r", {"blocks": {"0": eager.block_file}}, [0])
     b = load_from_manifest(store, "r", {"blocks": {"0": compiled.block_file}}, [0])
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4
@@ -145,6 +146,7 @@ def test_cuda_peak_matches_the_planner():
     """On a GPU: a bf16 visit step's allocator peak against the planner's prediction (the issue's 10%)."""
     from benchmarks.common import Workload
     from bcdflow.models.memory import visit_memory
+    from bcdflow.models.specs import StepShape
 
     c = {"model": "gpt2-124m", "overrides": {"n_layer": 6}, "batch_size": 4, "seq_len": 512, "precision": "bf16"}
     w = Workload(c, torch.device("cuda"))
@@ -154,7 +156,7 @@ def test_cuda_peak_matches_the_planner():
             v = w.visit(f"b{blk.index}", blk, recompute=recompute)
             v.step(timed=False)
             measured = v.peak()["peak_bytes"]
-            est = visit_memory(w.cfg, plan, blk.index, 4, 512, "bf16", recompute=recompute)
+            est = visit_memory(w.cfg, plan, blk.index, StepShape(4, 512, "bf16", recompute="on" if recompute else "off"))
             assert abs(est.peak / measured - 1) <= 0.10, (blk.index, recompute, measured, est.peak)
             del v
             torch.cuda.empty_cache()

@@ -22,6 +22,7 @@ from bcdflow.storage import checkpoints
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import evaluate_version, train_block
+from bcdflow.core.rules import VisitSpec
 from tests.helpers import new_run
 
 pytestmark = pytest.mark.slow
@@ -58,9 +59,9 @@ def test_two_processes_give_the_one_process_weights(tiny_cfg, mode, block, famil
     extra += ("bcd.eval_every=3",)  # in-visit validation: every process, the whole model
     one = tiny_cfg(*SGD, *extra)
     ds = setup_visit(one, block)
-    ref = train_block.fn(RunContext.of(one, "r", ds), 0, block, 0)
+    ref = train_block.fn(RunContext.of(one, "r", ds), VisitSpec(0, block, 0))
     two = tiny_cfg(*SGD, *extra, "train.gpus=2", f"train.parallel={mode}")
-    out = train_block.fn(RunContext.of(two, "r", ds), 0, block, 0)
+    out = train_block.fn(RunContext.of(two, "r", ds), VisitSpec(0, block, 0))
     assert [s for s, _ in out.val_points] == [s for s, _ in ref.val_points] == [3, 6]
     assert max(abs(a - b) for (_, a), (_, b) in zip(out.val_points, ref.val_points)) <= 1e-6
     assert (out.gpus, out.steps, out.tokens, out.stopped_by) == (2, ref.steps, ref.tokens, "max_steps")
@@ -76,9 +77,9 @@ def test_masked_targets_and_a_ragged_batch_keep_the_global_mean(tiny_cfg):
     """Batches of 3 rows over 2 processes (one gets 1 row, the other 2) still weigh every token alike."""
     one = tiny_cfg(*SGD, "train.batch_size=3", "bcd.max_steps=4")
     ds = setup_visit(one, 1)
-    ref = train_block.fn(RunContext.of(one, "r", ds), 0, 1, 0)
+    ref = train_block.fn(RunContext.of(one, "r", ds), VisitSpec(0, 1, 0))
     out = train_block.fn(RunContext.of(tiny_cfg(*SGD, "train.batch_size=3", "bcd.max_steps=4", "train.gpus=2",
-                               "train.parallel=ddp"), "r", ds), 0, 1, 0)
+                               "train.parallel=ddp"), "r", ds), VisitSpec(0, 1, 0))
     assert max_diff(block_of(one, 1, ref.block_file), block_of(one, 1, out.block_file)) <= 1e-6
 
 
@@ -108,7 +109,7 @@ def test_sigterm_to_one_process_checkpoints_once_and_resumes_on_one(tiny_cfg, tm
     watcher = threading.Thread(target=preempt_rank1, daemon=True)
     watcher.start()
     with pytest.raises(SystemExit) as exc:  # the task hands the preemption on: exit 143 (or Prefect reschedules)
-        train_block.fn(RunContext.of(two, "r", ds), 0, 0, 0)
+        train_block.fn(RunContext.of(two, "r", ds), VisitSpec(0, 0, 0))
     watcher.join()
     assert exc.value.code == 128 + signal.SIGTERM and sent
     pointer = store.read_json(ckpt)
@@ -116,10 +117,10 @@ def test_sigterm_to_one_process_checkpoints_once_and_resumes_on_one(tiny_cfg, tm
     kept = {f for f in store.listdir("runs/r/visits/c0-b0/train-ckpt") if f.startswith("params-")}
     assert kept == {pointer["params"], pointer["previous"]["params"]}  # this checkpoint and the one kept before it
     # the unsharded checkpoint resumes in one process, and ends where an uninterrupted visit ends
-    resumed = train_block.fn(RunContext.of(one, "r", ds), 0, 0, 0)
+    resumed = train_block.fn(RunContext.of(one, "r", ds), VisitSpec(0, 0, 0))
     assert resumed.resumed_at == pointer["step"]
     store.rm("runs/r/visits/c0-b0")
-    ref = train_block.fn(RunContext.of(one, "r", ds), 0, 0, 0)
+    ref = train_block.fn(RunContext.of(one, "r", ds), VisitSpec(0, 0, 0))
     assert max_diff(block_of(one, 0, ref.block_file), block_of(one, 0, resumed.block_file)) <= 1e-6
 
 
@@ -134,15 +135,15 @@ def test_a_one_process_checkpoint_resumes_on_two(tiny_cfg, monkeypatch):
 
     monkeypatch.setattr(stop_signals, "requested", requested)
     with pytest.raises(SystemExit):
-        train_block.fn(RunContext.of(one, "r", ds), 0, 1, 0)
+        train_block.fn(RunContext.of(one, "r", ds), VisitSpec(0, 1, 0))
     monkeypatch.undo()
     store = Store(one.store)
     pointer = store.read_json("runs/r/visits/c0-b1/train-ckpt/ckpt.json")
     assert (pointer["step"], pointer["meta"]["why"]) == (30, "signal")
-    resumed = train_block.fn(RunContext.of(tiny_cfg(*SGD, *LONG, "train.gpus=2", "train.parallel=ddp"), "r", ds), 0, 1, 0)
+    resumed = train_block.fn(RunContext.of(tiny_cfg(*SGD, *LONG, "train.gpus=2", "train.parallel=ddp"), "r", ds), VisitSpec(0, 1, 0))
     assert resumed.resumed_at == 30 and resumed.steps == 120
     store.rm("runs/r/visits/c0-b1/train-ckpt")
-    ref = train_block.fn(RunContext.of(one, "r", ds), 0, 1, 0)
+    ref = train_block.fn(RunContext.of(one, "r", ds), VisitSpec(0, 1, 0))
     assert max_diff(block_of(one, 1, ref.block_file), block_of(one, 1, resumed.block_file)) <= 1e-6
 
 
@@ -152,15 +153,15 @@ def test_kept_moments_go_in_and_out_of_a_two_process_visit(tiny_cfg):
     keep = ("bcd.moments=keep", "optim.lr=0.003")
     one = tiny_cfg(*keep)
     ds = setup_visit(one, 0)
-    first = train_block.fn(RunContext.of(one, "r", ds), 0, 0, 0)
-    ref = train_block.fn(RunContext.of(one, "r", ds), 1, 0, 0, moments=first.moments_file)
+    first = train_block.fn(RunContext.of(one, "r", ds), VisitSpec(0, 0, 0))
+    ref = train_block.fn(RunContext.of(one, "r", ds), VisitSpec(1, 0, 0, moments=first.moments_file))
     two = tiny_cfg(*keep, "train.gpus=2", "train.parallel=fsdp")
-    out = train_block.fn(RunContext.of(two, "r", ds), 1, 0, 0, moments=first.moments_file)
+    out = train_block.fn(RunContext.of(two, "r", ds), VisitSpec(1, 0, 0, moments=first.moments_file))
     assert max_diff(block_of(one, 0, ref.block_file), block_of(one, 0, out.block_file)) <= 1e-5
     store = Store(one.store)
     a, b = (checkpoints.load_file(store, "r", r.moments_file, "moments") for r in (ref, out))
     assert {k for k in a if k.startswith("step/")} and max_diff(a, b) <= 1e-5
     assert {float(v) for k, v in b.items() if k.startswith("step/")} == {12.0}  # 6 + 6 kept steps
     # and the kept moments mattered: a fresh optimizer ends elsewhere
-    fresh = train_block.fn(RunContext.of(one, "r", ds), 1, 0, 0)
+    fresh = train_block.fn(RunContext.of(one, "r", ds), VisitSpec(1, 0, 0))
     assert max_diff(block_of(one, 0, ref.block_file), block_of(one, 0, fresh.block_file)) > 1e-4

@@ -27,6 +27,7 @@ from bcdflow.storage.checkpoints import commit_version, load_blocks, read_manife
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import evaluate_version, train_block
+from bcdflow.core.rules import VisitSpec
 from tests.helpers import Spy, assert_same, finished_weights, new_run
 from tests.test_memory import measured_vs_planned
 
@@ -40,7 +41,7 @@ def expanded_visit(cfg, ds_id: str, block: int, version: int = 0, run_id: str = 
     if ctx.from_acts(block):
         for s in plan_shards.fn(ctx, 0, block):
             preinfer_shard.fn(ctx, 0, block, version, s)
-    out = train_block.fn(ctx, 0, block, version)
+    out = train_block.fn(ctx, VisitSpec(0, block, version))
     commit_version(Store(cfg.store), run_id, version, version + 1, out.files(block))
     return out
 
@@ -99,8 +100,8 @@ def test_expansion_off_is_todays_visit_bitwise(tiny_cfg):
     ctx = RunContext.of(plain, "r", ds_id)
     for s in plan_shards.fn(ctx, 0, 2):
         preinfer_shard.fn(ctx, 0, 2, 1, s)
-    b = train_block.fn(RunContext.of(tiny_cfg(*LORA), "r", ds_id), 0, 2, 1)
-    c = train_block.fn(ctx, 0, 2, 1)
+    b = train_block.fn(RunContext.of(tiny_cfg(*LORA), "r", ds_id), VisitSpec(0, 2, 1))
+    c = train_block.fn(ctx, VisitSpec(0, 2, 1))
     assert a.suffix_files == {} and b.suffix_files == {} and b.block_file == c.block_file
 
 
@@ -130,7 +131,7 @@ def test_a_streamed_expanded_visit_equals_the_resident_one_bitwise(tiny_cfg, blo
     resident = tiny_cfg(*LORA, "train.offload=off")
     ds_id = new_run(resident)
     a = expanded_visit(resident, ds_id, block)
-    b = train_block.fn(RunContext.of(tiny_cfg(*LORA, "train.offload=stream"), "r", ds_id), 0, block, 0)
+    b = train_block.fn(RunContext.of(tiny_cfg(*LORA, "train.offload=stream"), "r", ds_id), VisitSpec(0, block, 0))
     assert b.streamed > 0
     assert b.block_file == a.block_file and b.suffix_files == a.suffix_files and b.suffix_files
 
@@ -237,9 +238,8 @@ def test_ddp_reduces_the_adapters_gradients(tiny_cfg):
     ctx = RunContext.of(one, "r", ds)
     for s in plan_shards.fn(ctx, 0, 1):
         preinfer_shard.fn(ctx, 0, 1, 0, s)
-    ref = train_block.fn(ctx, 0, 1, 0)
-    out = train_block.fn(RunContext.of(tiny_cfg(*sgd, *LORA, "train.gpus=2", "train.parallel=ddp"), "r", ds),
-                         0, 1, 0)
+    ref = train_block.fn(ctx, VisitSpec(0, 1, 0))
+    out = train_block.fn(RunContext.of(tiny_cfg(*sgd, *LORA, "train.gpus=2", "train.parallel=ddp"), "r", ds), VisitSpec(0, 1, 0))
     assert out.gpus == 2 and set(out.suffix_files) == set(ref.suffix_files) == {2}
     store = Store(one.store)
     for b, a_entry, b_entry in [(1, ref.block_file, out.block_file), (2, ref.suffix_files[2], out.suffix_files[2])]:

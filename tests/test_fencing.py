@@ -322,6 +322,7 @@ def test_training_stops_once_its_lease_could_have_expired(tiny_cfg, monkeypatch)
     LeaseLost and no checkpoint written after that; the train task never retries it."""
     from bcdflow.core.context import RunContext
     from bcdflow.storage import layout, trainckpt
+    from bcdflow.core.rules import VisitSpec
     from bcdflow.tasks.train import train_block
     from tests.helpers import new_run
 
@@ -337,7 +338,7 @@ def test_training_stops_once_its_lease_could_have_expired(tiny_cfg, monkeypatch)
     lease = Lease(store, layout.visit_key("r", 0, 0), "visit c0-b0 of run 'r'", ttl=ttl)
     with pytest.raises(LeaseLost) as lost:
         with lease.held():
-            train_block.fn(RunContext.of(cfg, "r", ds), 0, 0, 0)
+            train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 0, 0))
     stopped = time.monotonic() - acquired[lease.key]
     message = str(lost.value)
     assert "visit c0-b0 of run 'r': its lease was not renewed for" in message and "\n" not in message
@@ -379,6 +380,7 @@ def test_a_distributed_visit_whose_lease_is_not_renewed_is_stopped_at_once(tiny_
     task kills every process without a checkpoint of its own and raises LeaseLost within the ttl."""
     from bcdflow.core.context import RunContext
     from bcdflow.storage import layout
+    from bcdflow.core.rules import VisitSpec
     from bcdflow.tasks.train import train_block
     from tests.helpers import new_run
 
@@ -415,7 +417,7 @@ def test_a_distributed_visit_whose_lease_is_not_renewed_is_stopped_at_once(tiny_
     try:
         with pytest.raises(LeaseLost, match="not renewed"):
             with lease.held():
-                train_block.fn(RunContext.of(cfg, "r", ds), 0, 0, 0)
+                train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 0, 0))
     finally:
         done.set()
         watcher.join()

@@ -11,6 +11,7 @@ import torch
 from bcdflow.core.context import RunContext
 from bcdflow.models import get_config, model_plan
 from bcdflow.models.memory import visit_memory
+from bcdflow.models.specs import StepShape
 from bcdflow.storage.checkpoints import load_blocks
 from bcdflow.storage.store import Store
 from tests.helpers import Spy, do_visit, new_run
@@ -42,7 +43,7 @@ def test_a_params_split_balances_what_trains():
 def test_the_planner_counts_only_what_trains():
     cfg = get_config("tiny-llama", vocab_size=32000)
     plan = model_plan(cfg, 3, freeze=["embeddings", "head"])
-    full = visit_memory(cfg, plan, 0, 2, 32, "bf16")
-    frozen = visit_memory(cfg, plan, 0, 2, 32, "bf16", freeze=["embeddings", "head"])
+    full = visit_memory(cfg, plan, 0, StepShape(2, 32, "bf16"))
+    frozen = visit_memory(cfg, plan, 0, StepShape(2, 32, "bf16", freeze=("embeddings", "head")))
     assert full.trainable_params - frozen.trainable_params == 32000 * cfg.d_model
     assert frozen.optim < full.optim

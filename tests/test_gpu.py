@@ -134,7 +134,7 @@ def test_a_partly_resident_visit_fits_its_card_without_retries_and_overlaps_its_
     run = load_config(sets=["tracking_uri=none", *SHAPE, *sets])
     mcfg = model_config(run)
     plan = block_plan(run, mcfg)
-    est = visit_memory(mcfg, plan, 0, 8, 1024, "bf16", recompute=True, expand_rank=16)
+    est = visit_memory(mcfg, plan, 0, run.step_shape())  # recompute on (SHAPE), nothing streamed
     layer = next(iter(est.layer_sizes.values()))[1]
     usable = est.peak - 5 * layer  # about half of the 12 frozen layers must stream
     card = (usable + WORKSPACE_BYTES) / (1 - FRAGMENTATION) + CONTEXT_BYTES + 1e6
@@ -169,6 +169,7 @@ def test_a_streamed_visit_through_the_engine_equals_the_resident_one(tiny_cfg, d
     from bcdflow.core.context import RunContext
     from bcdflow.storage.checkpoints import load_from_manifest
     from bcdflow.storage.store import Store
+    from bcdflow.core.rules import VisitSpec
     from bcdflow.tasks.train import train_block
     from tests.helpers import new_run
 
@@ -187,7 +188,7 @@ def test_a_streamed_visit_through_the_engine_equals_the_resident_one(tiny_cfg, d
         ctx = RunContext.of(cfg, "r", new_run(cfg))
         assert ctx.device == dev
         base = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
-        res = train_block.fn(ctx, 0, 0, 0)
+        res = train_block.fn(ctx, VisitSpec(0, 0, 0))
         files = res.files(0)
         tensors = load_from_manifest(Store(cfg.store), "r", {"blocks": {str(b): f for b, f in files.items()}})
         out[offload] = (res, tensors, ctx.holding(0), base)

@@ -133,7 +133,7 @@ def test_run_from_fresh_weights_exports_as_its_family(tmp_path, tiny_cfg, family
     ours = ctx.load_part(ctx.manifest(0), (0, ctx.model_cfg.n_layer), embed=True, head=True).eval()
     export_hf(ctx.store, "n", 0, str(tmp_path / "out"))
     model, tok = load_clean(tmp_path / "out")
-    assert type(model).__name__ == hfmap.NATURAL_ARCH[ctx.model_cfg.family]
+    assert type(model).__name__ == hfmap.default_architecture(ctx.model_cfg)
     assert hfmap.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text())).n_ctx == ctx.model_cfg.n_ctx
     idx = torch.from_numpy(ctx.dataset.val_rows()[:2, :16]).long()
     with torch.no_grad():
@@ -208,7 +208,7 @@ def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path, caps
     json.dump({**conf, "architectures": ["FalconForCausalLM"]}, open(os.path.join(ck, "config.json"), "w"))
     msg = _cli_bad(tmp_path, capsys, ck, corpus)
     assert "'FalconForCausalLM' is not supported" in msg
-    assert all(a in msg for a in hfmap.ARCHITECTURES)
+    assert all(a in msg for a in hfmap.architectures())
 
 
 def test_shard_listed_in_the_index_but_missing(tmp_path, capsys, tok_dir, corpus):
@@ -375,3 +375,24 @@ def test_config_to_hf_and_back_is_the_same_model(name, over):
         assert getattr(back, field) == getattr(cfg, field), field
     stored = json.loads(json.dumps(cfg.to_dict()))  # model_resolved as a run's config.json keeps it
     assert ModelConfig.from_dict(stored) == cfg
+
+
+def test_the_checkpoint_is_checked_once_per_run_start(tmp_path, tok_dir, corpus, monkeypatch):
+    """The CLI's preflight checks every file and tensor of ``model.from_hf``; the data check of a resumed run and the
+    flow's token dataset took it two and three more times (every tensor's header, the tokenizer). A file changed since
+    is checked again."""
+    from bcdflow.core import hf_import
+    from bcdflow.core.context import preflight
+    from bcdflow.tasks.data import data_id
+
+    ck, _ = make_checkpoint(tmp_path / "ck", "llama", tok_dir)
+    cfg = run_cfg(tmp_path, ck, corpus)
+    calls = []
+    monkeypatch.setattr(hf_import, "tensor_names", lambda *a: calls.append(1) or {})
+    preflight(cfg)
+    data_id(cfg)
+    prepare_data.fn(cfg, open_store(cfg))
+    assert len(calls) == 1
+    os.utime(os.path.join(ck, "config.json"), ns=(1, 1))
+    data_id(cfg)
+    assert len(calls) == 2

@@ -8,15 +8,19 @@ allocates.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from bcdflow.models import build_model, get_config, model_plan
-from bcdflow.models.holding import (choose_holding, no_grad_holding, recommend, spread, step_time,
+from bcdflow.models.holding import (choose_holding, fit_holding, no_grad_holding, recommend, spread, step_time,
                                     streamed_choice)
-from bcdflow.models.memory import (CONTEXT_BYTES, FRAGMENTATION, GB, WORKSPACE_BYTES, device_budget,
+from bcdflow.models.memory import (CONTEXT_BYTES, FRAGMENTATION, GB, WORKSPACE_BYTES, NoGradPass, device_budget,
                                    no_grad_memory, no_grad_rows, visit_memory)
+from bcdflow.models.specs import StepShape
+
+BF16 = StepShape(2, 1024, "bf16")  # Llama-3-8B's shape in the README: 2 x 1024 tokens, bf16
 
 L8B = dict(family="llama", n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_ff=14336, vocab_size=128256,
            n_ctx=8192)
@@ -42,19 +46,19 @@ def test_partial_residency_streams_the_fewest_layers_that_fit():
     cfg = llama8b()
     plan = model_plan(cfg, 8)
     budget = device_budget(24 * GB).usable
-    h = choose_holding(cfg, plan, 0, 2, 1024, "bf16", budget)
+    h = choose_holding(cfg, plan, 0, BF16, budget)
     assert h.fits and h.estimate.peak <= budget
     assert 0 < len(h.streamed) < h.frozen  # some frozen layers stay resident: the card is used, not left idle
     fewer = streamed_choice(sorted(h.estimate.layer_sizes), plan[0].layers[0], len(h.streamed) - 1)
-    less = visit_memory(cfg, plan, 0, 2, 1024, "bf16", recompute=h.recompute, streamed=fewer)
+    less = visit_memory(cfg, plan, 0, replace(h.shape, streamed=fewer))
     assert less.peak > budget  # one layer fewer streamed would not fit: the fewest
     # every held frozen layer streamed (train.offload=stream) and none (off)
-    assert choose_holding(cfg, plan, 0, 2, 1024, "bf16", budget, offload="stream").streamed == tuple(
+    assert choose_holding(cfg, plan, 0, replace(BF16, offload="stream"), budget).streamed == tuple(
         sorted(h.estimate.layer_sizes))
-    off = choose_holding(cfg, plan, 0, 2, 1024, "bf16", budget, offload="off")
+    off = choose_holding(cfg, plan, 0, replace(BF16, offload="off"), budget)
     assert off.streamed == () and not off.fits
     # no budget (the CPU): nothing streams unless asked
-    assert choose_holding(cfg, plan, 0, 2, 1024, "bf16", None).streamed == ()
+    assert choose_holding(cfg, plan, 0, BF16, None).streamed == ()
 
 
 def test_streamed_layers_are_spread_prefix_first():
@@ -66,19 +70,20 @@ def test_streamed_layers_are_spread_prefix_first():
 def test_the_time_model_counts_copies_per_phase_and_when_they_hide():
     cfg = llama8b()
     plan = model_plan(cfg, 12)
-    e = visit_memory(cfg, plan, 0, 2, 1024, "bf16", stream=True)
+    e = visit_memory(cfg, plan, 0, replace(BF16, offload="stream"))
     sizes = {i: f for i, (_, f) in e.layer_sizes.items()}
-    t = step_time(cfg, plan, 0, 2, 1024, recompute=True, streamed=e.streamed, sizes=sizes, precision="bf16")
+    streamed = replace(BF16, recompute="on", streamed=e.streamed)
+    t = step_time(cfg, plan, 0, streamed, sizes)
     assert t.streamed_s > t.resident_s > 0 and t.copy_fwd_bytes > 0 and t.copy_bwd_bytes > 0
     assert t.copy_fwd_bytes + t.copy_bwd_bytes == e.copy_bytes  # the same slot plan as the memory estimate
     # a fully streamed forward at 2x1024 is PCIe-bound: each Llama-3-8B layer copies in 17 ms at 25 GB/s and
     # computes in 11 ms at 80 TFLOP/s; from the tokens the model names, the copies hide (within 1%)
     assert t.hides_at_tokens and t.hides_at_tokens > 2048
     rows = math.ceil(t.hides_at_tokens / 1024)
-    big = step_time(cfg, plan, 0, rows, 1024, recompute=True, streamed=e.streamed, sizes=sizes, precision="bf16")
+    big = step_time(cfg, plan, 0, replace(streamed, batch=rows), sizes)
     assert big.overhead <= 0.011
     # resident: no copies, no overhead; recompute adds the suffix's forward to the resident time
-    plain = step_time(cfg, plan, 0, 2, 1024, recompute=False, precision="bf16")
+    plain = step_time(cfg, plan, 0, replace(BF16, recompute="off"))
     assert plain.overhead == 0 and plain.resident_s < t.resident_s
 
 
@@ -86,22 +91,22 @@ def test_the_time_model_is_per_precision():
     """fp32 (the default precision) computes at about half bf16's rate on a 4090 (CUDA cores, no TF32): the same
     visit's resident step takes twice as long, so the same copies hide behind it from half the tokens; a given
     ``train.tflops`` overrides both. One constant for both (80) made fp32 visits look twice as fast as they run."""
-    from bcdflow.models.holding import TFLOPS, tflops_for
+    from bcdflow.models.specs import TFLOPS, tflops_for
 
     cfg = llama8b()
     plan = model_plan(cfg, 12)
-    e = visit_memory(cfg, plan, 0, 2, 1024, "bf16", stream=True)
+    e = visit_memory(cfg, plan, 0, replace(BF16, offload="stream"))
     sizes = {i: f for i, (_, f) in e.layer_sizes.items()}
-    t = {p: step_time(cfg, plan, 0, 2, 1024, recompute=True, streamed=e.streamed, sizes=sizes, precision=p)
+    t = {p: step_time(cfg, plan, 0, replace(BF16, precision=p, recompute="on", streamed=e.streamed), sizes)
          for p in ("fp32", "bf16")}
     assert TFLOPS["fp32"] == TFLOPS["bf16"] / 2 and tflops_for("bf16", 120.0) == 120.0
     assert t["fp32"].resident_s == pytest.approx(2 * t["bf16"].resident_s)
     assert t["fp32"].overhead < t["bf16"].overhead and t["fp32"].hides_at_tokens < t["bf16"].hides_at_tokens
-    given = step_time(cfg, plan, 0, 2, 1024, recompute=True, precision="fp32", tflops=TFLOPS["bf16"])
+    given = step_time(cfg, plan, 0, replace(BF16, recompute="on", precision="fp32", tflops=TFLOPS["bf16"]))
     assert given.resident_s == pytest.approx(t["bf16"].resident_s)
     # the holding a run chooses times it at its precision
-    h = {p: choose_holding(cfg, plan, 0, 2, 1024, p, device_budget(80 * GB).usable, recompute="on", offload="stream")
-         for p in ("fp32", "bf16")}
+    h = {p: choose_holding(cfg, plan, 0, replace(BF16, precision=p, recompute="on", offload="stream"),
+                           device_budget(80 * GB).usable) for p in ("fp32", "bf16")}
     assert h["fp32"].time.resident_s == pytest.approx(2 * h["bf16"].time.resident_s)
 
 
@@ -110,10 +115,10 @@ def test_auto_picks_the_faster_way_that_fits():
     fits everything resident, nothing streams and nothing recomputes."""
     cfg = llama8b()
     plan = model_plan(cfg, 8)
-    roomy = choose_holding(cfg, plan, 3, 2, 1024, "bf16", 200 * GB)
+    roomy = choose_holding(cfg, plan, 3, BF16, 200 * GB)
     assert roomy.streamed == () and not roomy.recompute and roomy.time.overhead == 0
-    tight = choose_holding(cfg, plan, 3, 2, 1024, "bf16", device_budget(24 * GB).usable)
-    others = [choose_holding(cfg, plan, 3, 2, 1024, "bf16", device_budget(24 * GB).usable, recompute=r)
+    tight = choose_holding(cfg, plan, 3, BF16, device_budget(24 * GB).usable)
+    others = [choose_holding(cfg, plan, 3, replace(BF16, recompute=r), device_budget(24 * GB).usable)
               for r in ("on", "off")]
     assert tight.fits and all(tight.time.streamed_s <= o.time.streamed_s for o in others if o.fits)
 
@@ -121,28 +126,27 @@ def test_auto_picks_the_faster_way_that_fits():
 def test_the_recommendation_fits_every_visit_with_the_reserve():
     cfg = llama8b()
     budget = device_budget(24 * GB)
-    rec = recommend(cfg, 2, 1024, "bf16", budget)
+    rec = recommend(cfg, BF16, budget)
     assert rec.blocks and all(h.fits for h in rec.holdings) and rec.worst_peak <= budget.usable
     fewer = model_plan(cfg, rec.blocks - 1)  # the smallest count: one block fewer leaves a visit that does not fit
-    assert not all(choose_holding(cfg, fewer, b, 2, 1024, "bf16", budget.usable, timed=False).fits
-                   for b in range(len(fewer)))
+    assert not all(fit_holding(cfg, fewer, b, BF16, budget.usable).fits for b in range(len(fewer)))
     assert rec.host_bytes >= max(h.estimate.host_bytes for h in rec.holdings) > 0
     assert f"bcd.blocks={rec.blocks}" in rec.line() and "usable" in rec.line()
 
 
 def test_no_grad_batch_is_the_most_rows_that_fit():
     cfg = get_config("L-1.5B")
-    layers = (0, 10)
-    room = no_grad_memory(cfg, layers, True, False, 8, 1024, "bf16").peak
-    rows = no_grad_rows(cfg, layers, True, False, 1024, "bf16", room, limit=256)
+    prefix = NoGradPass((0, 10), True, False, limit=256)
+    room = no_grad_memory(cfg, prefix, replace(BF16, batch=8)).peak
+    rows = no_grad_rows(cfg, prefix, BF16, room)
     assert rows == 8  # the peak grows with the rows: 8 fit exactly, 9 do not
-    assert no_grad_rows(cfg, layers, True, False, 1024, "bf16", room, limit=4) == 4
-    assert no_grad_rows(cfg, layers, True, False, 64, "bf16", None, limit=1000) == 16384 // 64  # no budget
-    # a prefix too big for the budget streams its layers, the fewest that let min_rows fit, then fills the rows
-    small = no_grad_memory(cfg, layers, True, False, 2, 1024, "bf16").peak - 1
-    streamed, r = no_grad_holding(cfg, layers, True, False, 1024, "bf16", small, min_rows=2, limit=256)
+    assert no_grad_rows(cfg, replace(prefix, limit=4), BF16, room) == 4
+    assert no_grad_rows(cfg, replace(prefix, limit=1000), replace(BF16, seq=64), None) == 16384 // 64  # no budget
+    # a prefix too big for the budget streams its layers, the fewest that let a batch (2 rows) fit, then fills rows
+    small = no_grad_memory(cfg, prefix, BF16).peak - 1
+    streamed, r = no_grad_holding(cfg, prefix, BF16, small)
     assert streamed and r >= 2
-    assert no_grad_memory(cfg, layers, True, False, r, 1024, "bf16", streamed).peak <= small
+    assert no_grad_memory(cfg, prefix, replace(BF16, batch=r, streamed=streamed)).peak <= small
 
 
 @pytest.mark.parametrize("family", ["tiny", "tiny-llama"])
@@ -161,7 +165,7 @@ def test_no_grad_memory_agrees_with_the_cpu_tracker(family):
             out = model(x, y) if head else prefix_hidden(model, x, 4)
         del out
         measured = base + tracker.peak
-        planned = no_grad_memory(cfg, (0, 4), True, head, 8, 64, "fp32").peak
+        planned = no_grad_memory(cfg, NoGradPass((0, 4), True, head), StepShape(8, 64, "fp32")).peak
         assert abs(planned / measured - 1) <= 0.15, (head, measured, planned)
 
 
@@ -189,3 +193,23 @@ def test_plan_memory_rows_of_the_recommendation_all_fit(capsys):
     rows = [r for r in rec.splitlines() if r.startswith("block ")]
     assert rows and all(r.endswith("yes") for r in rows), rec  # the recommendation's own table never says no
     assert "trains" in out and "holds" in out  # the layers a visit trains and those it holds, apart
+
+
+def test_the_planners_public_functions_take_the_shape_not_loose_settings():
+    """Every public function of the planner takes at most five parameters: the model config, the plan and block it
+    plans a visit of, the step's shape (models/specs.StepShape, built once by ``RunConfig.step_shape``) and a
+    budget; a setting the planner gains is a field of the shape, not a parameter at every call site.
+    ``visit_memory`` took 20, ``choose_holding`` 16. And models/holding.py uses models/memory.py's public names only."""
+    import ast
+    import inspect
+
+    from bcdflow.models import holding, memory
+
+    for mod in (memory, holding):
+        for name, fn in inspect.getmembers(mod, inspect.isfunction):
+            if fn.__module__ == mod.__name__ and not name.startswith("_"):
+                assert len(inspect.signature(fn).parameters) <= 5, (mod.__name__, name)
+    tree = ast.parse(inspect.getsource(holding))
+    private = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == memory.__name__
+               for a in n.names if a.name.startswith("_")]
+    assert not private, private

@@ -32,6 +32,7 @@ from bcdflow.storage.hf_checkpoint import Checkpoint
 from bcdflow.storage.lease import Lease, LeaseHeld
 from bcdflow.storage.store import Store, sha256_bytes
 from bcdflow.tasks.train import train_block
+from bcdflow.core.rules import VisitSpec
 from tests.hf_checkpoints import TEXT, hf_config, make_checkpoint, make_tokenizer
 from tests.test_bad_input import _one_line, _sets
 from tests.test_distributed import SGD, block_of, setup_visit
@@ -342,7 +343,7 @@ def test_a_corrupt_checkpoint_resumes_from_the_last_intact_point_bitwise(tiny_cf
     polls = itertools.count(1)
     monkeypatch.setattr(stop_signals, "requested", lambda: next(polls) >= 25)  # a SIGTERM arriving during step 25
     with pytest.raises(SystemExit):
-        train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0)
+        train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 1, 0))
     monkeypatch.undo()
     store = Store(cfg.store)
     ckdir = layout.train_ckpt_key(layout.visit_key("r", 0, 1))
@@ -353,14 +354,14 @@ def test_a_corrupt_checkpoint_resumes_from_the_last_intact_point_bitwise(tiny_cf
         data[-3] ^= 0xFF
         store.write_bytes(bytes(data), ckdir, entry["params"])
     with caplog.at_level(logging.WARNING, logger="bcdflow.storage.trainckpt"):
-        resumed = train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0)
+        resumed = train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 1, 0))
     (record,) = [r for r in caplog.records if r.name == "bcdflow.storage.trainckpt"]
     line = record.getMessage()
     assert "params-25.safetensors is corrupt (sha256 mismatch)" in line and "\n" not in line
     assert ("goes on from its checkpoint of step 20" if damage == "latest" else "the visit starts over") in line
     assert resumed.resumed_at == (20 if damage == "latest" else 0) and resumed.steps == 40
     store.rm(ckdir)
-    ref = train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0)
+    ref = train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 1, 0))
     a, b = block_of(cfg, 1, ref.block_file), block_of(cfg, 1, resumed.block_file)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -386,7 +387,7 @@ def test_written_files_and_directories_honour_the_umask(tiny_cfg, tmp_path, monk
     ds = setup_visit(cfg, 1)
     monkeypatch.setattr(stop_signals, "requested", lambda: True)  # a SIGTERM at the first step: its checkpoint
     with pytest.raises(SystemExit):
-        train_block.fn(RunContext.of(cfg, "r", ds), 0, 1, 0)
+        train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 1, 0))
     monkeypatch.undo()
     assert (tmp_path / "store" / "runs" / "r" / "visits" / "c0-b1" / "train-ckpt" / "ckpt.json").exists()
     assert _modes(tmp_path / "store") == {(True, 0o750), (False, 0o640)}

@@ -203,6 +203,9 @@ RECORDS = {  # damage, the line's words, the commands that read the record
     "a lease time that is no number": (lambda s: _edit(s / "runs/r/config.json", lambda d: {
         **d, "fleet": {**d["fleet"], "lease_seconds": "abc"}}), "config.json is damaged (fleet.lease_seconds: Input "
         "should be a valid number", ["status", "prune"]),
+    "a setting this version refuses": (lambda s: _edit(s / "runs/r/config.json", lambda d: {  # read through RunConfig
+        **d, "optim": {**d["optim"], "name": "nope"}}), "config.json is damaged (optim.name: unknown optim 'nope'",
+        ["status", "compare", "prune"]),
     "a lease that is not an object": (lambda s: _lease(s, raw="[1, 2]"), "lease/000000000000.json is damaged "
                                       "(Input should be a valid dictionary", ["status", "prune"]),
     "a lease whose expiry is no time": (lambda s: _lease(s, expires=1e300), "lease/000000000000.json is damaged "

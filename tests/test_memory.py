@@ -15,6 +15,7 @@ from benchmarks.common import Workload
 from bcdflow.models import get_config
 from bcdflow.models.holding import recommend
 from bcdflow.models.memory import GB, device_budget, plan_visits, visit_memory
+from bcdflow.models.specs import StepShape
 
 # small enough for seconds on 2 cores, large enough that activations, logits and state all count
 SHAPE = {"n_layer": 6, "d_model": 128, "n_head": 4, "vocab_size": 2048}
@@ -35,9 +36,9 @@ def measured_vs_planned(model, over, precision, recompute, preinfer=True, optim=
                                                    stream=stream, expand=expand)
         v.step(timed=False)  # a first step: the optimizer state exists, as in every later step
         measured = v.peak()["peak_bytes"]
-        est = visit_memory(w.cfg, None if blk is None else plan, None if blk is None else blk.index, B, T,
-                           precision, optim, recompute, preinfer, chunk_rows=rows, stream=stream,
-                           expand_rank=expand if blk is not None else 0)
+        shape = StepShape(B, T, precision, optim, chunk_rows=rows, recompute="on" if recompute else "off",
+                          preinfer=preinfer, offload="stream" if stream else "off", expand_rank=expand)
+        est = visit_memory(w.cfg, None if blk is None else plan, None if blk is None else blk.index, shape)
         out.append((est.name, measured, est.peak))
         del v
         gc.collect()
@@ -71,17 +72,17 @@ def test_planner_orders_what_the_issue_is_about():
     """bf16 frozen weights, recompute and more blocks each lower the worst visit; full training is the largest."""
     cfg = get_config("G-1.6B")
     B, T = 4, 1024
-    full = visit_memory(cfg, None, None, B, T, "bf16")
-    worst = {(p, rc, m): max(e.peak for e in plan_visits(cfg, m, B, T, p, recompute=rc))
-             for p in ("fp32", "bf16") for rc in (False, True) for m in (3, 6)}
-    assert worst[("bf16", False, 3)] < worst[("fp32", False, 3)]
-    assert worst[("bf16", True, 3)] < worst[("bf16", False, 3)]
-    assert worst[("bf16", True, 6)] < worst[("bf16", True, 3)]
+    full = visit_memory(cfg, None, None, StepShape(B, T, "bf16"))
+    worst = {(p, rc, m): max(e.peak for e in plan_visits(cfg, m, StepShape(B, T, p, recompute=rc)))
+             for p in ("fp32", "bf16") for rc in ("off", "on") for m in (3, 6)}
+    assert worst[("bf16", "off", 3)] < worst[("fp32", "off", 3)]
+    assert worst[("bf16", "on", 3)] < worst[("bf16", "off", 3)]
+    assert worst[("bf16", "on", 6)] < worst[("bf16", "on", 3)]
     assert all(v < full.peak for v in worst.values())
-    est = visit_memory(cfg, None, None, B, T, "bf16")
+    est = visit_memory(cfg, None, None, StepShape(B, T, "bf16"))
     assert est.peak >= sum(v for k, v in est.parts().items() if k != "activations")  # parts at the peak add up
     budget = device_budget(24 * GB)
-    rec = recommend(cfg, 2, 1024, "bf16", budget)
+    rec = recommend(cfg, StepShape(2, 1024, "bf16"), budget)
     assert rec.blocks is not None and not rec.full_fits  # the issue: full AdamW of G-1.6B does not fit 24 GB
     assert rec.worst_peak <= budget.usable < 24 * GB - budget.reserve  # the context and the reserve stay free
 

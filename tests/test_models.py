@@ -224,3 +224,32 @@ def test_a_family_gives_the_planner_its_bytes_per_token(name):
         assert trainable >= frozen >= 4 * cfg.d_model
         assert cls.adapter_input_bytes(cfg, s) > 0 and cls.infer_bytes(cfg, s) >= 8 * cfg.d_model
     assert cls.buffer_bytes(cfg) >= 0
+
+
+def test_no_code_branches_on_a_family_name_outside_the_registry():
+    """A family is its module (a ``Decoder`` with its planner hooks, ``residual_projections`` and Hugging Face format
+    ``hf``) plus its ``models/families.FAMILIES`` entry: no other module compares a family's name or keys a table by
+    it (models/hf_names.py branched on ``family == "gpt"`` with LLaMA as the implicit else, and keyed its tables by
+    family; models/base.py named both families' projections). The registry of named sizes (models/model_config.py)
+    names the family of each size."""
+    import ast
+    import pathlib
+
+    from bcdflow.models.families import FAMILIES
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    found = []
+    for layer in ("models", "core", "storage", "tasks", "flows", "tracking"):
+        for path in sorted((root / layer).glob("*.py")):
+            if path.name in ("families.py", "model_config.py"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Compare):
+                    names = [n for n in (node.left, *node.comparators) if isinstance(n, ast.Constant)]
+                    names += [e for n in node.comparators if isinstance(n, (ast.Tuple, ast.List, ast.Set))
+                              for e in n.elts if isinstance(e, ast.Constant)]
+                elif isinstance(node, ast.Dict):
+                    names = [k for k in node.keys if isinstance(k, ast.Constant)]
+                found += [f"{layer}/{path.name}:{n.lineno} {n.value!r}" for n in names if n.value in FAMILIES]
+    assert not found, found

@@ -3,6 +3,7 @@ cycle visits, the adaptive budget's bar, when the run stops. Pure functions on t
 here imports Prefect or opens a store."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import typing
@@ -158,3 +159,41 @@ def test_every_stop_reason_is_said_in_words_where_it_is_defined():
     assert trainer.stop_words("plateau").startswith("its loss stopped falling")
     assert rules.stop_words("cycles") == "every planned cycle (bcd.cycles) is done"
     assert rules.stop_words("a-newer-reason") == "a-newer-reason"
+
+
+def test_what_trains_a_stopped_run_further_is_keyed_by_the_rules_own_reasons():
+    """``bcdflow resume`` of a done run names the key that trains it further, from a table of core/rules.py keyed by
+    the reasons its rules give (flows/cli.py spelled the reasons again in a table of its own)."""
+    from bcdflow.core.rules import FURTHER
+
+    cfg = load_config(sets=["stop.target_val_loss=3.0", "spend.prices=[x=3600]", "spend.train_device=x",
+                            "spend.budget_usd=5"])
+    sp = cfg.spend
+    stale = [_v(sp, 0, 0, train=1, val=4.0), _v(sp, 0, 1, train=1, val=4.2),
+             _v(sp, 1, 0, train=2, val=4.1), _v(sp, 1, 1, train=2, val=4.05)]
+    reasons = {stop_reason(cfg, stale, 2, next_block=0)[0],
+               stop_reason(cfg, stale[:-1] + [_v(sp, 1, 1, train=2, val=2.9)], 2)[0],
+               stop_reason(cfg, stale[:-1] + [_v(sp, 1, 1, train=2, val=3.5)], 2, next_block=0)[0],
+               end_reason(load_config(sets=["bcd.cycles=2"]), [], 3)[0]}
+    assert reasons == set(FURTHER) and all(v.startswith("--set ") for v in FURTHER.values())
+
+
+def test_what_a_visit_starts_from_is_one_record_of_the_committed_state():
+    """``core/rules.visit_spec``: the version, the global step, the adaptive budget's bar and the block's kept moments
+    of a visit, from the run's committed state (the visit flow worked them out inline and threaded each through
+    train_block, launch's spec.json and run_visit as a keyword of its own); the record crosses to torchrun's processes
+    as JSON and back unchanged."""
+    from bcdflow.core.rules import VisitSpec, visit_spec
+    from bcdflow.storage.runs import RunState
+
+    sp = load_config().spend
+    kept = {"file": "blocks/" + "ab" * 16 + ".safetensors", "sha256": "ab" * 32, "bytes": 8}
+    visits = [_v(sp, 0, 0, rate=0.4, version=1, step_end=10, moments=kept),
+              _v(sp, 0, 1, rate=0.2, version=2, step_end=20)]
+    state = RunState(run_id="r", version=2, visits=visits)
+    clock = {"wall": 1.0, "preinfer": 0.5, "lost": 0.0, "since": 2.0}
+    spec = visit_spec(load_config(sets=["bcd.moments=keep"]), state, 1, 0, clock)
+    assert spec == VisitSpec(1, 0, 2, global_step=20, min_rate=0.2, moments=kept, clock=clock)
+    assert VisitSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec  # launch's spec.json
+    fixed = visit_spec(load_config(sets=["bcd.budget=fixed", "bcd.moments=reset"]), state, 1, 0)
+    assert fixed.min_rate is None and fixed.moments is None and fixed.clock is None

@@ -351,3 +351,35 @@ def test_each_store_backend_has_its_config_section_and_its_options():
     assert Store("s3://bucket/x", cfg.storage_options()).storage_options["use_listings_cache"] is False
     assert backend_of("/tmp/x") is None and backend_of("memory://x") is None
     assert RunConfig(store="memory://x", s3={"endpoint_url": "http://127.0.0.1:1"}).storage_options() == {}
+
+
+def test_a_store_protocol_is_spelled_only_in_its_backend_entry():
+    """A new backend (gs://) is its ``storage/backends.BACKENDS`` entry and, with settings, its config section: no
+    other module imports a protocol's packages, reads its errors' replies, or names its config section (the CLI's
+    ``--endpoint-url`` and the compare flow built ``s3={...}``; the store's existence check read S3's replies)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    words = ("s3", "boto", "ResponseMetadata", "PreconditionFailed")
+    found = []
+    for layer in ("models", "storage", "core", "tracking", "tasks", "flows"):
+        for path in sorted((root / layer).glob("*.py")):
+            if path.name == "backends.py":
+                continue
+            tree = ast.parse(path.read_text())
+            docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+            for n in ast.walk(tree):
+                if isinstance(n, (ast.Import, ast.ImportFrom)):
+                    mods = [a.name for a in n.names] + [getattr(n, "module", None) or ""]
+                    hit = [m for m in mods if m.split(".")[0] in ("boto3", "botocore", "s3fs", "aiobotocore")]
+                elif isinstance(n, ast.Attribute):
+                    hit = [n.attr] if n.attr == "s3" else []
+                elif isinstance(n, ast.keyword):
+                    hit = [n.arg] if n.arg == "s3" else []
+                elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
+                    hit = [n.value[:60]] if any(w.lower() in n.value.lower() for w in words) else []
+                else:
+                    hit = []
+                found += [f"{layer}/{path.name}:{n.lineno} {h!r}" for h in hit]
+    assert not found, found

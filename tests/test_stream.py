@@ -7,6 +7,7 @@ on the device at once.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,12 +16,14 @@ import torch
 from bcdflow.core.context import RunContext
 from bcdflow.models import build_model, get_config, model_plan
 from bcdflow.models.memory import visit_memory
+from bcdflow.models.specs import StepShape
 from bcdflow.models.stream import LayerStream
 from bcdflow.models.visit_compute import visit_loss
 from bcdflow.storage.checkpoints import load_from_manifest
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import train_block
+from bcdflow.core.rules import VisitSpec
 from tests.helpers import new_run
 
 
@@ -72,7 +75,7 @@ def _visit(cfg, ds_id: str, block: int):
     if ctx.from_acts(block):
         for s in plan_shards.fn(ctx, 0, block):
             preinfer_shard.fn(ctx, 0, block, 0, s)
-    return train_block.fn(ctx, 0, block, 0)
+    return train_block.fn(ctx, VisitSpec(0, block, 0))
 
 
 @pytest.mark.parametrize("block", [0, 1])
@@ -130,10 +133,11 @@ def test_the_planner_counts_the_streams_slots_host_buffers_and_copies(family, bl
     lo, hi = plan[block].layers
     active = plan[block].trainable((), cfg.tied)
     held_lo = lo if plan[block].reads_activations(preinfer) else 0
-    base = visit_memory(cfg, plan, block, 2, 16, "bf16", preinfer=preinfer)
+    shape = StepShape(2, 16, "bf16", preinfer=preinfer, window=2)
+    base = visit_memory(cfg, plan, block, shape)
     frozen = sorted(base.layer_sizes)
     layers = frozen if part == "all" else list(streamed_choice(frozen, lo, len(frozen) - 2))
-    est = visit_memory(cfg, plan, block, 2, 16, "bf16", preinfer=preinfer, streamed=layers, window=2)
+    est = visit_memory(cfg, plan, block, replace(shape, streamed=tuple(layers)))
     model = build_model(cfg, layers=(held_lo, cfg.n_layer), embed=held_lo == 0, head=True)
     from bcdflow.models.build import frozen_in
     frozen_in(model, torch.bfloat16, active)
@@ -165,7 +169,7 @@ def test_a_partly_streamed_visit_commits_the_resident_block_bitwise(tiny_cfg, mo
     sets = ["model.n_layer=8", "bcd.recompute=off"]
     cfg = tiny_cfg(*sets, f"store={tiny_cfg().store}-off", "train.offload=off")
     ctx = RunContext.of(cfg, "r", new_run(cfg))
-    base = visit_memory(ctx.model_cfg, ctx.plan, 0, cfg.train.batch_size, ctx.dataset.seq_len, "fp32")
+    base = visit_memory(ctx.model_cfg, ctx.plan, 0, cfg.step_shape())
     raw, flat = next(iter(base.layer_sizes.values()))
     budget = base.peak - 3.5 * raw + 2 * flat  # 4 streamed layers fit, 3 do not
     monkeypatch.setattr(RunContext, "budget", lambda self: None if self.cfg.train.offload == "off" else budget)
@@ -211,8 +215,8 @@ def test_recomputing_the_active_block_gives_the_same_gradients(family):
         visit_loss(model, x, y, 2, False, hi=4, **kw).backward()
     for (n, p), (_, q) in zip(plain.named_parameters(), again.named_parameters()):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n
-    est = {a: visit_memory(cfg, model_plan(cfg, 3), 1, 4, 64, recompute=True, recompute_active=a) for a in (0, 1)}
-    assert est[1].activations < est[0].activations
+    est = {a: visit_memory(cfg, model_plan(cfg, 3), 1, StepShape(4, 64, recompute=a)) for a in ("on", "all")}
+    assert est["all"].activations < est["on"].activations
 
 
 @pytest.mark.parametrize("family", ["tiny", "tiny-llama"])
@@ -266,7 +270,7 @@ def test_loading_a_streamed_part_holds_one_block_file_at_a_time(tiny_cfg):
     # the host buffers, the slots (the CPU is the device here) and the resident tensors, and nothing else
     assert live.peak <= s.host_bytes + s.device_bytes + resident + 4096, (live.peak, s.host_bytes, resident)
     assert py_peak < files[-1] + files[-2] // 2, (py_peak, files)  # one file's bytes, not two at once
-    assert load_bytes(ctx.model_cfg, ctx.plan, 0, cfg.bcd.preinfer) >= files[-1]
+    assert load_bytes(ctx.model_cfg, ctx.plan, 0, cfg.step_shape()) >= files[-1]
     # and the values are the stored ones: the same loss as the part loaded resident
     x, y = ctx.dataset.train_pairs(np.arange(4))
     ref = ctx.load_part(manifest, (0, n), True, True, trainable=())

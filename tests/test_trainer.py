@@ -18,7 +18,8 @@ import torch
 import bcdflow.models.trainer as trainer_mod
 from bcdflow.models.errors import Diverged
 from bcdflow.models.optimizers import OPTIMIZERS
-from bcdflow.models.trainer import (LoopState, OptimSpec, StopRule, loss_trend, make_optimizer, run_steps,
+from bcdflow.models.specs import loss_trend
+from bcdflow.models.trainer import (LoopState, OptimSpec, StopRule, make_optimizer, run_steps,
                                     visit_rate)
 
 
