@@ -197,6 +197,13 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     else:
         lo, hi = plan[block].layers
         trainable = plan[block].trainable(freeze, cfg.tied)
+    # a row block (``bcd.vocab_blocks``, models/rows.py): its matrix held whole and frozen, its rows an fp32 slice
+    # with the gradient and optimizer state; the matrix's whole gradient exists in backward only, in its stored dtype
+    rows = None if full else plan[block].rows
+    sliced = plan[block].params[0] if rows is not None else None
+
+    def numel_trained(name: str) -> int:
+        return (rows[1] - rows[0]) * shapes[name][1] if name == sliced else _numel(shapes[name])
     from_acts = not full and plan[block].reads_activations(preinfer)
     held_lo = lo if from_acts else 0
 
@@ -214,10 +221,12 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     low = precision == "bf16" and not full
 
     def wbytes(name: str) -> int:
+        if name == sliced:  # the frozen matrix and the slice's master rows
+            return _numel(shapes[name]) * (2 if low else 4) + 4 * numel_trained(name)
         size = 2 if low and name not in trainable and len(shapes[name]) >= 2 else 4
         return _numel(shapes[name]) * size
 
-    train_numel = sum(_numel(shapes[k]) for k in trainable)
+    train_numel = sum(numel_trained(k) for k in trainable)
     shard = gpus if parallel == "fsdp" else 1
     weights = sum(wbytes(k) for k in held_names)
     layer_train_names = {layer_of(k) for k in trainable if layer_of(k) is not None}
@@ -244,7 +253,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     moments = OPTIMIZERS[optim].state
     opt = 4 * moments * train_numel // shard
     # bcd.expand: per adapted layer (after the block) its adapter parameters and saved bytes per token
-    adapted = {i: expand_bytes(cfg, shape, i) for i in range(hi, n)} if expand_rank and not full else {}
+    adapted = {i: expand_bytes(cfg, shape, i) for i in range(hi, n)} if expand_rank and not full and not rows else {}
     expand_params = sum(p for p, _ in adapted.values())
     weights += 4 * expand_params
     opt += 4 * moments * expand_params
@@ -282,10 +291,13 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     grad_h = N * 4 * C  # the head's input gradient, computed in forward
     grad_w = 4 * head_numel // shard if head_trainable else 0  # part of ``grads``: alive from the loss forward on
     w_copy = 2 * head_numel if head_trainable and precision == "bf16" else 0
+    whole_grad = head_numel * (2 if low else 4) if rows else 0  # a row block's matrix gradient, in its dtype
+    if rows:  # the head's weight gradient is the whole matrix's, in its dtype, until backward slices it
+        grad_w, w_copy = (whole_grad if head_trainable else 0), 0
     chunk = rows * V * (6 if precision == "bf16" else 4) + rows * C * (2 if precision == "bf16" else 0)
     if head_trainable:
         chunk += head_numel * s  # one chunk's weight-gradient partial before it is added
-    other_grads = grads - grad_w  # the rest of the trainable gradients, made in backward
+    other_grads = grads - grad_w if not rows else grads  # the rest of the trainable gradients, made in backward
     persistent = weights + opt + inp
     saved = sum(a for _, a, _ in acts)
 
@@ -302,7 +314,10 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     at("forward", saved + ln_f, grad_h + chunk + w_copy, grad_w, 0)
     running_act, running_grads = saved + ln_f, grad_w
     back_t = N * _layer_backward_temp(cfg, shape)
-    at("backward head", running_act, grad_h, running_grads, 2 * N * 4 * C)
+    at("backward head", running_act, grad_h, running_grads,
+       2 * N * 4 * C + (grad_w + grads if rows and head_trainable else 0))  # a row block: scaled, then sliced
+    if rows:
+        running_grads = grads if head_trainable else 0  # the slice's gradient; the matrix's is freed
     running_act -= ln_f
     for i, a, g in reversed(acts):
         redo = N * layer_saved_bytes(cfg, shape, "frozen") if recompute and not layer_train[i] and i >= hi else 0
@@ -315,8 +330,10 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
         running_grads += g
     if not from_acts and full or (not full and lo == 0):
         emb = head_numel * 4 if cfg.tied and "wte.weight" in trainable else 0  # dense wte grad, then added
+        if rows and sliced == "wte.weight":  # the dense gradient in the matrix's dtype, then its slice
+            emb = whole_grad + grads
         at("backward embeddings", 0, 0, running_grads, emb + N * 4 * C)
-    running_grads = max(running_grads, other_grads + grad_w)
+    running_grads = grads if rows else max(running_grads, other_grads + grad_w)
     opt_temp = running_grads if OPTIMIZERS[optim].decay_temporary and weight_decay > 0 else 0
     at("optimizer", 0, 0, running_grads, opt_temp)
     return Estimate(name="full" if full else f"block {block}", layers=(held_lo, n), trainable_params=train_numel,
@@ -342,7 +359,8 @@ def load_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, store
     one tensor's conversion (a copy to CUDA that changes the dtype converts on the host into a temporary of the
     destination's size: the largest tensor at 4 bytes)."""
     lo = plan[block].layers[0] if plan[block].reads_activations(shape.preinfer) else 0
-    owners = {b for b in range(len(plan)) if b >= block or not lo}
+    stored = plan.stored(block)  # a row block reads the stored blocks its part holds
+    owners = {b for b in range(len(plan.blocks)) if b >= stored or not lo}
     if lo and cfg.tied:
         owners.add(plan.owner("wte.weight"))  # the tied head reads block 0's embedding
     return reading_bytes(cfg, plan, owners, stored_bytes)
