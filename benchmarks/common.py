@@ -154,6 +154,8 @@ class Visit:
         self.name, self.layers, self.embed, self.device, self.batch = name, layers, embed, device, batch
         self.start = layers[0] if start is None else start
         self.hi, self.recompute = hi, recompute
+        if rows:  # a row block (bcd.vocab_blocks): the matrix frozen, its rows an fp32 slice, as the engine holds it
+            trainable = set()
         low = torch.bfloat16 if args.precision == "bf16" and not getattr(args, "frozen_fp32", False) else None
         if master is None:  # random weights, made on the device (an isolated configuration: benchmarks/isolate.py)
             model = build_model(cfg, layers=layers, embed=embed, head=True, device=device)
@@ -169,8 +171,6 @@ class Visit:
         from bcdflow.core.rules import VisitSpec
         from bcdflow.tasks.engine import VisitLayout, prepare_model, visit_step_loss
 
-        if rows:  # a row block (bcd.vocab_blocks): the matrix frozen, its rows an fp32 slice, as the engine holds it
-            trainable = set()
         named = prepare_model(model, trainable, getattr(args, "chunk_rows", None), getattr(args, "compile", False))
         if rows:
             from bcdflow.models.rows import attach_rows

@@ -315,7 +315,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     running_act, running_grads = saved + ln_f, grad_w
     back_t = N * _layer_backward_temp(cfg, shape)
     at("backward head", running_act, grad_h, running_grads,
-       2 * N * 4 * C + (grad_w + grads if rows and head_trainable else 0))  # a row block: scaled, then sliced
+       2 * N * 4 * C + (grad_w if rows and head_trainable else 0))  # a row block: scaled, then sliced
     if rows:
         running_grads = grads if head_trainable else 0  # the slice's gradient; the matrix's is freed
     running_act -= ln_f

@@ -38,7 +38,8 @@ class _Rows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return None, grad[ctx.lo:ctx.lo + ctx.n].to(ctx.dtype), None
+        # a copy, never a view: a view kept as the slice's .grad would keep the whole matrix's gradient alive
+        return None, grad[ctx.lo:ctx.lo + ctx.n].to(ctx.dtype, copy=True), None
 
 
 class RowSlice(nn.Module):
