@@ -27,8 +27,8 @@ def _doc_files():
     return [REPO / "README.md"] + sorted((REPO / "docs").rglob("*.md"))
 
 
-def _prose_lines(text):
-    """(line number, line) outside fenced code blocks, inline code spans blanked."""
+def _prose_lines(text, blank_code=True):
+    """(line number, line) outside fenced code blocks, inline code spans blanked (kept for headings)."""
     fenced = None
     for n, line in enumerate(text.splitlines(), 1):
         m = _FENCE.match(line)
@@ -39,7 +39,7 @@ def _prose_lines(text):
                 fenced = None
             continue
         if fenced is None:
-            yield n, _CODE_SPAN.sub(lambda s: " " * len(s.group(0)), line)
+            yield n, _CODE_SPAN.sub(lambda s: " " * len(s.group(0)), line) if blank_code else line
 
 
 def links(text):
@@ -61,7 +61,7 @@ def slug(heading):
 def anchors(path):
     """The anchors GitHub gives a markdown file's headings (a repeated slug gets -1, -2, ...)."""
     seen, out = {}, set()
-    for _, line in _prose_lines(path.read_text(encoding="utf-8")):
+    for _, line in _prose_lines(path.read_text(encoding="utf-8"), blank_code=False):
         m = _HEADING.match(line)
         if not m:
             continue
@@ -136,9 +136,9 @@ def test_a_dead_link_a_missing_image_and_a_wrong_anchor_are_found(tmp_path, monk
     """The check itself: each kind of dead link is reported with its file and line; code is not read as links."""
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "a.md").write_text("# Title\n\n## Two words\n\n## Two words\n")
+    (tmp_path / "docs" / "a.md").write_text("# Title\n\n## Two words\n\n## Two words\n\n## On a GPU: `make gpu-check`\n")
     page = tmp_path / "README.md"
-    page.write_text("[ok](docs/a.md#two-words-1) [ok](#here) ![ok](docs/a.md) [web](https://x.invalid/nope)\n"
+    page.write_text("[ok](docs/a.md#two-words-1) [ok](docs/a.md#on-a-gpu-make-gpu-check) [ok](#here) ![ok](docs/a.md) [web](https://x.invalid/nope)\n"
                     "# Here\n"
                     "[gone](docs/b.md)\n"
                     "![gone](docs/ui/none.png)\n"
