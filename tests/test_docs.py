@@ -17,7 +17,7 @@ _FENCE = re.compile(r"^\s*(```|~~~)")
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
 # [text](target) and ![alt](target); the text may hold one level of brackets (an image inside a link)
 _INLINE = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*(<[^>]*>|[^)\s]+)(?:\s+[\"'(][^)]*)?\)")
-_REFDEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*(<[^>]*>|\S+)")
+_REFDEF = re.compile(r"^[ ]{0,3}\[[^\]\n]+\]:[ \t]*(<[^>]*>|\S+)", re.M)
 _HTML = re.compile(r"<(?:img|a)\b[^>]*?\b(?:src|href)\s*=\s*[\"']([^\"']+)[\"']", re.I)
 _HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 _EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # http:, https:, mailto:, ...
@@ -43,11 +43,17 @@ def _prose_lines(text, blank_code=True):
 
 
 def links(text):
-    """(line number, target) of every link and image of a markdown text, code excluded."""
+    """(line number, target) of every link and image of a markdown text, code excluded; a link's text may run over
+    lines."""
+    lines = [""] * len(text.splitlines())
     for n, line in _prose_lines(text):
-        for rx in (_INLINE, _REFDEF, _HTML):
-            for m in rx.finditer(line):
-                yield n, m.group(1).strip("<>")
+        lines[n - 1] = line
+    prose = "\n".join(lines)
+    found = []
+    for rx in (_INLINE, _REFDEF, _HTML):
+        for m in rx.finditer(prose):
+            found.append((prose.count("\n", 0, m.start(1)) + 1, m.group(1).strip("<>")))
+    return sorted(found)
 
 
 def slug(heading):
@@ -145,9 +151,11 @@ def test_a_dead_link_a_missing_image_and_a_wrong_anchor_are_found(tmp_path, monk
                     "[bad anchor](docs/a.md#three-words)\n"
                     "`[code](not/a/link.md)`\n"
                     "```\n[fenced](not/a/link.md)\n```\n"
-                    "[up](../outside.md)\n")
+                    "[up](../outside.md)\n"
+                    "[over two\nlines](docs/c.md)\n")
     (tmp_path.parent / "outside.md").write_text("x")
     assert dead_links(page) == ["README.md:3: docs/b.md (no such file)",
                                 "README.md:4: docs/ui/none.png (no such file)",
                                 "README.md:5: docs/a.md#three-words (no heading with that anchor)",
-                                "README.md:10: ../outside.md (outside the repository)"]
+                                "README.md:10: ../outside.md (outside the repository)",
+                                "README.md:12: docs/c.md (no such file)"]
