@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # 2 cores the load made 2 of 8 such runs fail a timing-sensitive test, so it is not the default
 TEST_WORKERS ?= 0
 
-.PHONY: setup demo test test-fast bench gpu-wheels gpu-check ui-shots clean
+.PHONY: setup demo test test-fast docs-check bench gpu-wheels gpu-check ui-shots clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,9 @@ test-fast: $(STAMP)   # the inner loop: everything but the end-to-end runs (4.4 
 	PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600 \
 	$(BIN)/python -m pytest -q -m "not slow"
+
+docs-check: $(STAMP)   # every link and image of README.md and docs/ resolves; README.md at most 250 lines
+	$(BIN)/python -m pytest -q tests/test_docs.py
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks run --quick

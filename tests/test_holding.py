@@ -20,7 +20,7 @@ from bcdflow.models.memory import (CONTEXT_BYTES, FRAGMENTATION, GB, WORKSPACE_B
                                    no_grad_memory, no_grad_rows, visit_memory)
 from bcdflow.models.specs import StepShape
 
-BF16 = StepShape(2, 1024, "bf16")  # Llama-3-8B's shape in the README: 2 x 1024 tokens, bf16
+BF16 = StepShape(2, 1024, "bf16")  # Llama-3-8B's shape in docs/guide/memory.md: 2 x 1024 tokens, bf16
 
 L8B = dict(family="llama", n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_ff=14336, vocab_size=128256,
            n_ctx=8192)
