@@ -363,6 +363,14 @@ class SpendSection(_Section):
     """GPUs billed for validation (it runs on the training box); None = ``train.gpus``."""
     budget_usd: float | None = Field(None, gt=0)
     """Stop before a visit whose predicted spend (the block's last visit) exceeds what is left; None = no budget."""
+    storage_usd_gb_month: float = Field(0.023, ge=0)
+    """Object storage, USD per GB-month held (``bcdflow plan``; default: S3 Standard's first tier, us-east-1)."""
+    put_usd_per_1k: float = Field(0.005, ge=0)
+    """Object storage, USD per 1,000 writes (PUT; S3 Standard's)."""
+    get_usd_per_1k: float = Field(0.0004, ge=0)
+    """Object storage, USD per 1,000 reads (GET; S3 Standard's)."""
+    egress_usd_gb: float = Field(0.0, ge=0)
+    """USD per GB read out of the store's region (0: the GPUs sit beside the bucket; S3 to the internet: 0.09)."""
 
     @field_validator("prices", mode="before")
     @classmethod
