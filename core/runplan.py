@@ -270,7 +270,8 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     v.train_s = max(v.train_compute_s, v.read_s)
     state = OPTIMIZERS[cfg.optim.name].state
     v.checkpoint_bytes = bf.params * STORED_BYTES + bf.trainable * 4 * state
-    v.checkpoints = steps // cfg.checkpoint.every_steps
+    # every checkpoint.every_steps steps or every_seconds seconds, whichever comes first
+    v.checkpoints = max(steps // cfg.checkpoint.every_steps, int(v.train_s // cfg.checkpoint.every_seconds))
     v.checkpoint_s = v.checkpoints * v.checkpoint_bytes / wr
     suffix = [o for o in figs.blocks if o.block > bf.block] if b.expand != "off" else []
     v.block_bytes = sum(o.params * STORED_BYTES for o in [bf, *suffix])

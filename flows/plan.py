@@ -66,6 +66,8 @@ def figures(cfg, mcfg, gpu_gb: float):
     shapes = model_shapes(mcfg)
     plan_ = block_plan(cfg, mcfg)
     shape = cfg.step_shape()
+    if cfg.train.gpus > 1:  # each process holds its slice of the batch (tasks/train_dist plans the same)
+        shape = replace(shape, parallel="fsdp" if cfg.train.parallel == "fsdp" else "ddp")
     budget = device_budget(gpu_gb * GB, gpus=cfg.train.gpus).usable
     numel = {k: math.prod(s) for k, s in shapes.items()}
     T, C = cfg.data.seq_len, mcfg.d_model
@@ -75,6 +77,8 @@ def figures(cfg, mcfg, gpu_gb: float):
             layer_flops[i] = layer_flops.get(i, 0) + 2 * numel[k]
     attn = 2 * T * C  # causal QK^T and AV per token (models/holding._events)
     per_layer = [layer_flops.get(i, 0) + attn for i in range(mcfg.n_layer)]
+    # several processes split the batch (data parallel): the step time divided by them, the all-reduce left out
+    gpus = cfg.train.gpus
     blocks = []
     for b, blk in enumerate(plan_):
         lo, _ = blk.layers
@@ -85,7 +89,8 @@ def figures(cfg, mcfg, gpu_gb: float):
         blocks.append(BlockFigures(
             block=b, layers=tuple(blk.layers), params=sum(numel[n] for n in blk.params),
             trainable=sum(numel[n] for n in blk.trainable(shape.freeze, mcfg.tied)),
-            prefix_flops=float(sum(per_layer[:lo])), step_s=h_on.time.streamed_s, step_computed_s=h_off.time.streamed_s,
+            prefix_flops=float(sum(per_layer[:lo])), step_s=h_on.time.streamed_s / gpus,
+            step_computed_s=h_off.time.streamed_s / gpus,
             fits=h_on.fits, fits_computed=h_off.fits, holding=h_on.words(), holding_computed=h_off.words(),
             loaded_params=sum(numel[n] for n in names)))
     head = 2 * mcfg.vocab_size * C
@@ -204,7 +209,8 @@ def build(cfg, args) -> dict:
 
 
 def _gb(b: float) -> str:
-    return f"{b / GB:,.1f}" if b < 1e13 else f"{b / 1e12:,.1f}T"
+    """Bytes in GB, or TB from 10 TB."""
+    return f"{b / GB:,.1f} GB" if b < 1e13 else f"{b / 1e12:,.1f} TB"
 
 
 def _h(s: float) -> str:
@@ -223,15 +229,18 @@ def table(res: dict) -> str:
              + f"; training {c['train_gpus']} x {c['train_device']} at {r['train_tflops']:g} TFLOP/s; pre-inference "
              f"{r['preinfer_gpus']} x {c['preinfer_device']} at {r['preinfer_tflops']:g} TFLOP/s"
              + (" beside the training box" if r["preinfer_elsewhere"] else " (the training box)") + ".", "",
-             "Per visit (hours unless marked s; GB = 1e9 bytes):"]
-    head = (f"{'visit':<7}{'layers':>8}{'rows':>10}{'steps':>6}  {'pre':<4}{'written GB':>11}{'read GB':>10}"
-            f"{'pre-inf':>9}{'I/O':>8}{'train':>8}{'eval':>7}{'wall':>8}{'GPU $':>10}  fits")
+             "Per visit: activation bytes pre-inference writes and training reads, mid-visit checkpoints written; hours "
+             "(s: seconds) of pre-inference, store transfers (all of them, overlapped or not), training, evaluation, "
+             "the visit's wall time; GB = 1e9 bytes:"]
+    head = (f"{'visit':<7}{'layers':>8}{'rows':>10}{'steps':>6}  {'pre':<4}{'written':>12}{'read':>12}"
+            f"{'ckpts':>12}{'pre-inf':>9}{'store':>8}{'train':>8}{'eval':>7}{'wall':>8}{'GPU $':>10}  fits")
     lines += [head, "-" * len(head)]
     for v in res["visits"]:
         io = (v["preinfer_write_s"] + v["read_s"] + v["load_s"] + v["prefix_load_s"] + v["checkpoint_s"]
               + v["commit_s"])
         lines.append(f"b{v['block']:<6}{'%d-%d' % tuple(v['layers']):>8}{v['rows']:>10,}{v['steps']:>6}  "
-                     f"{'yes' if v['preinfer'] else 'no':<4}{_gb(v['written']):>11}{_gb(v['read']):>10}"
+                     f"{'yes' if v['preinfer'] else 'no':<4}{_gb(v['written']):>12}{_gb(v['read']):>12}"
+                     f"{_gb(v['checkpoints'] * v['checkpoint_bytes']):>12}"
                      f"{_h(v['preinfer_s']):>9}{_h(io):>8}{_h(v['train_s']):>8}{_h(v['eval_s']):>7}"
                      f"{_h(v['wall_s']):>8}{v['gpu_usd']:>10,.2f}  {'yes' if v['fits'] else 'NO'}")
     lines.append("")
@@ -239,12 +248,12 @@ def table(res: dict) -> str:
     for name, t in (("one cycle", res["cycle"]), (f"the run ({res['cycles']} cycles)", res["run"])):
         hours = ", ".join(f"{h:,.1f} {k}" for k, h in t["gpu_hours"].items())
         lines += ["", f"{name}: {t['wall_s'] / 3600:,.2f} h wall; GPU-hours {hours}; activations written "
-                      f"{_gb(t['written'])} GB, read {_gb(t['read'])} GB; store written {_gb(t['store_written'])} GB, "
-                      f"peak {_gb(t['store_peak'])} GB",
+                      f"{_gb(t['written'])}, read {_gb(t['read'])}; store written {_gb(t['store_written'])}, "
+                      f"peak {_gb(t['store_peak'])}",
                   f"  ${t['usd']:,.2f} = GPUs ${t['gpu_usd']:,.2f} + storage ${t['storage_usd']:,.2f} + requests "
                   f"${t['request_usd']:,.2f} + egress ${t['egress_usd']:,.2f}"]
-    lines += ["", f"store peak: token dataset {_gb(res['dataset_bytes'])} GB + versions (version 0: "
-                  f"{_gb(res['model_bytes'])} GB, each visit adds its block files) + one visit's activations and two "
+    lines += ["", f"store peak: token dataset {_gb(res['dataset_bytes'])} + versions (version 0: "
+                  f"{_gb(res['model_bytes'])}, each visit adds its block files) + one visit's activations and two "
                   "mid-visit checkpoints"]
     lines += [f"note: {n}" for n in res["notes"]]
     mem = res["memory"]["recommendation"]["line"]
