@@ -40,9 +40,10 @@ from dataclasses import asdict, dataclass, field
 
 from bcdflow.core.config import RunConfig
 from bcdflow.core.rules import visit_row_count
-from bcdflow.core.spend import catalog
+from bcdflow.core.spend import catalog, gpus_used
 from bcdflow.errors import BadInput
 from bcdflow.models.optimizers import OPTIMIZERS
+from bcdflow.models.specs import tflops_for
 from bcdflow.storage.act_layout import group_layout
 
 GB = 1e9
@@ -144,6 +145,15 @@ class Rates:
         positive("--preinfer-gpus", self.preinfer_gpus, integer=True)
         positive("--preinfer-tflops", self.preinfer_tflops), positive("--tflops", self.train_tflops)
         return self
+
+
+def default_rates(cfg: RunConfig) -> Rates:
+    """The rates a run's own ``bcd.preinfer=auto`` plans with: ``train.store_gbs`` both ways, the GPUs pre-inference
+    uses (``core/spend.gpus_used``, a Dask fleet's beside the box) at the training card's TFLOP/s."""
+    tf = tflops_for(cfg.train.precision, cfg.train.tflops)
+    return Rates(write_gbs=cfg.train.store_gbs, read_gbs=cfg.train.store_gbs,
+                 preinfer_gpus=cfg.spend.preinfer_gpus or gpus_used(cfg)["preinfer"], preinfer_tflops=tf,
+                 train_tflops=tf, preinfer_elsewhere=cfg.fleet.preinfer == "dask")
 
 
 @dataclass

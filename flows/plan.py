@@ -9,8 +9,8 @@ part is ``plan-memory``'s (how each visit holds its model on the card; ``--json`
     bcdflow plan -c run.yaml --probe            # the store's rates measured: a few shards written and read back
     bcdflow plan -c run.yaml                    # the dataset counted from its files (tokenized as the run will)
 
-The arithmetic is ``core/runplan.py`` (torch-free, tested on its own); here the model's figures are taken from the
-planner (``models/holding.choose_holding``: each visit's step time as held, with and without pre-inference), the
+The arithmetic is ``core/runplan.py`` (torch-free, tested on its own); the model's figures are the planner's
+(``core/plan_figures.figures`` from ``models/holding.choose_holding``: each visit's step time as held, with and without pre-inference), the
 dataset's size from ``--tokens`` or the prepared token dataset, and the rates from the flags or ``--probe``.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def add_parser(sub, common) -> None:
                                      "(the token dataset is prepared in the store, as the run would)")
     sp.add_argument("--gpu-gb", type=float, default=24.0, help="the training card's memory, GB (default 24)")
     sp.add_argument("--store-gbs", type=float, default=None,
-                    help="store bandwidth both ways, GB/s (default 0.2: a rented box's ~1.6 Gbit/s)")
+                    help="store bandwidth both ways, GB/s (default: train.store_gbs, 0.2: a rented box's ~1.6 Gbit/s)")
     sp.add_argument("--write-gbs", type=float, default=None, help="store write bandwidth, GB/s (overrides --store-gbs)")
     sp.add_argument("--read-gbs", type=float, default=None, help="store read bandwidth, GB/s (overrides --store-gbs)")
     sp.add_argument("--preinfer-gpus", type=float, default=None,
@@ -48,54 +48,6 @@ def add_parser(sub, common) -> None:
                     help="measure the store's write and read GB/s with a few activation shards (written, read, removed)")
     sp.add_argument("--json", action="store_true", help="the plan (and plan-memory's tables) as JSON")
     sp.set_defaults(fn=cmd_plan)
-
-
-# -- the model's figures (models/holding: torch) --------------------------------------------------------------------
-
-def figures(cfg, mcfg, gpu_gb: float):
-    """``core/runplan.ModelFigures`` of the run's model on a ``gpu_gb`` card: each block's parameters, its prefix's
-    forward FLOPs per token, and the step time of its visit as held, reading stored activations and computing the
-    prefix on the card."""
-    from dataclasses import replace
-
-    from bcdflow.core.context import block_plan
-    from bcdflow.core.runplan import BlockFigures, ModelFigures
-    from bcdflow.models.holding import choose_holding
-    from bcdflow.models.memory import device_budget, layer_of, model_shapes
-
-    shapes = model_shapes(mcfg)
-    plan_ = block_plan(cfg, mcfg)
-    shape = cfg.step_shape()
-    if cfg.train.gpus > 1:  # each process holds its slice of the batch (tasks/train_dist plans the same)
-        shape = replace(shape, parallel="fsdp" if cfg.train.parallel == "fsdp" else "ddp")
-    budget = device_budget(gpu_gb * GB, gpus=cfg.train.gpus).usable
-    numel = {k: math.prod(s) for k, s in shapes.items()}
-    T, C = cfg.data.seq_len, mcfg.d_model
-    layer_flops = {}
-    for k, s in shapes.items():
-        if (i := layer_of(k)) is not None and len(s) >= 2:
-            layer_flops[i] = layer_flops.get(i, 0) + 2 * numel[k]
-    attn = 2 * T * C  # causal QK^T and AV per token (models/holding._events)
-    per_layer = [layer_flops.get(i, 0) + attn for i in range(mcfg.n_layer)]
-    # several processes split the batch (data parallel): the step time divided by them, the all-reduce left out
-    gpus = cfg.train.gpus
-    blocks = []
-    for b, blk in enumerate(plan_):
-        lo, _ = blk.layers
-        h_on = choose_holding(mcfg, plan_, b, replace(shape, preinfer=True), budget)
-        h_off = choose_holding(mcfg, plan_, b, replace(shape, preinfer=False), budget) if lo else h_on
-        owners = {o for o in range(len(plan_)) if o >= b}
-        names = {n for o in owners for n in plan_[o].params} | ({"wte.weight"} if lo and mcfg.tied else set())
-        blocks.append(BlockFigures(
-            block=b, layers=tuple(blk.layers), params=sum(numel[n] for n in blk.params),
-            trainable=sum(numel[n] for n in blk.trainable(shape.freeze, mcfg.tied)),
-            prefix_flops=float(sum(per_layer[:lo])), step_s=h_on.time.streamed_s / gpus,
-            step_computed_s=h_off.time.streamed_s / gpus,
-            fits=h_on.fits, fits_computed=h_off.fits, holding=h_on.words(), holding_computed=h_off.words(),
-            loaded_params=sum(numel[n] for n in names)))
-    head = 2 * mcfg.vocab_size * C
-    return ModelFigures(d_model=C, params=sum(numel.values()), forward_flops=float(sum(per_layer) + head),
-                        blocks=tuple(blocks), tensors=len(shapes))
 
 
 # -- the dataset's size ---------------------------------------------------------------------------------------------
@@ -175,8 +127,10 @@ def probe_store(cfg, d_model: int) -> dict:
 
 def build(cfg, args) -> dict:
     """The plan as a dict: the run's (core/runplan.RunPlan) and plan-memory's."""
-    from bcdflow.core.context import model_config
+    from bcdflow.core.context import block_plan, model_config
+    from bcdflow.core.plan_figures import figures
     from bcdflow.core.runplan import Rates, plan_run
+    from bcdflow.models.memory import device_budget
     from bcdflow.core.spend import gpus_used
     from bcdflow.flows.plan_memory import plan as memory_plan
     from bcdflow.models.specs import tflops_for
@@ -184,7 +138,7 @@ def build(cfg, args) -> dict:
     mcfg = model_config(cfg)
     ds = dataset_size(cfg, args.tokens)
     measured = probe_store(cfg, mcfg.d_model) if args.probe else None
-    store_gbs = args.store_gbs if args.store_gbs is not None else 0.2
+    store_gbs = args.store_gbs if args.store_gbs is not None else cfg.train.store_gbs
     write = args.write_gbs if args.write_gbs is not None else (measured["write_gbs"] if measured else store_gbs)
     read = args.read_gbs if args.read_gbs is not None else (measured["read_gbs"] if measured else store_gbs)
     train_tf = tflops_for(cfg.train.precision, cfg.train.tflops)
@@ -195,7 +149,8 @@ def build(cfg, args) -> dict:
                   preinfer_tflops=args.preinfer_tflops if args.preinfer_tflops is not None else train_tf,
                   train_tflops=train_tf, preinfer_elsewhere=elsewhere, measured=measured).check()
     rates = Rates(**{**rates.__dict__, "preinfer_gpus": int(rates.preinfer_gpus)})
-    p = plan_run(cfg, figures(cfg, mcfg, args.gpu_gb), ds, rates)
+    budget = device_budget(args.gpu_gb * GB, gpus=cfg.train.gpus).usable
+    p = plan_run(cfg, figures(cfg, mcfg, block_plan(cfg, mcfg), budget), ds, rates)
     out = p.to_dict()
     out["model"] = {"family": mcfg.family, "n_layer": mcfg.n_layer, "d_model": mcfg.d_model,
                     "vocab_size": mcfg.vocab_size}

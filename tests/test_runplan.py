@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from bcdflow.core.config import load_config
-from bcdflow.core.runplan import BlockFigures, Dataset, ModelFigures, PlanInputError, Rates, plan_run
+from bcdflow.core.runplan import (BlockFigures, Dataset, ModelFigures, PlanInputError, Rates, choose_preinfer,
+                                  plan_run)
 from bcdflow.storage.act_layout import group_layout
 from tests.helpers import TINY
 
@@ -35,7 +36,7 @@ def test_the_plans_activation_bytes_are_what_a_visit_writes(tiny_cfg, sets):
     activation group are byte for byte the plan's count, per array; the rows are the visit's."""
     from bcdflow.core.context import RunContext, model_config
     from bcdflow.core.rules import visit_rows
-    from bcdflow.flows.plan import figures
+    from bcdflow.core.plan_figures import figures
     from bcdflow.storage import layout
     from bcdflow.storage.store import Store
     from tests.helpers import new_run, do_visit
@@ -47,7 +48,7 @@ def test_the_plans_activation_bytes_are_what_a_visit_writes(tiny_cfg, sets):
     ctx = RunContext.of(cfg, "r", ds_id)
     ds = Dataset(0, ctx.dataset.n_train, ctx.dataset.n_val)
     rates = Rates(write_gbs=1, read_gbs=1, preinfer_gpus=1, preinfer_tflops=1, train_tflops=1)
-    p = plan_run(cfg, figures(cfg, model_config(cfg), 24.0), ds, rates)
+    p = plan_run(cfg, figures(cfg, model_config(cfg), ctx.plan, None), ds, rates)
     v = p.visits[1]
     assert v.preinfer and not p.visits[0].preinfer
     assert v.rows == len(visit_rows(cfg, ctx.dataset.n_train, 0, 1))
@@ -70,7 +71,8 @@ def test_the_plans_pre_inference_time_holds_within_a_factor_on_this_machine(tiny
     import time
 
     from bcdflow.core.context import RunContext, model_config
-    from bcdflow.flows.plan import figures, probe_store
+    from bcdflow.core.plan_figures import figures
+    from bcdflow.flows.plan import probe_store
     from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
     from tests.helpers import new_run
 
@@ -78,7 +80,7 @@ def test_the_plans_pre_inference_time_holds_within_a_factor_on_this_machine(tiny
     ds_id = new_run(cfg)
     ctx = RunContext.of(cfg, "r", ds_id)
     mcfg = model_config(cfg)
-    figs = figures(cfg, mcfg, 24.0)
+    figs = figures(cfg, mcfg, ctx.plan, None)
     measured = probe_store(cfg, mcfg.d_model)
     shards = plan_shards.fn(ctx, 0, 2)
     preinfer_shard.fn(ctx, 0, 2, 0, shards[0])  # warm: the prefix loaded, torch's first calls
@@ -108,6 +110,25 @@ def _figs(step_s: float, step_computed_s: float, prefix_flops: float = 1e10) -> 
 
 def _cfg(*sets):
     return load_config(sets=[*TINY, "store=memory://plan", "data.seq_len=128", *sets])
+
+
+def test_auto_pre_infers_where_the_prefix_costs_the_card_more_than_the_store_and_says_why():
+    ds = Dataset(0, 100_000, 5_000)
+    fast_store = Rates(write_gbs=10, read_gbs=10, preinfer_gpus=16, preinfer_tflops=80, train_tflops=80,
+                       preinfer_elsewhere=True)
+    slow_store = Rates(write_gbs=0.001, read_gbs=0.001, preinfer_gpus=1, preinfer_tflops=80, train_tflops=80)
+    cfg = _cfg("bcd.preinfer=auto")
+    figs = _figs(step_s=0.5, step_computed_s=2.0)
+    on = choose_preinfer(cfg, figs, figs.blocks[1], ds, fast_store)
+    assert on.preinfer and on.why.startswith("auto: pre-infer is faster") and on.alternative["preinfer"] is False
+    off = choose_preinfer(cfg, figs, figs.blocks[1], ds, slow_store)
+    assert not off.preinfer and "compute the prefix on the card" in off.why and off.written == 0
+    assert off.alternative["written"] > 0
+    first = choose_preinfer(cfg, figs, figs.blocks[0], ds, fast_store)
+    assert not first.preinfer and first.why == "the first block has no prefix"
+    # a setting other than auto is obeyed, with both figures in its reason
+    forced = choose_preinfer(_cfg("bcd.preinfer=true"), figs, figs.blocks[1], ds, slow_store)
+    assert forced.preinfer and forced.why.startswith("bcd.preinfer=true")
 
 
 def test_money_and_the_stores_peak_add_up():
@@ -175,3 +196,29 @@ def test_plan_cli_prints_the_table_and_json(tmp_path, capsys):
     assert len(res["visits"]) == 3 and res["memory"]["visits"] and res["run"]["usd"] > 0
     assert res["visits"][1]["written"] == group_layout(
         res["visits"][1]["rows"], 32, 64, 16, "float32").array_bytes
+
+
+@pytest.fixture(scope="module")
+def flow_store(tmp_path_factory):
+    """One store for the flow tests: the token dataset is content-addressed, so it is prepared once."""
+    return f"store={tmp_path_factory.mktemp('flows') / 'store'}"
+
+
+@pytest.mark.parametrize("store_gbs, pre", [(1000.0, True), (1e-6, False)])
+def test_a_run_with_auto_pre_infers_by_the_figures_and_records_why(tiny_cfg, prefect_server, flow_store, store_gbs,
+                                                                   pre):
+    """``bcd.preinfer=auto`` in a real run: a visit that reads its few sampled rows several times pre-infers where the
+    store is fast (the prefix computed once instead of every step) and computes the prefix on the card where the store
+    is slow; each visit's record says why, and the run ends as a run with that setting would."""
+    from bcdflow.flows.bcd import bcd_train
+    from bcdflow.storage import runs
+    from bcdflow.storage.store import Store
+
+    cfg = tiny_cfg(flow_store, "bcd.preinfer=auto", "bcd.sample_rate=0.005", f"train.store_gbs={store_gbs}")
+    run_id = f"auto-{'on' if pre else 'off'}"
+    assert bcd_train(config=cfg.model_dump(), run_id=run_id)["version"] == 3
+    visits = runs.read_state(Store(cfg.store), run_id).visits
+    assert [v.preinfer_seconds > 0 for v in visits] == [False, pre, pre]
+    assert visits[0].preinfer_why == "the first block has no prefix"
+    want = "auto: pre-infer is faster" if pre else "auto: compute the prefix on the card is faster"
+    assert all(v.preinfer_why.startswith(want) for v in visits[1:]), [v.preinfer_why for v in visits]
