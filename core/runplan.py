@@ -30,8 +30,8 @@ What it counts, and from where (so the figures are the product's, not a second m
   one visit's activations and its two newest mid-visit checkpoints (the one before stays as a fallback).
 
 ``bcd.preinfer=auto`` (:func:`choose_preinfer`): per block, pre-infer where the visit's wall time with it is lower
-than computing the prefix on the training card every step (streamed or resident, as the holding says), else
-compute it; ties go to the cheaper in money; the reason is one line.
+than computing the prefix on the training card every step (streamed or resident, as the holding says), by more than
+:data:`TIE`, else compute it (a way that fits the card first); the reason is one line.
 """
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ MONTH_S = 30 * 86400.0
 """A storage month, seconds (object stores bill GB-months of 30 days)."""
 STORED_BYTES = 4
 """Bytes a parameter takes in a block file (trained versions are fp32)."""
+TIE = 0.01
+"""``bcd.preinfer=auto``: wall times within this fraction are as fast (then the prefix is computed on the card)."""
 HEADER_BYTES = 256
 """A safetensors header's bytes per tensor (models/memory.file_bytes)."""
 
@@ -320,12 +322,15 @@ def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Da
                 f"prefix on the card {off.wall_s / 3600:.2f} h ${off.gpu_usd:.2f}")
 
     if setting == "auto":
+        tie = abs(on.wall_s - off.wall_s) <= TIE * max(on.wall_s, off.wall_s)
         if on.fits != off.fits:
-            pick = on if on.fits else off
+            pick, how = (on if on.fits else off), "the only way that fits"
+        elif tie:  # the same forward either way: the store's bytes and requests buy nothing
+            pick, how = off, f"as fast (within {TIE:.0%}) and stores nothing"
         else:
-            pick = min((on, off), key=lambda x: (round(x.wall_s, 6), x.gpu_usd))
-        pick.why = ("auto: " + ("pre-infer" if pick is on else "compute the prefix on the card") + " is "
-                    + ("the only way that fits" if on.fits != off.fits else "faster") + f": {words(on, off)}")
+            pick, how = min((on, off), key=lambda x: x.wall_s), "faster"
+        pick.why = ("auto: " + ("pre-infer" if pick is on else "compute the prefix on the card") + f" is {how}: "
+                    + words(on, off))
     else:
         pick = on if setting else off
         pick.why = f"bcd.preinfer={'true' if setting else 'false'}: {words(on, off)}"
