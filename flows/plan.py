@@ -60,8 +60,7 @@ def dataset_size(cfg, tokens):
     if tokens is not None:
         return Dataset.of_tokens(_number("--tokens", tokens), cfg.data.seq_len, cfg.data.val_fraction)
     from bcdflow.core.context import open_store
-    from bcdflow.storage.layout import dataset_key
-    from bcdflow.storage.tokens import DATASET_META
+    from bcdflow.storage.layout import DATASET_META, dataset_key
     from bcdflow.tasks.data import prepare_data
 
     store = open_store(cfg)

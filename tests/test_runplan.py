@@ -222,3 +222,33 @@ def test_a_run_with_auto_pre_infers_by_the_figures_and_records_why(tiny_cfg, pre
     assert visits[0].preinfer_why == "the first block has no prefix"
     want = "auto: pre-infer is faster" if pre else "auto: compute the prefix on the card is faster"
     assert all(v.preinfer_why.startswith(want) for v in visits[1:]), [v.preinfer_why for v in visits]
+
+
+def test_status_shows_a_running_visits_activation_bytes_beside_the_plans(tiny_cfg):
+    """A visit that has pre-inferred and holds its lease: ``bcdflow status`` says how many bytes its activation group
+    holds in the store, beside what the plan says it writes, and they are the same."""
+    from bcdflow.core.context import RunContext
+    from bcdflow.flows.status import status_dict, status_table
+    from bcdflow.storage import layout
+    from bcdflow.storage.lease import Lease
+    from bcdflow.storage.store import Store
+    from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
+    from tests.helpers import do_visit, new_run
+
+    cfg = tiny_cfg()
+    ds_id = new_run(cfg)
+    do_visit(cfg, "r", ds_id, 0, 0, 0)
+    store = Store(cfg.store)
+    lease = Lease(store, layout.visit_key("r", 0, 1), "visit c0-b1").acquire()
+    try:
+        ctx = RunContext.of(cfg, "r", ds_id)
+        for s in plan_shards.fn(ctx, 0, 1):
+            preinfer_shard.fn(ctx, 0, 1, 0, s)
+        tr = status_dict(store, "r")["live"]["training"]
+        assert tr["visit"] == "c0-b1"
+        arrays = sum(_stored_array_bytes(store.path(layout.acts_key("r", 0, 1))).values())
+        assert tr["acts_planned"] == arrays > 0
+        assert tr["acts_bytes"] >= arrays  # the group's metadata and shard markers besides
+        assert "activations in the store" in status_table(status_dict(store, "r"))
+    finally:
+        lease.release()
