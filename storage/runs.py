@@ -85,6 +85,9 @@ class VisitRecord(_Record):
     peak_reserved_bytes: int | None = Field(None, ge=0)
     """Peak CUDA memory the caching allocator reserved in the training stage (what the card held); None on the CPU."""
     preinfer_seconds: float = Amount
+    preinfer_why: str | None = None
+    """``bcd.preinfer=auto``: why this visit pre-inferred or computed its prefix on the card (the run planner's
+    figures, core/runplan.choose_preinfer); None otherwise."""
     train_seconds: float = Amount
     """Seconds of the step loop, every attempt's up to its last checkpoint (``tokens_per_s`` = tokens over these)."""
     eval_seconds: float = Amount
