@@ -83,7 +83,8 @@ def plan(cfg, gpu_gb: float) -> dict:
            "blocks": cfg.bcd.blocks, **({"boundaries": cfg.bcd.boundaries} if cfg.bcd.boundaries else {}),
            "full": dict(full.to_dict(), fits=full.peak <= budget.usable),
            "pcie_gbs": t.pcie_gbs, "tflops": tflops_for(p, t.tflops), "stream_window": t.stream_window,
-           "recompute": cfg.bcd.recompute, "offload": shape.offload, "visits": visits(cfg.bcd.blocks, cfg.bcd.boundaries),
+           "recompute": cfg.bcd.recompute, "offload": shape.offload,
+           "visits": visits(cfg.bcd.blocks, cfg.bcd.boundaries),
            "recommendation": {"blocks": rec.blocks, "host_bytes": rec.host_bytes, "worst_peak": rec.worst_peak,
                               "line": rec.line() + (f"; {rec.hint}" if rec.hint else ""), "visits": []}}
     if rec.blocks is not None:
@@ -137,7 +138,7 @@ def table(res: dict) -> str:
     lines += _table(res["visits"], res["full"], cap)
     rec = res["recommendation"]
     if rec["blocks"] is not None and (rec["blocks"] != res["blocks"] or rec.get("boundaries") != res.get("boundaries")
-                                      or rec.get("settings")):
+                                      or "optim.name" in rec.get("settings", {})):
         words = " ".join([_plan_words(rec["blocks"], rec.get("boundaries"))]
                          + [f"{k}={v}" for k, v in rec.get("settings", {}).items()])
         lines += ["", f"{words} (recommended):"]

@@ -16,8 +16,8 @@ embedding's; and without bitsandbytes' device synchronization after every parame
 from a generator seeded by (the run's seed, the step, the parameter's index, the chunk), so a loop resumed from a
 checkpoint (whose state carries the step) draws what an uninterrupted one drew: bitwise the same.
 
-The package is the ``light`` extra (a run checks it: models/optimizers.Optimizer.check); the state is plain tensors (uint8 moments,
-fp32 scales), which mid-visit checkpoints and ``bcd.moments=keep`` store as they store AdamW's.
+The package is the ``light`` extra (a run checks it: models/optimizers.Optimizer.check); the state is plain tensors
+(uint8 moments, fp32 scales), which mid-visit checkpoints and ``bcd.moments=keep`` store as they store AdamW's.
 """
 from __future__ import annotations
 
