@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: the CPU wheel, not several GB of CUDA packages
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e ".[test,peers]"  # peers: the suite tests the peer methods too
+	$(BIN)/pip install -q -c constraints.txt -e ".[test,peers,light]"  # peers, light: the suite tests the peer methods and the lighter states too
 	touch $(STAMP)
 
 setup: $(STAMP)

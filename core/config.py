@@ -130,7 +130,20 @@ class BcdSection(_Section):
     blocks: int = Field(3, ge=1)
     """How many blocks the layers are cut into (one trains per visit)."""
     boundaries: list[int] | None = None
-    """Explicit layer cut points (e.g. [4, 8] for 12 layers); overrides ``blocks``."""
+    """Explicit layer cut points (e.g. [4, 8] for 12 layers); overrides ``blocks``. ``bcdflow plan-memory``
+    recommends them where blocks sized to fit need fewer than equal splits."""
+
+    @field_validator("boundaries", mode="before")
+    @classmethod
+    def _whole_layers(cls, v):
+        """A cut point is a layer index: one between layers, never inside one (a block is whole layers)."""
+        for c in v if isinstance(v, list) else ():
+            if isinstance(c, str) and c.strip().lstrip("-").isdigit():
+                continue  # "4" from a quoted YAML value: an index
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or c != int(c):
+                raise ValueError(f"bcd.boundaries: cut points are layer indices, a block is whole layers (a cut "
+                                 f"cannot split a layer), got {c!r} in {v}")
+        return v
     split: Literal["params", "layers"] = "params"
     """How ``blocks`` cuts the layers: equal parameter counts (embeddings and head included; the
     paper updates one third of the parameters per visit) or equal layer counts."""

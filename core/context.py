@@ -166,8 +166,10 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False, store: Store | None = No
             _checked.clear()
         if mine:
             return
-    # a peer method (models/peers.py): its package, one block (the baseline), one process
-    OPTIMIZERS[cfg.optim.name].check(cfg.optim.name, cfg.n_blocks, cfg.train.gpus)
+    # a peer method (models/peers.py): its package, one block (the baseline), one process; a lighter state
+    # (models/light.py): its package, one process, a device and precision it runs with
+    OPTIMIZERS[cfg.optim.name].check(cfg.optim.name, cfg.n_blocks, cfg.train.gpus,
+                                     resolve_device(cfg.train.device).type, cfg.train.precision)
     if not cfg.fleet.visit_pool:
         check_gpus(cfg)  # the device, and train.gpus against this machine
         check_model_size(cfg)  # before the plan's fit: a model no machine builds says so, not its host peak
@@ -360,8 +362,10 @@ class RunContext:
         So the host holds the streamed buffers and one block file at most (``host_load_bytes``, which the plan check
         counts), never the whole part nor every tensor it loads at once."""
         low = torch.bfloat16 if self.cfg.train.precision == "bf16" and trainable is not None else None
+        # fp32 master weights for what trains, unless the optimizer keeps bf16 ones (optim.name=adamw8bit-bf16)
+        fp32 = trainable or () if OPTIMIZERS[self.cfg.optim.name].master == 4 else ()
         model = build_model(self.model_cfg, layers=layers, embed=embed, head=head, device="meta", init=False,
-                            frozen_dtype=low, trainable=trainable or ())
+                            frozen_dtype=low, trainable=fp32)
         model.stream = None
         if stream:
             for i in stream:
