@@ -1,4 +1,4 @@
-# The GPU worker image of a bcdflow fleet (README "Run on a fleet"): CUDA PyTorch, the project at /opt/bcdflow,
+# The GPU worker image of a bcdflow fleet (docs/guide/fleet.md): CUDA PyTorch, the project at /opt/bcdflow,
 # and `bcdflow worker` as PID 1, so a spot box's `docker stop` (SIGTERM) lets its visit checkpoint and reschedule
 # itself before the worker stops.
 #

@@ -10,14 +10,14 @@ STAMP := $(VENV)/.installed
 # 2 cores the load made 2 of 8 such runs fail a timing-sensitive test, so it is not the default
 TEST_WORKERS ?= 0
 
-.PHONY: setup demo test test-fast bench gpu-wheels gpu-check ui-shots clean
+.PHONY: setup demo test test-fast docs-check bench gpu-wheels gpu-check ui-shots clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: the CPU wheel, not several GB of CUDA packages
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e ".[test,peers]"  # peers: the suite tests the peer methods too
+	$(BIN)/pip install -q -c constraints.txt -e ".[test,peers,light]"  # peers, light: the suite tests the peer methods and the lighter states too
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -34,6 +34,9 @@ test-fast: $(STAMP)   # the inner loop: everything but the end-to-end runs (4.4 
 	PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600 \
 	$(BIN)/python -m pytest -q -m "not slow"
+
+docs-check: $(STAMP)   # every link and image of README.md and docs/ resolves; README.md at most 250 lines
+	$(BIN)/python -m pytest -q tests/test_docs.py
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks run --quick

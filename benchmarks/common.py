@@ -31,6 +31,7 @@ from bcdflow.models.expand import SuffixAdapters
 from bcdflow.models.gpt import GPT
 from bcdflow.models.llama import LLaMA
 from bcdflow.models.stream import LayerStream
+from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
 from bcdflow.models.visit_compute import autocast
 
@@ -157,13 +158,14 @@ class Visit:
         if rows:  # a row block (bcd.vocab_blocks): the matrix frozen, its rows an fp32 slice, as the engine holds it
             trainable = set()
         low = torch.bfloat16 if args.precision == "bf16" and not getattr(args, "frozen_fp32", False) else None
+        fp32 = trainable if OPTIMIZERS[args.optim].master == 4 else ()  # bf16 master weights: adamw8bit-bf16
         if master is None:  # random weights, made on the device (an isolated configuration: benchmarks/isolate.py)
             model = build_model(cfg, layers=layers, embed=embed, head=True, device=device)
             if low is not None:
-                frozen_in(model, low, trainable)
+                frozen_in(model, low, fp32)
         else:
             model = build_model(cfg, layers=layers, embed=embed, head=True, device=device, init=False,
-                                frozen_dtype=low, trainable=trainable)
+                                frozen_dtype=low, trainable=fp32)
             model.load_state_dict({k: master[k] for k in model.state_dict()}, strict=True)
         # the product's preparation and loss (tasks/engine.py): gradients, chunking, compile, autocast, streaming.
         # Imported here: the engine imports Prefect (tasks/data.py), which the command line configures after

@@ -1,4 +1,4 @@
-"""What landscape expansion (``bcd.expand=lora``) costs in device memory at the README's shapes, by the planner
+"""What landscape expansion (``bcd.expand=lora``) costs in device memory at the shapes of docs/guide/memory.md, by the planner
 (models/memory.py, within 10% of the CPU tensor tracker with adapters: tests/test_expand.py): for each model, the
 recommended plan without expansion (the smallest ``bcd.blocks`` whose visits fit the card's usable budget, each held
 as models/holding.py chooses), its worst visit's predicted peak with adapters of each rank added, held the same way

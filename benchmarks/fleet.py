@@ -4,7 +4,7 @@ pre-inference throughput on 1 vs 2 Dask worker processes.
     python benchmarks/fleet.py                 # tiny and gpt2-124m at half width; a few minutes on 2 cores
     python benchmarks/fleet.py --only dask     # or: --only dispatch
 
-Dispatch: a real ``prefect server start`` and one ``bcdflow worker`` (worker poll every second, as the README
+Dispatch: a real ``prefect server start`` and one ``bcdflow worker`` (worker poll every second, as docs/guide/fleet.md
 advises for a fleet), a local store. For each config, the same visits run once as in-process subflows and once as
 ``bcd-visit/<pool>`` deployment runs; a visit's overhead is the parent's wall time for it minus the visit's own
 (``VisitRecord.seconds``: pre-inference to commit), its share that over the parent's wall time. Dispatch overhead

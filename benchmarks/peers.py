@@ -29,7 +29,6 @@ break-even B-F against an exact offloaded full training. Writes ``peers.md``, ``
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 import traceback
@@ -38,13 +37,11 @@ from pathlib import Path
 import torch
 
 from benchmarks import corpora, report
-from benchmarks.common import LiveBytes, Workload, machine, round_robin, tensor_bytes
-from benchmarks.profiles import profile
+from benchmarks.common import LiveBytes, Workload, round_robin, tensor_bytes
 from benchmarks.runs import book, flow_server
-from benchmarks.suite import compare, interp, shown, spread
+from benchmarks.suite import begin, compare, interp, shown, spread
 from benchmarks.training import run_row
 from bcdflow.core.config import load_config
-from bcdflow.core.context import resolve_device
 from bcdflow.errors import BadInput
 from bcdflow.models import build_model, get_config
 from bcdflow.models.optimizers import OPTIMIZERS
@@ -455,22 +452,10 @@ def main(args, argv: list[str]) -> int:
         res = merge(args.merge, Path(args.out))
         print(f"wrote {Path(args.out) / 'peers.md'} from {len(args.merge)} run(s), {len(res['groups'])} group(s)")
         return 0
-    size = "tiny" if args.tiny or os.environ.get("BCDFLOW_BENCH_SIZE") == "tiny" else (
-        "quick" if args.quick else "full")
-    prof = profile(size)
-    t0 = time.perf_counter()
-    try:
-        s = select(prof["peers" if args.regime == "ours" else "peers_paper"], args)
-        device = resolve_device(args.device)
-    except BadInput as e:
-        print(f"error: {e}")
+    start = begin(args, argv, "peers" if args.regime == "ours" else "peers_paper", select)
+    if start is None:
         return 2
-    flow_threads = args.flow_threads or (1 if device.type == "cpu" else torch.get_num_threads())
-    out = Path(args.out)
-    corpus_dir = Path(args.corpus_dir) if args.corpus_dir else out / "corpora"
-    info = machine(device)
-    meta = {"profile": size, "command": "python -m benchmarks " + " ".join(argv), "machine": info,
-            "flow_threads": flow_threads, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seconds": 0.0}
+    size, prof, s, t0, device, flow_threads, out, corpus_dir, info, meta = start
     bk = book(size, prof, flow_threads, section="peers" if args.regime == "ours" else "peers_paper")
     files = {}
     try:

@@ -48,6 +48,12 @@ _SUITE_QUICK = {
     "settings": {"reset-fixed": ["bcd.budget=fixed", "bcd.moments=reset", "bcd.expand=off"],
                  # adaptive visits are shorter: twice the cycles give it about the same step cap (~2400)
                  "keep-adaptive": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=off"],
+                 # issue 33: the lighter state's block count at about the same state memory (3 blocks x 16 bytes a
+                 # parameter ~ 2 x 10: 8-bit moments), and fp32 AdamW at 2 blocks (more memory) as the control
+                 "light-b2": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=off",
+                              "bcd.blocks=2", "optim.name=adamw8bit"],
+                 "keep-adaptive-b2": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=off",
+                                      "bcd.blocks=2"],
                  # landscape expansion (bcd.expand) on top of keep-adaptive: adapters of rank r on the suffix (lora-r16:
                  # the product's defaults since issue 25)
                  "lora-r4": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=lora",

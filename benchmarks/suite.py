@@ -393,25 +393,36 @@ def write(out: Path, res: dict) -> None:
     (out / "suite.md").write_text(markdown(res))
 
 
-def main(args, argv: list[str]) -> int:
-    """The ``suite`` command (``benchmarks.cli.main`` parsed ``argv`` into ``args``); exit status 0, 1 when a run
-    failed (the others still ran), 2 for bad input (a name the profile lacks, a bad ``--set``)."""
+def begin(args, argv: list[str], section: str, pick=None):
+    """What the ``suite`` and ``peers`` commands start from: (size, profile, what ``pick`` (default: this module's
+    ``select``) takes of the profile's ``section``, start time, device, flow threads, out dir, corpus dir, machine,
+    report meta); None after printing bad input."""
     size = "tiny" if args.tiny or os.environ.get("BCDFLOW_BENCH_SIZE") == "tiny" else (
         "quick" if args.quick else "full")
     prof = profile(size)
     t0 = time.perf_counter()
     try:
-        s = select(prof["suite" if args.regime == "ours" else "paper"], args)
+        s = (pick or select)(prof[section], args)
         device = resolve_device(args.device)
     except BadInput as e:
         print(f"error: {e}")
-        return 2
+        return None
     flow_threads = args.flow_threads or (1 if device.type == "cpu" else torch.get_num_threads())
     out = Path(args.out)
     corpus_dir = Path(args.corpus_dir) if args.corpus_dir else out / "corpora"
     info = machine(device)
     meta = {"profile": size, "command": "python -m benchmarks " + " ".join(argv), "machine": info,
             "flow_threads": flow_threads, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seconds": 0.0}
+    return size, prof, s, t0, device, flow_threads, out, corpus_dir, info, meta
+
+
+def main(args, argv: list[str]) -> int:
+    """The ``suite`` command (``benchmarks.cli.main`` parsed ``argv`` into ``args``); exit status 0, 1 when a run
+    failed (the others still ran), 2 for bad input (a name the profile lacks, a bad ``--set``)."""
+    start = begin(args, argv, "suite" if args.regime == "ours" else "paper")
+    if start is None:
+        return 2
+    size, prof, s, t0, device, flow_threads, out, corpus_dir, info, meta = start
     n_runs = len(s["corpora"]) * len(s["models"]) * len(s["seeds"]) * (1 + len(s["settings"]))
     print(f"bcdflow suite ({size}): {n_runs} runs — corpora {', '.join(s['corpora'])}; models "
           f"{', '.join(s['models'])}; seeds {', '.join(map(str, s['seeds']))}; settings {', '.join(s['settings'])} "

@@ -1,4 +1,4 @@
-"""Screenshots of what a user sees in the Prefect and MLflow UIs after ``make demo`` (README "Watching a run").
+"""Screenshots of what a user sees in the Prefect and MLflow UIs after ``make demo`` (docs/guide/watching.md).
 
 Starts ``prefect server start`` (on the demo's Prefect database: ``PREFECT_HOME``) and ``mlflow ui`` (on the store's
 ``mlflow.db``) on loopback ports, opens their pages in headless Chromium (Debian's ``chromium``: ``apt-get install -y

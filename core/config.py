@@ -130,7 +130,20 @@ class BcdSection(_Section):
     blocks: int = Field(3, ge=1)
     """How many blocks the layers are cut into (one trains per visit)."""
     boundaries: list[int] | None = None
-    """Explicit layer cut points (e.g. [4, 8] for 12 layers); overrides ``blocks``."""
+    """Explicit layer cut points (e.g. [4, 8] for 12 layers); overrides ``blocks``. ``bcdflow plan-memory``
+    recommends them where blocks sized to fit need fewer than equal splits."""
+
+    @field_validator("boundaries", mode="before")
+    @classmethod
+    def _whole_layers(cls, v):
+        """A cut point is a layer index: one between layers, never inside one (a block is whole layers)."""
+        for c in v if isinstance(v, list) else ():
+            if isinstance(c, str) and c.strip().lstrip("-").isdigit():
+                continue  # "4" from a quoted YAML value: an index
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or c != int(c):
+                raise ValueError(f"bcd.boundaries: cut points are layer indices, a block is whole layers (a cut "
+                                 f"cannot split a layer), got {c!r} in {v}")
+        return v
     split: Literal["params", "layers"] = "params"
     """How ``blocks`` cuts the layers: equal parameter counts (embeddings and head included; the
     paper updates one third of the parameters per visit) or equal layer counts."""
@@ -152,8 +165,10 @@ class BcdSection(_Section):
     (the largest gradient norm first)."""
     sample_rate: float = 0.9
     """Per-visit data sampling rate (paper §3.2.3)."""
-    preinfer: bool = True
-    """Pre-compute the frozen prefix's activations to Zarr (paper §3.2.2)."""
+    preinfer: bool | Literal["auto"] = True
+    """Pre-compute the frozen prefix's activations to Zarr (paper §3.2.2). ``auto``: per visit, where the run planner
+    (core/runplan.choose_preinfer, ``bcdflow plan``) says the visit is faster with it than computing the prefix on the
+    training card every step, at ``train.store_gbs``; the visit's record says why."""
     max_steps: int = Field(200, ge=1)
     """A visit's step cap (local convergence: it may end sooner on a plateau or its budget)."""
     eval_every: int | None = Field(None, ge=1)
@@ -211,6 +226,19 @@ class BcdSection(_Section):
     expand_lr: float | None = Field(None, gt=0)
     """The adapters' learning rate (warmed up and decayed as the block's); None = the block's own (``optim.lr`` ×
     its ``bcd.lr_scales`` entry)."""
+
+    @field_validator("preinfer", mode="before")
+    @classmethod
+    def _preinfer(cls, v):
+        words = {"auto": "auto", "true": True, "false": False, "yes": True, "no": False, "on": True, "off": False,
+                 "1": True, "0": False}
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, int) and v in (0, 1):
+            return bool(v)
+        if isinstance(v, str) and v.strip().lower() in words:
+            return words[v.strip().lower()]
+        raise ValueError(f"must be true, false or auto, got {v!r}")
 
     @field_validator("expand", mode="before")
     @classmethod
@@ -303,6 +331,9 @@ class TrainSection(_Section):
     """Device slots for streamed layers (the one computing and the ones copied in ahead of it)."""
     pcie_gbs: float = Field(PCIE_GBS, gt=0)
     """Host-to-device bandwidth the planner's time model assumes, GB/s (PCIe 4.0 x16 in practice)."""
+    store_gbs: float = Field(0.2, gt=0)
+    """The store's bandwidth the planner assumes, GB/s, both ways (``bcd.preinfer=auto``, ``bcdflow plan``'s default;
+    0.2: a rented box's ~1.6 Gbit/s)."""
     tflops: float | None = Field(None, gt=0)
     """Matmul throughput the planner's time model assumes, TFLOP/s; None = by ``precision`` (fp32 40, bf16 80: about
     half an RTX 4090's dense peak in each; models/holding.TFLOPS)."""
@@ -369,6 +400,14 @@ class SpendSection(_Section):
     """GPUs billed for validation (it runs on the training box); None = ``train.gpus``."""
     budget_usd: float | None = Field(None, gt=0)
     """Stop before a visit whose predicted spend (the block's last visit) exceeds what is left; None = no budget."""
+    storage_usd_gb_month: float = Field(0.023, ge=0)
+    """Object storage, USD per GB-month held (``bcdflow plan``; default: S3 Standard's first tier, us-east-1)."""
+    put_usd_per_1k: float = Field(0.005, ge=0)
+    """Object storage, USD per 1,000 writes (PUT; S3 Standard's)."""
+    get_usd_per_1k: float = Field(0.0004, ge=0)
+    """Object storage, USD per 1,000 reads (GET; S3 Standard's)."""
+    egress_usd_gb: float = Field(0.0, ge=0)
+    """USD per GB read out of the store's region (0: the GPUs sit beside the bucket; S3 to the internet: 0.09)."""
 
     @field_validator("prices", mode="before")
     @classmethod
@@ -531,14 +570,16 @@ class RunConfig(_Section):
         return StopRule(b.max_steps, b.patience, b.min_delta, b.window,
                         min_rate=min_rate if b.budget == "adaptive" else None)
 
-    def step_shape(self, no_grad: bool = False) -> StepShape:
+    def step_shape(self, no_grad: bool = False, preinfer: bool | None = None) -> StepShape:
         """One training step of a visit as the planner sees it (models/memory.py, models/holding.py). Several
         processes (``train.gpus``) or ``train.compile`` stream nothing; ``no_grad``: a no-grad pass's (pre-inference,
-        an evaluation), held by one process as ``train.offload`` says whatever the visit's processes."""
+        an evaluation), held by one process as ``train.offload`` says whatever the visit's processes; ``preinfer``: a
+        visit's own choice (``bcd.preinfer=auto``, which is otherwise planned as on)."""
         t, b = self.train, self.bcd
         one = t.gpus == 1 and not t.compile
         return StepShape(t.batch_size, self.data.seq_len, t.precision, self.optim.name, self.optim.weight_decay,
-                         t.loss_chunk_rows, recompute=b.recompute, preinfer=b.preinfer, freeze=tuple(b.freeze),
+                         t.loss_chunk_rows, recompute=b.recompute,
+                         preinfer=(b.preinfer is not False) if preinfer is None else preinfer, freeze=tuple(b.freeze),
                          offload=t.offload if one or no_grad else "off", window=t.stream_window,
                          expand_rank=b.expand_rank if b.expand != "off" else 0, gpus=t.gpus,
                          pcie_gbs=t.pcie_gbs, tflops=t.tflops)

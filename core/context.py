@@ -166,8 +166,10 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False, store: Store | None = No
             _checked.clear()
         if mine:
             return
-    # a peer method (models/peers.py): its package, one block (the baseline), one process
-    OPTIMIZERS[cfg.optim.name].check(cfg.optim.name, cfg.n_blocks, cfg.train.gpus)
+    # a peer method (models/peers.py): its package, one block (the baseline), one process; a lighter state
+    # (models/light.py): its package, one process, a device and precision it runs with
+    OPTIMIZERS[cfg.optim.name].check(cfg.optim.name, cfg.n_blocks, cfg.train.gpus,
+                                     resolve_device(cfg.train.device).type, cfg.train.precision)
     if not cfg.fleet.visit_pool:
         check_gpus(cfg)  # the device, and train.gpus against this machine
         check_model_size(cfg)  # before the plan's fit: a model no machine builds says so, not its host peak
@@ -286,6 +288,7 @@ class RunContext:
         self._lock = threading.Lock()
         self._prefix: tuple[tuple, Decoder] | None = None
         self._holdings: dict[int, Holding] = {}
+        self._preinfer: dict[int, tuple[bool, str | None]] = {}
         self._staging: list[torch.Tensor] = []
         self._budget: tuple[float | None] | None = None
         self.prefix_lock = threading.Lock()
@@ -359,8 +362,10 @@ class RunContext:
         So the host holds the streamed buffers and one block file at most (``host_load_bytes``, which the plan check
         counts), never the whole part nor every tensor it loads at once."""
         low = torch.bfloat16 if self.cfg.train.precision == "bf16" and trainable is not None else None
+        # fp32 master weights for what trains, unless the optimizer keeps bf16 ones (optim.name=adamw8bit-bf16)
+        fp32 = trainable or () if OPTIMIZERS[self.cfg.optim.name].master == 4 else ()
         model = build_model(self.model_cfg, layers=layers, embed=embed, head=head, device="meta", init=False,
-                            frozen_dtype=low, trainable=trainable or ())
+                            frozen_dtype=low, trainable=fp32)
         model.stream = None
         if stream:
             for i in stream:
@@ -395,7 +400,8 @@ class RunContext:
         """How block ``block``'s visit holds its model on this device (models/holding.choose_holding with the run's
         ``bcd.recompute``, ``train.offload`` and time-model keys: recompute, streamed layers), chosen once."""
         if block not in self._holdings:
-            self._holdings[block] = choose_holding(self.model_cfg, self.plan, block, self.cfg.step_shape(),
+            self._holdings[block] = choose_holding(self.model_cfg, self.plan, block,
+                                                   self.cfg.step_shape(preinfer=self.preinfer_on(block)),
                                                    self.budget())
         return self._holdings[block]
 
@@ -410,13 +416,43 @@ class RunContext:
         """The parameters block ``block``'s visit trains (``Block.trainable``: less what ``bcd.freeze`` keeps)."""
         return self.plan[block].trainable(self.cfg.bcd.freeze, self.model_cfg.tied)
 
+    def preinfer_on(self, block: int) -> bool:
+        """Whether block ``block``'s visit pre-infers: ``bcd.preinfer``, or with ``auto`` the run planner's choice
+        (:meth:`preinfer_why`)."""
+        return self._preinfer_choice(block)[0]
+
+    def preinfer_why(self, block: int) -> str | None:
+        """Why ``bcd.preinfer=auto`` chose as it did for block ``block``'s visit, in words (None: not ``auto``)."""
+        return self._preinfer_choice(block)[1]
+
+    def _preinfer_choice(self, block: int) -> tuple[bool, str | None]:
+        """``bcd.preinfer=auto``: core/runplan.choose_preinfer on the planner's figures, the run's token dataset and
+        rates (``train.store_gbs``, the GPUs pre-inference uses, the time model's TFLOP/s) and ``train.memory_gb`` (not
+        the measured device, so every process of a visit decides alike); chosen once a block."""
+        setting = self.cfg.bcd.preinfer
+        if setting != "auto":
+            return bool(setting), None
+        if block not in self._preinfer:
+            from bcdflow.core import runplan  # the planner's arithmetic: only for auto
+            from bcdflow.core.plan_figures import figures
+
+            t = self.cfg.train
+            budget = device_budget(t.memory_gb * GB, gpus=t.gpus).usable if t.memory_gb else None
+            figs = figures(self.cfg, self.model_cfg, self.plan, budget)
+            ds = runplan.Dataset(0, self.dataset.n_train, self.dataset.n_val)
+            rates = runplan.default_rates(self.cfg)
+            for b, bf in enumerate(figs.blocks):
+                v = runplan.choose_preinfer(self.cfg, figs, bf, ds, rates)
+                self._preinfer[b] = (v.preinfer, v.why)
+        return self._preinfer[block]
+
     def from_acts(self, block: int) -> bool:
         """Whether block ``block``'s visit trains from the prefix's stored activations (``Block.reads_activations``)."""
-        return self.plan[block].reads_activations(self.cfg.bcd.preinfer)
+        return self.plan[block].reads_activations(self.preinfer_on(block))
 
     def frozen_layers(self, block: int) -> list[int]:
         """The frozen layers block ``block``'s visit holds (``Block.frozen_layers``)."""
-        return self.plan[block].frozen_layers(self.model_cfg.n_layer, self.cfg.bcd.preinfer)
+        return self.plan[block].frozen_layers(self.model_cfg.n_layer, self.preinfer_on(block))
 
     def frozen_prefix(self, version: int, block: int) -> Decoder:
         """Embeddings and layers before ``block`` of ``version``, in eval mode without grads, held as its no-grad

@@ -527,12 +527,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds the flow runs get to checkpoint on SIGTERM before the worker stops (default 60)")
     sp.add_argument("worker_args", nargs=argparse.REMAINDER, help="more `prefect worker start` options, after --")
     sp.set_defaults(fn=cmd_worker)
-    from bcdflow.flows import generate, keys, plan_memory, store_admin
+    from bcdflow.flows import generate, keys, plan, plan_memory, store_admin
 
     generate.add_parser(sub, common, store_opts)
     store_admin.add_parsers(sub, common, store_opts)
     keys.add_parser(sub, common)
     plan_memory.add_parser(sub, common)
+    plan.add_parser(sub, common)
     return p
 
 

@@ -55,7 +55,7 @@ def plan(cfg, gpu_gb: float) -> dict:
 
     from bcdflow.core.context import model_config  # torch: not for `bcdflow --help` (flows/cli.py)
     from bcdflow.models import model_plan
-    from bcdflow.models.holding import plan_holdings, recommend
+    from bcdflow.models.holding import choose_holding, recommend, recommend_state
     from bcdflow.models.memory import GB, device_budget, plan_visits, visit_memory
     from bcdflow.models.specs import tflops_for
 
@@ -65,12 +65,13 @@ def plan(cfg, gpu_gb: float) -> dict:
     budget = device_budget(gpu_gb * GB, gpus=t.gpus)
     full = visit_memory(mcfg, None, None, shape)
 
-    def visits(blocks: int) -> list[dict]:
-        plan_ = model_plan(mcfg, blocks, split=split, freeze=shape.freeze)
-        hs = plan_holdings(mcfg, blocks, shape, budget.usable, split)
+    def visits(blocks: int, boundaries: list[int] | None) -> list[dict]:
+        plan_ = model_plan(mcfg, blocks, boundaries, split=split, freeze=shape.freeze)
+        hs = [choose_holding(mcfg, plan_, b, shape, budget.usable) for b in range(len(plan_))]
         return [_visit_row(h, plan_, b) for b, h in enumerate(hs)]
 
-    rec = recommend(mcfg, shape, budget, split, cfg.bcd.shard_rows)
+    # the fewest blocks that fit, their cut points chosen by fit, with the lighter state where it halves them
+    rec = recommend_state(mcfg, shape, budget, split, cfg.bcd.shard_rows)
     if rec.blocks is None and not shape.freeze:  # what freezing the big-vocabulary parts would make fit (a trade-off)
         alt = recommend(mcfg, replace(shape, freeze=("embeddings", "head")), budget, split, cfg.bcd.shard_rows)
         if alt.blocks is not None:
@@ -79,14 +80,17 @@ def plan(cfg, gpu_gb: float) -> dict:
     out = {"model": mcfg.to_dict(), "batch": B, "seq_len": T, "precision": p, "optim": opt, "gpu_gb": gpu_gb,
            "budget": {"card": budget.card, "free": budget.free, "reserve": budget.reserve, "usable": budget.usable,
                       "line": budget.line()},
-           "blocks": cfg.bcd.blocks, "full": dict(full.to_dict(), fits=full.peak <= budget.usable),
+           "blocks": cfg.bcd.blocks, **({"boundaries": cfg.bcd.boundaries} if cfg.bcd.boundaries else {}),
+           "full": dict(full.to_dict(), fits=full.peak <= budget.usable),
            "pcie_gbs": t.pcie_gbs, "tflops": tflops_for(p, t.tflops), "stream_window": t.stream_window,
-           "recompute": cfg.bcd.recompute, "offload": shape.offload, "visits": visits(cfg.bcd.blocks),
+           "recompute": cfg.bcd.recompute, "offload": shape.offload,
+           "visits": visits(cfg.bcd.blocks, cfg.bcd.boundaries),
            "recommendation": {"blocks": rec.blocks, "host_bytes": rec.host_bytes, "worst_peak": rec.worst_peak,
                               "line": rec.line() + (f"; {rec.hint}" if rec.hint else ""), "visits": []}}
     if rec.blocks is not None:
-        plan_ = model_plan(mcfg, rec.blocks, split=split, freeze=shape.freeze)
+        plan_ = model_plan(mcfg, rec.blocks, rec.boundaries, split=split, freeze=shape.freeze)
         out["recommendation"]["visits"] = [_visit_row(h, plan_, b) for b, h in enumerate(rec.holdings)]
+        out["recommendation"].update(boundaries=rec.boundaries, settings=rec.settings)
     if t.gpus > 1:  # per process, the batch split over the GPUs (as tasks/train_dist.choose_parallel plans one)
         out["per_gpu"] = {mode: max(e.peak for e in plan_visits(
             mcfg, cfg.bcd.blocks, replace(shape, recompute="off", parallel=mode), split)) for mode in ("ddp", "fsdp")}
@@ -115,6 +119,10 @@ def _table(rows: list[dict], full: dict | None, cap: float) -> list[str]:
     return lines
 
 
+def _plan_words(blocks: int, boundaries: list[int] | None) -> str:
+    return f"bcd.boundaries=[{','.join(map(str, boundaries))}]" if boundaries else f"bcd.blocks={blocks}"
+
+
 def table(res: dict) -> str:
     b = res["budget"]
     cap = b["usable"]
@@ -126,11 +134,14 @@ def table(res: dict) -> str:
              f"at its peak, how it holds its frozen layers, the pinned host GB and GB copied per step of those that "
              f"stream, the step's seconds all resident and as held (compute at {res['tflops']:g} TFLOP/s, copies at "
              f"{res['pcie_gbs']:g} GB/s), the overhead, and the tokens per step from which the copies hide.", "",
-             f"bcd.blocks={res['blocks']} (this config):"]
+             f"{_plan_words(res['blocks'], res.get('boundaries'))} (this config):"]
     lines += _table(res["visits"], res["full"], cap)
     rec = res["recommendation"]
-    if rec["blocks"] is not None and rec["blocks"] != res["blocks"]:
-        lines += ["", f"bcd.blocks={rec['blocks']} (recommended):"]
+    if rec["blocks"] is not None and (rec["blocks"] != res["blocks"] or rec.get("boundaries") != res.get("boundaries")
+                                      or "optim.name" in rec.get("settings", {})):
+        words = " ".join([_plan_words(rec["blocks"], rec.get("boundaries"))]
+                         + [f"{k}={v}" for k, v in rec.get("settings", {}).items()])
+        lines += ["", f"{words} (recommended):"]
         lines += _table(rec["visits"], None, cap)
     if "per_gpu" in res:
         lines.append("per GPU, worst visit: " + ", ".join(f"{m} {v / 1e9:.2f}" for m, v in res["per_gpu"].items()))

@@ -85,6 +85,8 @@ def status_dict(store, run_id: str) -> dict:
     keep = {"cycle", "block", "version", "steps", "train_loss", "val_loss", "val_ppl", "seconds",
             "preinfer_seconds", "train_seconds", "lost_seconds", "tokens_per_s", "stopped_by", "spend_usd"}
     live = run_overview(store, run_id, record, cfg)
+    if live.get("training"):
+        live["training"]["acts_planned"] = planned_acts(store, record, cfg, live["training"]["block"])
     gpus, kind = priced_as(cfg)
     return {"run_id": run_id, "version": state.version, "status": state.status, "mode": state.mode,
             "blocks": (record.get("plan") or {}).get("blocks") or [],
@@ -92,6 +94,29 @@ def status_dict(store, run_id: str) -> dict:
             "priced_as": f"{gpus}×{kind}", "default_price_kind": kind == DEFAULT_KIND,
             "live": {k: live[k] for k in ("status", "visits_done", "visits_planned", "spend_usd", "changed",
                                           "lease_owner", "training")}}
+
+
+def planned_acts(store, record: dict, cfg, block: int) -> int | None:
+    """The activation bytes ``bcdflow plan`` says a visit of ``block`` writes (core/runplan: the visit's rows in the
+    group layout storage/activations gives them), 0 for a visit that does not pre-infer, None where the stored run
+    does not say (no dataset or model recorded)."""
+    from bcdflow.core.rules import visit_row_count
+    from bcdflow.storage import layout
+    from bcdflow.storage.act_layout import group_layout
+
+    d_model = (record.get("model_resolved") or {}).get("d_model")
+    blocks = (record.get("plan") or {}).get("blocks") or []
+    try:
+        lo = int(blocks[block]["layers"][0])
+    except (IndexError, KeyError, TypeError, ValueError):  # a record without the plan's layers
+        lo = None
+    meta_key = layout.dataset_key(record["dataset"], layout.DATASET_META) if record.get("dataset") else None
+    if not d_model or lo is None or meta_key is None or not store.exists(meta_key):
+        return None
+    if cfg.bcd.preinfer is False or lo == 0:
+        return 0
+    n = visit_row_count(cfg, store.read_json(meta_key)["n_train"])
+    return group_layout(n, cfg.data.seq_len, d_model, cfg.bcd.shard_rows, cfg.bcd.act_dtype).array_bytes
 
 
 def status_table(st: dict) -> str:
@@ -106,6 +131,9 @@ def status_table(st: dict) -> str:
             f"step {tr['step']}/{tr['max_steps']} at its last checkpoint ({ago(tr['checkpoint_at'])})"
         doing = "training" if tr["lease_owner"] else "interrupted in"
         lines.append(f"  {doing} visit {tr['visit']}: {where}")
+        if tr.get("acts_bytes") or tr.get("acts_planned"):
+            plan = f" of {tr['acts_planned'] / 1e9:.3f} GB planned" if tr.get("acts_planned") is not None else ""
+            lines.append(f"  activations in the store: {tr['acts_bytes'] / 1e9:.3f} GB{plan} (removed at its commit)")
     if live.get("status") == "interrupted":
         lines.append(f"  no process holds the run: continue it with bcdflow resume {st['run_id']}")
     note = " (the default price kind: set spend.train_device to the GPU you rent)" if st["default_price_kind"] else ""

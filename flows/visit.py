@@ -202,6 +202,7 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
         moments=tr.moments_file, expanded=tr.suffix_norms,
         val_points=[(state.steps + s, v) for s, v in tr.val_points], tokens_per_s=tr.tokens / max(tr.seconds, 1e-9),
         peak_mem_bytes=tr.peak_mem_bytes, peak_reserved_bytes=tr.peak_reserved_bytes, preinfer_seconds=preinfer_s,
+        preinfer_why=ctx.preinfer_why(block),
         train_seconds=tr.seconds, eval_seconds=ev.seconds, seconds=seconds, lost_seconds=earlier.lost, **cost,
         cum_spend_usd=state.spend_usd + cost["spend_usd"])
     lease.check()  # still ours: nobody took this visit over while it trained

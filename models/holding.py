@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.memory import (Budget, Estimate, GB, NoGradPass, layer_of, layer_saved_bytes, model_shapes,
@@ -283,9 +283,63 @@ def no_grad_holding(cfg: ModelConfig, part: NoGradPass, shape: StepShape,
     return tuple(streamed), n
 
 
+def choose_cuts(units: int, fits: Callable[[int, int, float], bool], budget: float, steps: int = 8
+                ) -> list[int] | None:
+    """Cut points ``[0, c1, ..., units]`` of ``units`` consecutive units (layers; a row-slice option would add a
+    vocabulary matrix's slices as units) into the fewest spans each of which fits: ``fits(lo, hi, cap)`` says
+    whether the span ``[lo, hi)`` fits ``cap`` bytes, and a span inside one that fits must fit too (a smaller block
+    holds less). Greedy (each span as long as it fits, which gives the fewest spans when fitting is monotone), then
+    balanced: the smallest cap (bisected ``steps`` times between 0 and ``budget``) at which the greedy cut still
+    needs no more spans, so the spans come out even in what they hold, not packed in front with a small remainder.
+    None when one unit alone does not fit ``budget``."""
+
+    def greedy(cap: float) -> list[int] | None:
+        cuts, lo = [0], 0
+        while lo < units:
+            hi = lo
+            while hi < units and fits(lo, hi + 1, cap):
+                hi += 1
+            if hi == lo:
+                return None
+            cuts.append(hi)
+            lo = hi
+        return cuts
+
+    best = greedy(budget)
+    if best is None or len(best) == 2:
+        return best
+    lo_cap, hi_cap = 0.0, float(budget)
+    for _ in range(steps):
+        mid = (lo_cap + hi_cap) / 2
+        cut = greedy(mid)
+        if cut is not None and len(cut) <= len(best):
+            best, hi_cap = cut, mid
+        else:
+            lo_cap = mid
+    return best
+
+
+def fit_boundaries(cfg: ModelConfig, shape: StepShape, budget: float) -> list[int] | None:
+    """``bcd.boundaries`` for the fewest blocks whose every visit fits ``budget`` bytes, each block's layers sized
+    to what its visit can hold (block 0 carries the embeddings, the last block the head, so they get fewer layers):
+    :func:`choose_cuts` over the layers, each span's visit held as :func:`fit_holding` holds it. The inner cut
+    points (``[]`` for one block); None when a one-layer block does not fit."""
+    n = cfg.n_layer
+
+    def fits(lo: int, hi: int, cap: float) -> bool:
+        cut = [c for c in (lo, hi) if 0 < c < n]
+        plan = model_plan(cfg, None if cut else 1, cut or None, freeze=shape.freeze)
+        block = 0 if lo == 0 else 1
+        return fit_holding(cfg, plan, block, shape, cap).fits
+
+    cuts = choose_cuts(n, fits, budget)
+    return None if cuts is None else cuts[1:-1]
+
+
 @dataclass
 class Recommendation:
-    """The smallest ``bcd.blocks`` whose every visit fits the budget, and how each visit is held at it."""
+    """The fewest blocks whose every visit fits the budget (``boundaries``: their cut points, chosen by fit; None:
+    ``bcd.blocks`` equal splits), and how each visit is held."""
     blocks: int | None
     holdings: list[Holding]
     budget: Budget
@@ -295,6 +349,9 @@ class Recommendation:
     """Pinned host memory the largest streaming visit (or its pre-inference prefix) needs."""
     hint: str = ""
     settings: dict = field(default_factory=dict)
+    boundaries: list[int] | None = None
+    optim: str = "adamw"
+    """The optimizer the visits are planned with (``optim.name``; in ``settings`` where it is recommended)."""
 
     @property
     def worst_peak(self) -> int | None:
@@ -306,14 +363,16 @@ class Recommendation:
             return (f"no bcd.blocks fits {usable}: even one layer per block with recompute and every frozen layer "
                     "streamed needs more (use more GPUs: train.gpus=N shards the visit, or a smaller "
                     "train.batch_size)")
+        name = "AdamW" if self.optim == "adamw" else self.optim
         full = ("full training fits too" if self.full_fits else
-                f"full AdamW training does not fit ({self.full_peak / GB:.1f} GB)")
+                f"full {name} training does not fit ({self.full_peak / GB:.1f} GB)")
         keys = " ".join(f"{k}={v}" for k, v in self.settings.items())
+        cut = f" bcd.boundaries=[{','.join(map(str, self.boundaries))}]" if self.boundaries else ""
         rc = sum(h.recompute for h in self.holdings)
         st = sum(bool(h.streamed) for h in self.holdings)
         how = f"{rc} of {len(self.holdings)} visits recompute, {st} stream"
         host = f", {self.host_bytes / GB:.1f} GB of pinned host memory" if st else ""
-        return (f"recommended: bcd.blocks={self.blocks}{' ' + keys if keys else ''} ({how}{host}; worst visit "
+        return (f"recommended: bcd.blocks={self.blocks}{cut}{' ' + keys if keys else ''} ({how}{host}; worst visit "
                 f"{self.worst_peak / GB:.1f} GB of {usable}; {full})")
 
 
@@ -337,20 +396,51 @@ def _prefix_host_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShap
 
 def recommend(cfg: ModelConfig, shape: StepShape, budget: Budget, split: str = "params",
               shard_rows: int = 256) -> Recommendation:
-    """The smallest block count whose every visit fits ``budget.usable``, each visit held as :func:`choose_holding`
-    chooses with the ``shape``'s ``recompute``/``offload`` settings (more blocks cost more visits); ``shard_rows``:
-    pre-inference's rows a shard (its prefix's streamed layers count toward the host memory)."""
+    """The fewest blocks whose every visit fits ``budget.usable``, each visit held as :func:`choose_holding`
+    chooses with the ``shape``'s ``recompute``/``offload`` settings (more blocks cost more visits): their cut points
+    chosen by fit (:func:`fit_boundaries`), or ``bcd.blocks`` equal splits (``split``) where those need no more
+    blocks. ``shard_rows``: pre-inference's rows a shard (its prefix's streamed layers count toward the host
+    memory)."""
     full = visit_memory(cfg, None, None, shape)
     settings = {k: v for k, v in (("bcd.recompute", shape.recompute), ("train.offload", shape.offload))
                 if v != "auto"}
-    for m in range(1, cfg.n_layer + 1):
-        plan = model_plan(cfg, m, split=split, freeze=shape.freeze)
-        order = sorted(range(len(plan)), key=lambda b: (b not in (0, len(plan) - 1), b))  # the big ones first
-        if all(fit_holding(cfg, plan, b, shape, budget.usable).fits
-               for b in order):  # stops at the first that does not
-            hs = plan_holdings(cfg, m, shape, budget.usable, split)
-            host = max([h.estimate.host_bytes for h in hs] + [
-                _prefix_host_bytes(cfg, plan, b, shape, budget.usable, shard_rows)
-                for b in range(len(plan)) if shape.preinfer and any(h.streamed for h in hs)])
-            return Recommendation(m, hs, budget, full.peak, full.peak <= budget.usable, host, settings=settings)
-    return Recommendation(None, [], budget, full.peak, full.peak <= budget.usable, settings=settings)
+    cuts = fit_boundaries(cfg, shape, budget.usable)
+    if cuts is None:
+        return Recommendation(None, [], budget, full.peak, full.peak <= budget.usable, settings=settings)
+    m = len(cuts) + 1
+    plan = model_plan(cfg, m, split=split, freeze=shape.freeze)
+    order = sorted(range(len(plan)), key=lambda b: (b not in (0, len(plan) - 1), b))  # the big ones first
+    if all(fit_holding(cfg, plan, b, shape, budget.usable).fits for b in order):
+        cuts = None  # the equal split fits as few blocks: bcd.blocks alone says it
+    else:
+        plan = model_plan(cfg, None, cuts, freeze=shape.freeze)  # cuts: not [] (one block fits as an equal split)
+    hs = [choose_holding(cfg, plan, b, shape, budget.usable) for b in range(len(plan))]
+    host = max([h.estimate.host_bytes for h in hs] + [
+        _prefix_host_bytes(cfg, plan, b, shape, budget.usable, shard_rows)
+        for b in range(len(plan)) if shape.preinfer and any(h.streamed for h in hs)])
+    return Recommendation(m, hs, budget, full.peak, full.peak <= budget.usable, host, settings=settings,
+                          boundaries=cuts, optim=shape.optim)
+
+
+LIGHTER = {"fp32": "adamw8bit", "bf16": "adamw8bit-bf16"}
+"""The lighter state the planner weighs against fp32 AdamW, by ``train.precision`` (bf16 master weights need bf16
+compute): models/optimizers.py, models/light.py."""
+
+
+def recommend_state(cfg: ModelConfig, shape: StepShape, budget: Budget, split: str = "params",
+                    shard_rows: int = 256) -> Recommendation:
+    """:func:`recommend` with the run's optimizer, and, where that is fp32 AdamW, with the lighter state of its
+    precision (:data:`LIGHTER`): recommended instead (``optim.name`` in its settings) where it needs at most half
+    the blocks, or where fp32 AdamW fits in no block count. Fewer, larger blocks are the surest lever on the steps
+    to a loss (docs/results/suite-2026-11-23); the light state's own figures: docs/results/light-state-*."""
+    rec = recommend(cfg, shape, budget, split, shard_rows)
+    if shape.optim != "adamw":
+        return rec
+    name = LIGHTER[shape.precision]
+    alt = recommend(cfg, replace(shape, optim=name), budget, split, shard_rows)
+    if alt.blocks is not None and (rec.blocks is None or 2 * alt.blocks <= rec.blocks):
+        alt.settings = {"optim.name": name, **alt.settings}
+        alt.hint = (f"fp32 AdamW needs bcd.blocks={rec.blocks}" if rec.blocks is not None else
+                    "fp32 AdamW fits in no block count")
+        return alt
+    return rec

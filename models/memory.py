@@ -15,7 +15,10 @@ What a step holds (the product's path: tasks/train.py -> models/visit_compute.vi
 - weights: held parameters only (a visit with pre-inference holds layers >= its block and the head; docs/DESIGN.md I6).
   Trainable ones in fp32; frozen matrices in bf16 with ``precision=bf16`` (models/build.frozen_in), else fp32.
 - grads and optimizer state: the trainable parameters only, fp32; AdamW two moments, SGD one momentum buffer
-  (plus one gradient-sized temporary: foreach SGD with weight decay adds ``wd * p`` out of place).
+  (plus one gradient-sized temporary: foreach SGD with weight decay adds ``wd * p`` out of place). The lighter
+  states (models/optimizers.py, issue 33): ``adamw8bit``'s moments at a byte an element and an fp32 scale per 256;
+  ``adamw8bit-bf16`` also keeps the trained matrices and their gradients in bf16 (no autocast copy of them), its
+  update a chunk's fp32 copies (``LIGHT_CHUNK``): 6 bytes a trained parameter where fp32 AdamW takes 16.
 - activations: what autograd saves, layer by layer (per token; C = d_model, F = MLP width, K = key/value width,
   s = bytes of the compute dtype, 4 in fp32 and 2 under bf16 autocast, r = 4: the residual stream is fp32):
 
@@ -48,7 +51,7 @@ from bcdflow.models.base import loss_chunk_rows
 from bcdflow.models.build import model_plan, param_shapes
 from bcdflow.models.families import decoder_class
 from bcdflow.models.model_config import ModelConfig
-from bcdflow.models.optimizers import OPTIMIZERS
+from bcdflow.models.optimizers import LIGHT_CHUNK, OPTIMIZERS
 from bcdflow.models.plan import Plan
 from bcdflow.models.specs import StepShape
 from bcdflow.models.stream import Schedule, SlotPlan, aligned, layer_bytes
@@ -197,13 +200,16 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     else:
         lo, hi = plan[block].layers
         trainable = plan[block].trainable(freeze, cfg.tied)
-    # a row block (``bcd.vocab_blocks``, models/rows.py): its matrix held whole and frozen, its rows an fp32 slice
-    # with the gradient and optimizer state; the matrix's whole gradient exists in backward only, in its stored dtype
-    rows = None if full else plan[block].rows
-    sliced = plan[block].params[0] if rows is not None else None
+    # a row block (``bcd.vocab_blocks``, models/rows.py): its matrix held whole and frozen, its rows a slice (in the
+    # optimizer's master dtype) with the gradient and optimizer state; the matrix's whole gradient exists in backward only, in its stored dtype
+    row_slice = None if full else plan[block].rows
+    sliced = plan[block].params[0] if row_slice is not None else None
+
+    def trained_shape(name: str) -> tuple[int, ...]:
+        return (row_slice[1] - row_slice[0], shapes[name][1]) if name == sliced else shapes[name]
 
     def numel_trained(name: str) -> int:
-        return (rows[1] - rows[0]) * shapes[name][1] if name == sliced else _numel(shapes[name])
+        return _numel(trained_shape(name))
     from_acts = not full and plan[block].reads_activations(preinfer)
     held_lo = lo if from_acts else 0
 
@@ -219,14 +225,17 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
 
     held_names = [k for k in shapes if held(k)]
     low = precision == "bf16" and not full
+    opt_of = OPTIMIZERS[optim]
 
     def wbytes(name: str) -> int:
         if name == sliced:  # the frozen matrix and the slice's master rows
-            return _numel(shapes[name]) * (2 if low else 4) + 4 * numel_trained(name)
-        size = 2 if low and name not in trainable and len(shapes[name]) >= 2 else 4
-        return _numel(shapes[name]) * size
+            return _numel(shapes[name]) * (2 if low else 4) + opt_of.param_bytes(trained_shape(name))
+        if name in trainable:
+            return opt_of.param_bytes(shapes[name])  # fp32 master weights, or bf16 (adamw8bit-bf16)
+        return _numel(shapes[name]) * (2 if low and len(shapes[name]) >= 2 else 4)
 
     train_numel = sum(numel_trained(k) for k in trainable)
+    train_bytes = sum(opt_of.param_bytes(trained_shape(k)) for k in trainable)  # a gradient takes as many as its weight
     shard = gpus if parallel == "fsdp" else 1
     weights = sum(wbytes(k) for k in held_names)
     layer_train_names = {layer_of(k) for k in trainable if layer_of(k) is not None}
@@ -249,14 +258,14 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     if parallel == "fsdp":  # sharded, plus the largest layer gathered twice (current and prefetched)
         largest = max((sum(wbytes(k) for k in held_by_layer.get(i, ())) for i in range(held_lo, n)), default=0)
         weights = weights // shard + 2 * largest
-    grads = 4 * train_numel // shard
-    moments = OPTIMIZERS[optim].state
-    opt = 4 * moments * train_numel // shard
+    grads = train_bytes // shard
+    opt = sum(opt_of.state_bytes(numel_trained(k)) for k in trainable) // shard
     # bcd.expand: per adapted layer (after the block) its adapter parameters and saved bytes per token
-    adapted = {i: expand_bytes(cfg, shape, i) for i in range(hi, n)} if expand_rank and not full and not rows else {}
+    expanding = expand_rank and not full and row_slice is None  # a row block expands nothing
+    adapted = {i: expand_bytes(cfg, shape, i) for i in range(hi, n)} if expanding else {}
     expand_params = sum(p for p, _ in adapted.values())
     weights += 4 * expand_params
-    opt += 4 * moments * expand_params
+    opt += opt_of.state_bytes(expand_params) if expand_params else 0
     grads += 4 * expand_params
     N = shape.tokens
     C, V, s = cfg.d_model, cfg.vocab_size, shape.dtype_bytes
@@ -266,38 +275,40 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     # -- the forward's end: saved activations per layer on the gradient path, bottom to top
     acts: list[tuple[int, int, int]] = []  # (layer, saved bytes, weight-grad bytes added when it runs backward)
     layer_train = dict.fromkeys(range(n), 0)
+    layer_grad = dict.fromkeys(range(n), 0)
     for k in trainable:
         if (i := layer_of(k)) is not None:
             layer_train[i] += _numel(shapes[k])
+            layer_grad[i] += opt_of.param_bytes(shapes[k])
     cast = 0  # bf16 autocast copies of trainable matrices, kept for backward
     for i in range(lo, n):
         kind = "trainable" if layer_train[i] else ("recompute" if recompute and i >= hi else "frozen")
         if layer_train[i] and recompute_active:
             kind = "recompute"
         a = N * layer_saved_bytes(cfg, shape, kind)
-        if precision == "bf16" and kind == "trainable":
+        if precision == "bf16" and kind == "trainable" and opt_of.master == 4:  # a bf16 master is not cast
             mats = sum(_numel(shapes[k]) for k in trainable if layer_of(k) == i and len(shapes[k]) >= 2)
             a += 2 * mats // shard
             cast += 2 * mats // shard
         if i in adapted:  # its gradients come in its backward; a recomputed layer makes its saved part again there
             p, tok = adapted[i]
             a += 0 if kind == "recompute" else N * tok + 2 * p * (precision == "bf16")  # + bf16 casts of A, B
-        acts.append((i, a, 4 * (layer_train[i] + (adapted[i][0] if i in adapted else 0)) // shard))
+        acts.append((i, a, (layer_grad[i] + 4 * (adapted[i][0] if i in adapted else 0)) // shard))
     head_name = "wte.weight" if cfg.tied else "lm_head.weight"
     head_trainable = head_name in trainable
     head_numel = V * C
     rows = min(N, loss_chunk_rows(V, chunk_rows))
     ln_f = N * (4 * C + 8)  # ln_f keeps its input and statistics
     grad_h = N * 4 * C  # the head's input gradient, computed in forward
-    grad_w = 4 * head_numel // shard if head_trainable else 0  # part of ``grads``: alive from the loss forward on
-    w_copy = 2 * head_numel if head_trainable and precision == "bf16" else 0
-    whole_grad = head_numel * (2 if low else 4) if rows else 0  # a row block's matrix gradient, in its dtype
-    if rows:  # the head's weight gradient is the whole matrix's, in its dtype, until backward slices it
+    grad_w = opt_of.master * head_numel // shard if head_trainable else 0  # part of ``grads``: from the loss on
+    w_copy = 2 * head_numel if head_trainable and precision == "bf16" and opt_of.master == 4 else 0
+    whole_grad = head_numel * (2 if low else 4) if row_slice else 0  # a row block's matrix gradient, in its dtype
+    if row_slice:  # the head's weight gradient is the whole matrix's, in its dtype, until backward slices it
         grad_w, w_copy = (whole_grad if head_trainable else 0), 0
     chunk = rows * V * (6 if precision == "bf16" else 4) + rows * C * (2 if precision == "bf16" else 0)
     if head_trainable:
         chunk += head_numel * s  # one chunk's weight-gradient partial before it is added
-    other_grads = grads - grad_w if not rows else grads  # the rest of the trainable gradients, made in backward
+    other_grads = grads - grad_w if not row_slice else grads  # the rest of the trainable gradients, made in backward
     persistent = weights + opt + inp
     saved = sum(a for _, a, _ in acts)
 
@@ -315,8 +326,8 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     running_act, running_grads = saved + ln_f, grad_w
     back_t = N * _layer_backward_temp(cfg, shape)
     at("backward head", running_act, grad_h, running_grads,
-       2 * N * 4 * C + (grad_w if rows and head_trainable else 0))  # a row block: scaled, then sliced
-    if rows:
+       2 * N * 4 * C + (grad_w if row_slice and head_trainable else 0))  # a row block: scaled, then sliced
+    if row_slice:
         running_grads = grads if head_trainable else 0  # the slice's gradient; the matrix's is freed
     running_act -= ln_f
     for i, a, g in reversed(acts):
@@ -329,12 +340,14 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
         running_act -= a
         running_grads += g
     if not from_acts and full or (not full and lo == 0):
-        emb = head_numel * 4 if cfg.tied and "wte.weight" in trainable else 0  # dense wte grad, then added
-        if rows and sliced == "wte.weight":  # the dense gradient in the matrix's dtype, then its slice
+        emb = head_numel * opt_of.master if cfg.tied and "wte.weight" in trainable else 0  # dense wte grad, added
+        if row_slice and sliced == "wte.weight":  # the dense gradient in the matrix's dtype, then its slice
             emb = whole_grad + grads
         at("backward embeddings", 0, 0, running_grads, emb + N * 4 * C)
-    running_grads = grads if rows else max(running_grads, other_grads + grad_w)
-    opt_temp = running_grads if OPTIMIZERS[optim].decay_temporary and weight_decay > 0 else 0
+    running_grads = grads if row_slice else max(running_grads, other_grads + grad_w)
+    opt_temp = running_grads if opt_of.decay_temporary and weight_decay > 0 else 0
+    if opt_of.master == 2 and trainable:  # a bf16 weight's update: a chunk's fp32 weight, gradient and noise
+        opt_temp = 3 * 4 * min(LIGHT_CHUNK, max(numel_trained(k) for k in trainable))
     at("optimizer", 0, 0, running_grads, opt_temp)
     return Estimate(name="full" if full else f"block {block}", layers=(held_lo, n), trainable_params=train_numel,
                     held_params=sum(_numel(shapes[k]) for k in held_names), weights=weights, optim=opt, input=inp,

@@ -50,23 +50,17 @@ import zarr
 
 from bcdflow.errors import DamagedArtifact
 
+from .act_layout import default_chunk_rows as _default_chunk_rows
 from .layout import shard_done_key
 from .store import Store
 
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "float16", "bfloat16")
 _STORED = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
-_CHUNK_BYTES = 16 << 20  # ~16 MB per chunk object: large enough for object stores, small enough for batches
 
 
 class ActivationError(DamagedArtifact):
     """An activation group is missing, incomplete, malformed or fails its checksum."""
-
-
-def _default_chunk_rows(shard_rows: int, row_bytes: int) -> int:
-    """Largest divisor of shard_rows whose chunk fits in ~16 MB (at least one row)."""
-    cap = max(1, _CHUNK_BYTES // max(1, row_bytes))
-    return max(r for r in range(1, min(cap, shard_rows) + 1) if shard_rows % r == 0)
 
 
 def create_group(store: Store, key: str, *, n_rows: int, seq_len: int, d_model: int, shard_rows: int,

@@ -236,6 +236,11 @@ def probe_key(token: str) -> str:
     return f"probes/{token}"
 
 
+def throughput_key(token: str) -> str:
+    """Where ``bcdflow plan --probe`` writes and reads its few activation shards, removed after."""
+    return f"probes/throughput-{token}"
+
+
 # -- datasets -------------------------------------------------------------------------------------------------
 def dataset_key(dataset_id: str, *parts: str) -> str:
     """A token dataset's key. Its id may come from the store (a run's config.json), so it must be a plain name."""

@@ -57,7 +57,8 @@ def visit_spent(store: Store, run_id: str, cycle: int, block: int, version: int,
 
 def training_visit(store: Store, run_id: str, max_steps: int | None = None) -> dict | None:
     """The visit of ``run_id`` in training (or interrupted mid-visit): ``visit`` (c0-b1), ``step`` of its last
-    checkpoint (None before the first), ``max_steps``, ``checkpoint_at`` (epoch seconds) and ``lease_owner``."""
+    checkpoint (None before the first), ``max_steps``, ``checkpoint_at`` (epoch seconds), ``lease_owner`` and
+    ``acts_bytes``: what its activation group holds in the store so far."""
     found = []
     for name in store.listdir(layout.visits_key(run_id)):
         if (cb := layout.parse_visit(name)) is None:
@@ -70,7 +71,8 @@ def training_visit(store: Store, run_id: str, max_steps: int | None = None) -> d
         at = store.modified(layout.train_ckpt_key(vkey), CKPT_POINTER) if pointer else None
         found.append({"visit": name, "cycle": cb[0], "block": cb[1], "step": pointer["step"] if pointer else None,
                       "max_steps": max_steps, "checkpoint_at": at,
-                      "lease_owner": owner.get("owner") if owner else None})
+                      "lease_owner": owner.get("owner") if owner else None,
+                      "acts_bytes": store.size(layout.acts_key(run_id, *cb))})
     # the live one first, then the latest checkpoint
     found.sort(key=lambda v: (v["lease_owner"] is not None, v["checkpoint_at"] or 0), reverse=True)
     return found[0] if found else None

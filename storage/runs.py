@@ -32,6 +32,13 @@ from .lease import LeaseLost
 from .store import Store
 
 
+def _plain_dataset_id(cls, v: str | None) -> str | None:
+    """A run record's ``dataset`` (the state's and the stored config's): a token dataset id, a plain name."""
+    if v is not None and not is_plain_name(v):
+        raise ValueError(f"{v!r:.80} is not a token dataset id")
+    return v
+
+
 class RunStateError(DamagedArtifact):
     """A run's config.json or state.json is missing, truncated or malformed."""
 
@@ -85,6 +92,9 @@ class VisitRecord(_Record):
     peak_reserved_bytes: int | None = Field(None, ge=0)
     """Peak CUDA memory the caching allocator reserved in the training stage (what the card held); None on the CPU."""
     preinfer_seconds: float = Amount
+    preinfer_why: str | None = None
+    """``bcd.preinfer=auto``: why this visit pre-inferred or computed its prefix on the card (the run planner's
+    figures, core/runplan.choose_preinfer); None otherwise."""
     train_seconds: float = Amount
     """Seconds of the step loop, every attempt's up to its last checkpoint (``tokens_per_s`` = tokens over these)."""
     eval_seconds: float = Amount
@@ -145,12 +155,7 @@ class RunState(_Record):
     """Lease epochs of the run's current holders (``run``, ``visit c{c}-b{b}``): a writer holding a lower epoch of
     the same lease has lost it and may change nothing (docs/DESIGN.md I7)."""
 
-    @field_validator("dataset")
-    @classmethod
-    def _dataset_is_a_plain_name(cls, v: str | None) -> str | None:
-        if v is not None and not is_plain_name(v):
-            raise ValueError(f"{v!r:.80} is not a token dataset id")
-        return v
+    _dataset_is_a_plain_name = field_validator("dataset")(_plain_dataset_id)
 
     @model_validator(mode="after")
     def _version_is_the_last_visits(self) -> "RunState":
@@ -206,12 +211,7 @@ class StoredConfig(_Section):
     model_resolved: dict | None = None
     hf: dict | None = None
 
-    @field_validator("dataset")
-    @classmethod
-    def _dataset_is_a_plain_name(cls, v: str | None) -> str | None:
-        if v is not None and not is_plain_name(v):
-            raise ValueError(f"{v!r:.80} is not a token dataset id")
-        return v
+    _dataset_is_a_plain_name = field_validator("dataset")(_plain_dataset_id)
 
 
 def _what(e: ValidationError) -> str:

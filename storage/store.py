@@ -149,6 +149,11 @@ class Store:
         return f"{self.url}/{key}" if key else self.url
 
     # -- bytes and json ------------------------------------------------------------------
+    def size(self, *parts: str) -> int:
+        """Bytes of every object below a key (0: none there)."""
+        path = self.path(*parts)
+        return int(self.fs.du(path, total=True)) if self.fs.exists(path) else 0
+
     def exists(self, *parts: str) -> bool:
         return self.fs.exists(self.path(*parts))
 

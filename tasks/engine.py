@@ -437,7 +437,9 @@ class Resident:
         if self.unwrap is not None:  # the wrapper merged in: the model's own names and weights
             self.unwrap, finish = None, self.unwrap
             finish()
-        return block_tensors(self.model, self.ctx.plan, self.vs.block)
+        out = block_tensors(self.model, self.ctx.plan, self.vs.block)
+        # bf16 master weights (optim.name=adamw8bit-bf16) are committed in fp32, as every trained block is (exact)
+        return {n: t.float() if n in self.vs.active and t.dtype == torch.bfloat16 else t for n, t in out.items()}
 
     def barrier(self) -> None:
         pass

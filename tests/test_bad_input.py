@@ -44,6 +44,10 @@ def _tree(path) -> list[str]:
 BAD = [
     (["train", "--set", "bcd.boundaries=[2, 1]"], "bcd.boundaries: cut points must be strictly increasing"),
     (["train", "--set", "bcd.boundaries=[1, 1]"], "bcd.boundaries: cut points must be strictly increasing"),
+    (["train", "--set", "bcd.boundaries=[2.5]"], "bcd.boundaries: cut points are layer indices, a block is whole "
+                                                 "layers (a cut cannot split a layer), got 2.5"),
+    (["train", "--set", "optim.name=adamw8bit-bf16", "--set", "train.precision=fp32"],
+     "optim.name: adamw8bit-bf16 keeps bf16 master weights, which need train.precision=bf16"),
     (["train", "--set", "train.device=tpu9"], "train.device: unknown device 'tpu9'"),
     (["train", "--set", "optim.lr=inf"], "optim.lr"),
     (["train", "--store", "foo://x"], "store: 'foo://x' has an unknown protocol 'foo'"),

@@ -103,7 +103,7 @@ def test_deployment_run_on_a_worker_trains_like_the_cli(prefect_api_url, tmp_pat
         assert "bcd_blocks" in dep.parameter_openapi_schema["definitions"]["RunParams"]["properties"]
         assert client.read_deployment_by_name("full_train/baseline").entrypoint == "flows/bcd.py:full_train"
 
-    # a run as the README starts it from the command line: `config` as one JSON object of flat keys; a flat key
+    # a run as docs/guide/deployments.md starts it from the command line: `config` as one JSON object of flat keys; a flat key
     # given as its own --param is refused (the deployment has two parameters, run_id and config)
     sets = TINY + ["bcd.blocks=2", "tracking_uri=none"]
     cfg = load_config(sets=sets + [f"store={tmp_path / 'store'}"])

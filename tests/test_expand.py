@@ -273,7 +273,8 @@ def test_an_expanded_visit_killed_mid_visit_resumes_bitwise(prefect_api_url, tmp
 
 def test_plan_memory_counts_the_adapters(capsys):
     """``bcdflow plan-memory`` with ``bcd.expand=lora``: Llama-3-8B's shape on a 24 GB card needs one block more
-    (9, not 8) once every visit also holds rank-16 adapters and what their backward keeps."""
+    with fp32 AdamW (9, not 8) once every visit also holds rank-16 adapters and what their backward keeps (the
+    recommendation is then the lighter state, which says what fp32 AdamW needs)."""
     from bcdflow.flows.cli import main
 
     base = ["plan-memory", "--set", "model.from_hf=benchmarks/shapes/llama-3-8b", "--set", "train.batch_size=2",
@@ -282,7 +283,8 @@ def test_plan_memory_counts_the_adapters(capsys):
     for expand in ("off", "lora"):
         assert main([*base, "--set", f"bcd.expand={expand}", "--set", "bcd.expand_rank=16"]) == 0
         lines[expand] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("recommended:")]
-    assert "bcd.blocks=8 " in lines["off"][0] and "bcd.blocks=9 " in lines["lora"][0], lines
+    assert "fp32 AdamW needs bcd.blocks=8" in lines["off"][0] and "fp32 AdamW needs bcd.blocks=9" in lines["lora"][0], \
+        lines
 
 
 def test_a_run_stored_before_lora_was_the_default_continues_without_it(tiny_cfg):

@@ -2,7 +2,7 @@
 under real workers, one writer per run and per visit, pre-inference on Dask.
 
 Real processes: the session's Prefect test server (a uvicorn server on loopback, as ``prefect server start``
-runs one), two ``bcdflow worker`` processes on one pool (the pool and deployment from prefect.yaml, as the README sets them up), moto's S3 as the
+runs one), two ``bcdflow worker`` processes on one pool (the pool and deployment from prefect.yaml, as docs/guide/fleet.md sets them up), moto's S3 as the
 store every process shares, and the parent as a ``bcdflow train`` process. Every run must end bitwise equal to the
 same config trained in one process.
 """
@@ -130,7 +130,7 @@ def fleet(tmp_path_factory, s3_server, prefect_api_url):
     f.env.update({k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
     try:
         f.prefect("work-pool", "create", POOL, "--type", "process", "--overwrite")
-        f.prefect("--no-prompt", "deploy", "--name", POOL)  # the README's command, from prefect.yaml
+        f.prefect("--no-prompt", "deploy", "--name", POOL)  # docs/guide/fleet.md's command, from prefect.yaml
         f.start_worker("w0")
         f.start_worker("w1")
         yield f

@@ -20,7 +20,7 @@ from bcdflow.models.memory import (CONTEXT_BYTES, FRAGMENTATION, GB, WORKSPACE_B
                                    no_grad_memory, no_grad_rows, visit_memory)
 from bcdflow.models.specs import StepShape
 
-BF16 = StepShape(2, 1024, "bf16")  # Llama-3-8B's shape in the README: 2 x 1024 tokens, bf16
+BF16 = StepShape(2, 1024, "bf16")  # Llama-3-8B's shape in docs/guide/memory.md: 2 x 1024 tokens, bf16
 
 L8B = dict(family="llama", n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_ff=14336, vocab_size=128256,
            n_ctx=8192)
@@ -213,3 +213,55 @@ def test_the_planners_public_functions_take_the_shape_not_loose_settings():
     private = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == memory.__name__
                for a in n.names if a.name.startswith("_")]
     assert not private, private
+
+
+def test_choose_cuts_gives_the_fewest_spans_that_fit_and_evens_them():
+    """The cut search on its own (any units: layers, later a vocabulary matrix's row slices): heavy ends (an
+    embedding, a head) get spans of their own size, the fewest spans that fit, evened out rather than packed in
+    front; None when one unit alone is over the budget."""
+    from bcdflow.models.holding import choose_cuts
+
+    costs = [6, 1, 1, 1, 1, 1, 1, 1, 1, 6]
+
+    def fits(lo, hi, cap):
+        return sum(costs[lo:hi]) <= cap
+
+    cuts = choose_cuts(len(costs), fits, 8)
+    spans = list(zip(cuts, cuts[1:]))
+    assert len(spans) == 3 and all(sum(costs[a:b]) <= 8 for a, b in spans), cuts  # 20 units of cost: 3 spans
+    assert max(sum(costs[a:b]) for a, b in spans) <= 7, cuts  # evened: greedy alone packs 8, 7, 5
+    assert choose_cuts(3, lambda lo, hi, cap: hi - lo <= 3, 10) == [0, 3]
+    assert choose_cuts(len(costs), fits, 5) is None
+
+
+def test_boundaries_chosen_by_fit_need_fewer_blocks_than_equal_splits():
+    """Issue 33: Llama-3-8B (bf16, 2x1024, the reserve counted) on a 16 GB card, full-parameter: with the lighter
+    state its visits fit in 5 blocks cut where they fit (the embedding's and the head's blocks fewer layers), which 5
+    equal splits do not; every recommended visit fits the budget."""
+    from bcdflow.models.holding import fit_boundaries
+
+    cfg = llama8b()
+    budget = device_budget(16 * GB)
+    shape = replace(BF16, optim="adamw8bit-bf16")
+    rec = recommend(cfg, shape, budget)
+    assert rec.blocks == 5 and rec.boundaries and len(rec.boundaries) == 4, rec.line()
+    assert all(h.fits and h.estimate.peak <= budget.usable for h in rec.holdings)
+    assert rec.boundaries == fit_boundaries(cfg, shape, budget.usable)
+    equal = model_plan(cfg, 5)
+    assert not all(fit_holding(cfg, equal, b, shape, budget.usable).fits for b in range(5))
+    assert f"bcd.boundaries=[{','.join(map(str, rec.boundaries))}]" in rec.line()
+    assert recommend(cfg, BF16, budget).blocks is None  # fp32 AdamW: no block count fits 16 GB
+
+
+def test_the_planner_recommends_the_lighter_state_where_it_halves_the_blocks():
+    """Llama-3-8B on 24 GB (no expansion): fp32 AdamW needs 8 blocks, bf16 masters with 8-bit moments at most 5
+    (the issue's target), so that is recommended, with what fp32 AdamW would need beside it."""
+    from bcdflow.models.holding import recommend_state
+
+    cfg = llama8b()
+    budget = device_budget(24 * GB)
+    rec = recommend_state(cfg, BF16, budget)
+    assert rec.settings.get("optim.name") == "adamw8bit-bf16" and rec.blocks <= 5, rec.line()
+    assert "optim.name=adamw8bit-bf16" in rec.line() and "fp32 AdamW needs bcd.blocks=8" in rec.hint
+    assert all(h.estimate.peak <= budget.usable for h in rec.holdings)
+    assert recommend_state(cfg, replace(BF16, optim="sgd"), budget).settings.get("optim.name") is None

@@ -99,3 +99,14 @@ def test_plan_memory_command(tmp_path, capsys):
     assert not (tmp_path / "s").exists()  # a plan reads no store and writes nothing
     rc = main(["plan-memory", "--set", "model.name=G-1.6B", "--gpu-gb", "-3"])
     assert rc == 2 and "--gpu-gb" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model,over", CASES, ids=["gpt", "llama"])
+@pytest.mark.parametrize("optim", ["adamw8bit", "adamw8bit-bf16"])
+def test_planner_agrees_on_the_lighter_states_within_10_percent(model, over, optim):
+    """Issue 33: 8-bit AdamW moments (bitsandbytes' blockwise state, uint8 and a scale per 256 elements) and bf16
+    master weights and gradients, as the planner counts them (models/optimizers.Optimizer.state_bytes,
+    param_bytes) against the tracker; wider matrices so most of them are over bitsandbytes' 4096-element floor."""
+    torch.set_num_threads(1)
+    for name, measured, planned in measured_vs_planned(model, over, "bf16", False, optim=optim):
+        assert abs(planned / measured - 1) <= 0.10, (name, measured, planned)

@@ -1,0 +1,383 @@
+"""The run planned at the user's scale (``bcdflow plan``; issue 34): per visit the rows it samples, the activation bytes
+pre-inference writes and training reads back, and the time of each stage; per cycle and for the run the wall time,
+GPU-hours per kind, the store's peak and total bytes, and the money (GPUs and object storage). Pure arithmetic over
+the run config, the model's figures, the dataset's size and stated rates: no torch, no store, no device.
+
+    figs = ModelFigures(d_model=4096, params=8.0e9, forward_flops=..., blocks=(BlockFigures(...), ...))
+    rates = Rates(write_gbs=0.2, read_gbs=0.2, preinfer_gpus=1, preinfer_tflops=80, train_tflops=80)
+    p = plan_run(cfg, figs, Dataset.of_tokens(100e6, cfg.data.seq_len, cfg.data.val_fraction), rates)
+    p.visits[b].written, p.cycle.wall_s, p.run.usd, p.run.store_peak
+
+What it counts, and from where (so the figures are the product's, not a second model of it):
+
+- rows: ``core/rules.visit_row_count`` (the sample at ``bcd.sample_rate``, cut to ``max_steps x batch_size``);
+  steps: the step cap ``bcd.max_steps`` (a visit may stop sooner on its plateau or budget: the plan is the bound).
+- activation bytes: ``storage/act_layout.group_layout``, the layout ``storage/activations.create_group`` gives the
+  group: whole chunk objects of both arrays (hidden at ``bcd.act_dtype``, int32 targets), the last chunk stored whole.
+  Written once by pre-inference; read back once per epoch over the rows (``epochs = steps x batch / rows``; the
+  reader fetches whole chunk objects, each once while batches walk through it).
+- pre-inference time: the prefix's forward FLOPs over the rows on ``preinfer_gpus`` GPUs at ``preinfer_tflops``,
+  overlapped with the writes at ``write_gbs`` (two shard tasks a GPU: one computes while the other writes), after
+  each GPU loads the prefix's block files at ``read_gbs``.
+- training time: the step cap x the step time of the visit as held (``models/holding.choose_holding``, the time
+  model ``plan-memory`` prints), overlapped with reading the activations at ``read_gbs`` (the reader prefetches),
+  after loading the visit's part of the model; plus its mid-visit checkpoints and the commit's block files at
+  ``write_gbs``; evaluation: a forward over ``train.eval_rows`` rows at ``train_tflops``.
+- money: GPU seconds x ``spend`` prices per kind (``core/spend.catalog``), the training box's wait during
+  pre-inference on other GPUs included (a rental bills it); object storage: GB-months held (each visit's bytes for
+  its wall time), requests (PUT, GET) and egress at the ``spend`` section's storage prices.
+- the store's peak: the token dataset, every block file written so far (versions are kept until ``bcdflow prune``),
+  one visit's activations and its two newest mid-visit checkpoints (the one before stays as a fallback).
+
+``bcd.preinfer=auto`` (:func:`choose_preinfer`): per block, pre-infer where the visit's wall time with it is lower
+than computing the prefix on the training card every step (streamed or resident, as the holding says), by more than
+:data:`TIE`, else compute it (a way that fits the card first); the reason is one line.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from bcdflow.core.config import RunConfig
+from bcdflow.core.rules import visit_row_count
+from bcdflow.core.spend import catalog, gpus_used
+from bcdflow.errors import BadInput
+from bcdflow.models.optimizers import OPTIMIZERS
+from bcdflow.models.specs import tflops_for
+from bcdflow.storage.act_layout import group_layout
+
+GB = 1e9
+MONTH_S = 30 * 86400.0
+"""A storage month, seconds (object stores bill GB-months of 30 days)."""
+STORED_BYTES = 4
+"""Bytes a parameter takes in a block file (trained versions are fp32)."""
+TIE = 0.01
+"""``bcd.preinfer=auto``: wall times within this fraction are as fast (then the prefix is computed on the card)."""
+HEADER_BYTES = 256
+"""A safetensors header's bytes per tensor (models/memory.file_bytes)."""
+
+
+class PlanInputError(BadInput):
+    """A dataset size, rate or price that is not a positive finite number."""
+
+
+def positive(name: str, value, integer: bool = False) -> float:
+    """``value`` as a positive finite number, else one line naming ``name`` (exit 2)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise PlanInputError(f"{name}: must be a positive number, got {value!r}") from None
+    if not (math.isfinite(v) and v > 0) or (integer and v != int(v)):
+        raise PlanInputError(f"{name}: must be a positive {'whole ' if integer else ''}number, got {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class BlockFigures:
+    """What the model layer says about one block's visit (``flows/plan.figures`` fills it from models/holding)."""
+    block: int
+    layers: tuple[int, int]
+    params: int
+    """Parameters its block file holds."""
+    trainable: int
+    """Parameters the visit trains (less ``bcd.freeze``)."""
+    prefix_flops: float
+    """Forward FLOPs per token of the embeddings and layers ``[0, lo)`` (0 for the first block)."""
+    step_s: float
+    """One training step as held, reading the prefix's stored activations (the first block: from tokens)."""
+    step_computed_s: float
+    """One training step as held, computing the prefix on the training card (no pre-inference)."""
+    fits: bool = True
+    fits_computed: bool = True
+    holding: str = ""
+    holding_computed: str = ""
+    loaded_params: int = 0
+    """Parameters the visit loads from the store reading activations (blocks >= b, a tied embedding)."""
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    d_model: int
+    params: int
+    forward_flops: float
+    """Forward FLOPs per token of the whole model (an evaluation)."""
+    blocks: tuple[BlockFigures, ...]
+    tensors: int = 0
+    """Tensors of the model (each block file's safetensors header holds one entry a tensor)."""
+
+
+@dataclass(frozen=True)
+class Dataset:
+    tokens: int
+    n_train: int
+    n_val: int
+
+    @classmethod
+    def of_tokens(cls, tokens: float, seq_len: int, val_fraction: float) -> "Dataset":
+        """Rows as ``storage/tokens.py`` packs a text corpus: non-overlapping rows of ``seq_len + 1`` tokens, the tail
+        ``round(rows x val_fraction)`` held out."""
+        tokens = int(positive("--tokens", tokens))
+        n = tokens // (seq_len + 1)
+        if n < 2:
+            raise PlanInputError(f"--tokens: {tokens} tokens make {n} row(s) of {seq_len + 1}; need 2")
+        n_val = min(n - 1, max(1, round(n * val_fraction)))
+        return cls(tokens, n - n_val, n_val)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The rates the plan assumes (stated on the command line or measured by ``bcdflow plan --probe``)."""
+    write_gbs: float
+    """Store write bandwidth, GB/s: pre-inference's writers together, the training box's commits."""
+    read_gbs: float
+    """Store read bandwidth at the training box (and at each pre-inference GPU), GB/s."""
+    preinfer_gpus: int
+    """GPUs computing pre-inference."""
+    preinfer_tflops: float
+    """One pre-inference GPU's forward throughput, TFLOP/s."""
+    train_tflops: float
+    """The training card's forward throughput (evaluation), TFLOP/s."""
+    preinfer_elsewhere: bool = False
+    """Pre-inference runs on GPUs of its own (a Dask fleet of cheap GPUs): the training box waits, billed."""
+    measured: dict | None = None
+    """What ``--probe`` measured (the rates came from it)."""
+
+    def check(self) -> "Rates":
+        positive("--write-gbs", self.write_gbs), positive("--read-gbs", self.read_gbs)
+        positive("--preinfer-gpus", self.preinfer_gpus, integer=True)
+        positive("--preinfer-tflops", self.preinfer_tflops), positive("--tflops", self.train_tflops)
+        return self
+
+
+def default_rates(cfg: RunConfig) -> Rates:
+    """The rates a run's own ``bcd.preinfer=auto`` plans with: ``train.store_gbs`` both ways, the GPUs pre-inference
+    uses (``core/spend.gpus_used``, a Dask fleet's beside the box) at the training card's TFLOP/s."""
+    tf = tflops_for(cfg.train.precision, cfg.train.tflops)
+    return Rates(write_gbs=cfg.train.store_gbs, read_gbs=cfg.train.store_gbs,
+                 preinfer_gpus=cfg.spend.preinfer_gpus or gpus_used(cfg)["preinfer"], preinfer_tflops=tf,
+                 train_tflops=tf, preinfer_elsewhere=cfg.fleet.preinfer == "dask")
+
+
+@dataclass
+class VisitPlan:
+    block: int
+    layers: tuple[int, int]
+    rows: int
+    steps: int
+    preinfer: bool
+    why: str
+    written: int = 0
+    """Activation bytes pre-inference writes (both arrays' chunk objects)."""
+    read: int = 0
+    """Activation bytes training reads back."""
+    chunk_rows: int = 0
+    objects_written: int = 0
+    preinfer_s: float = 0.0
+    preinfer_compute_s: float = 0.0
+    preinfer_write_s: float = 0.0
+    prefix_load_s: float = 0.0
+    load_s: float = 0.0
+    train_s: float = 0.0
+    train_compute_s: float = 0.0
+    read_s: float = 0.0
+    checkpoint_s: float = 0.0
+    eval_s: float = 0.0
+    commit_s: float = 0.0
+    wall_s: float = 0.0
+    step_s: float = 0.0
+    fits: bool = True
+    holding: str = ""
+    block_bytes: int = 0
+    """Block files the commit writes (the block, and with ``bcd.expand`` the suffix blocks it rewrites)."""
+    checkpoint_bytes: int = 0
+    """One mid-visit checkpoint (the block's weights and optimizer state, fp32)."""
+    checkpoints: int = 0
+    loaded_bytes: int = 0
+    gpu_hours: dict = field(default_factory=dict)
+    """Device kind -> GPU-hours (training box, pre-inference GPUs)."""
+    gpu_usd: float = 0.0
+    puts: int = 0
+    gets: int = 0
+    alternative: dict | None = None
+    """The other way (pre-inference on or off) as planned, for the reason."""
+
+
+@dataclass
+class Totals:
+    wall_s: float = 0.0
+    gpu_hours: dict = field(default_factory=dict)
+    gpu_usd: float = 0.0
+    storage_usd: float = 0.0
+    request_usd: float = 0.0
+    egress_usd: float = 0.0
+    written: int = 0
+    read: int = 0
+    store_written: int = 0
+    """Every byte written to the store (activations, checkpoints, block files)."""
+    store_peak: int = 0
+
+    @property
+    def usd(self) -> float:
+        return self.gpu_usd + self.storage_usd + self.request_usd + self.egress_usd
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "usd": self.usd}
+
+
+@dataclass
+class RunPlan:
+    dataset: Dataset
+    rates: Rates
+    visits: list[VisitPlan]
+    cycle: Totals
+    run: Totals
+    cycles: int
+    dataset_bytes: int
+    model_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"dataset": asdict(self.dataset), "rates": asdict(self.rates), "cycles": self.cycles,
+                "dataset_bytes": self.dataset_bytes, "model_bytes": self.model_bytes,
+                "visits": [asdict(v) for v in self.visits], "cycle": self.cycle.to_dict(), "run": self.run.to_dict(),
+                "notes": self.notes}
+
+
+def _add(d: dict, k: str, v: float) -> None:
+    d[k] = d.get(k, 0.0) + v
+
+
+def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates, pre: bool) -> VisitPlan:
+    """Block ``bf``'s visit with pre-inference ``pre`` (on only where the block has a prefix)."""
+    b, t, sp = cfg.bcd, cfg.train, cfg.spend
+    pre = pre and bf.layers[0] > 0
+    rows, steps, T = visit_row_count(cfg, ds.n_train), b.max_steps, cfg.data.seq_len
+    v = VisitPlan(bf.block, bf.layers, rows, steps, pre, "")
+    prices = catalog(sp)
+    wr, rd = rates.write_gbs * GB, rates.read_gbs * GB
+    if pre:
+        lay = group_layout(rows, T, figs.d_model, b.shard_rows, b.act_dtype)
+        epochs = steps * t.batch_size / rows  # the reader fetches each chunk object once per pass over the rows
+        whole = int(epochs)
+        rest = -(-round((epochs - whole) * rows) // lay.chunk_rows)
+        v.written, v.chunk_rows, v.objects_written = lay.array_bytes, lay.chunk_rows, lay.objects
+        v.read = whole * lay.array_bytes + min(rest, lay.n_chunks) * (lay.hidden_chunk_bytes + lay.targets_chunk_bytes)
+        v.preinfer_compute_s = rows * T * bf.prefix_flops / (rates.preinfer_tflops * 1e12 * rates.preinfer_gpus)
+        v.preinfer_write_s = v.written / wr
+        prefix_params = figs.params - bf.loaded_params
+        v.prefix_load_s = prefix_params * STORED_BYTES / rd
+        v.preinfer_s = v.prefix_load_s + max(v.preinfer_compute_s, v.preinfer_write_s)
+        v.step_s, v.fits, v.holding = bf.step_s, bf.fits, bf.holding
+        v.loaded_bytes = bf.loaded_params * STORED_BYTES
+        v.gets = whole * 2 * lay.n_chunks + 2 * min(rest, lay.n_chunks)
+        v.puts = lay.objects
+    else:
+        v.step_s = bf.step_s if bf.layers[0] == 0 else bf.step_computed_s
+        v.fits = bf.fits if bf.layers[0] == 0 else bf.fits_computed
+        v.holding = bf.holding if bf.layers[0] == 0 else bf.holding_computed
+        v.loaded_bytes = figs.params * STORED_BYTES
+    v.load_s = v.loaded_bytes / rd
+    v.train_compute_s = steps * v.step_s
+    v.read_s = v.read / rd
+    v.train_s = max(v.train_compute_s, v.read_s)
+    state = OPTIMIZERS[cfg.optim.name].state
+    v.checkpoint_bytes = bf.params * STORED_BYTES + bf.trainable * 4 * state
+    # every checkpoint.every_steps steps or every_seconds seconds, whichever comes first
+    v.checkpoints = max(steps // cfg.checkpoint.every_steps, int(v.train_s // cfg.checkpoint.every_seconds))
+    v.checkpoint_s = v.checkpoints * v.checkpoint_bytes / wr
+    suffix = [o for o in figs.blocks if o.block > bf.block] if b.expand != "off" else []
+    v.block_bytes = sum(o.params * STORED_BYTES for o in [bf, *suffix])
+    moments = bf.trainable * 4 * state if b.moments == "keep" else 0
+    v.commit_s = (v.block_bytes + moments) / wr
+    v.eval_s = t.eval_rows * T * figs.forward_flops / (rates.train_tflops * 1e12 * t.gpus)
+    v.wall_s = v.preinfer_s + v.load_s + v.train_s + v.checkpoint_s + v.eval_s + v.commit_s
+    v.puts += v.checkpoints * 2 + len(suffix) + 1 + (1 if moments else 0) + 4  # + state, manifest, records
+    v.gets += len(figs.blocks) + 4
+    box = v.wall_s - v.preinfer_s
+    pre_kind, box_kind = sp.preinfer_device, sp.train_device
+    box_gpus = sp.train_gpus or t.gpus
+    pre_gpus = rates.preinfer_gpus if rates.preinfer_elsewhere else box_gpus
+    if pre and rates.preinfer_elsewhere:
+        _add(v.gpu_hours, pre_kind, v.preinfer_s * pre_gpus / 3600)
+        box += v.preinfer_s  # the training box waits for pre-inference, rented all the while
+    elif pre:
+        _add(v.gpu_hours, pre_kind, v.preinfer_s * box_gpus / 3600)
+    _add(v.gpu_hours, box_kind, box * box_gpus / 3600)
+    v.gpu_usd = sum(h * prices[k] for k, h in v.gpu_hours.items())
+    return v
+
+
+def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates) -> VisitPlan:
+    """Block ``bf``'s visit as ``bcd.preinfer`` says: on, off, or ``auto``: the faster of the two (then the cheaper),
+    with the reason in words."""
+    setting = cfg.bcd.preinfer
+    if bf.layers[0] == 0:
+        v = _visit(cfg, figs, bf, ds, rates, False)
+        v.why = "the first block has no prefix"
+        return v
+    on, off = _visit(cfg, figs, bf, ds, rates, True), _visit(cfg, figs, bf, ds, rates, False)
+
+    def words(a: VisitPlan, b: VisitPlan) -> str:
+        return (f"pre-inference {on.wall_s / 3600:.2f} h ${on.gpu_usd:.2f} (writes {on.written / GB:.1f} GB), "
+                f"prefix on the card {off.wall_s / 3600:.2f} h ${off.gpu_usd:.2f}")
+
+    if setting == "auto":
+        tie = abs(on.wall_s - off.wall_s) <= TIE * max(on.wall_s, off.wall_s)
+        if on.fits != off.fits:
+            pick, how = (on if on.fits else off), "the only way that fits"
+        elif tie:  # the same forward either way: the store's bytes and requests buy nothing
+            pick, how = off, f"as fast (within {TIE:.0%}) and stores nothing"
+        else:
+            pick, how = min((on, off), key=lambda x: x.wall_s), "faster"
+        pick.why = ("auto: " + ("pre-infer" if pick is on else "compute the prefix on the card") + f" is {how}: "
+                    + words(on, off))
+    else:
+        pick = on if setting else off
+        pick.why = f"bcd.preinfer={'true' if setting else 'false'}: {words(on, off)}"
+    other = off if pick is on else on
+    pick.alternative = {"preinfer": other.preinfer, "wall_s": other.wall_s, "gpu_usd": other.gpu_usd,
+                        "written": other.written, "read": other.read, "fits": other.fits}
+    return pick
+
+
+def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates) -> RunPlan:
+    """Every visit of one cycle (they repeat each cycle: the same rows counted, the same blocks), the cycle, and
+    the run of ``bcd.cycles`` cycles with the store's peak and the storage bill."""
+    rates.check()
+    sp, T = cfg.spend, cfg.data.seq_len
+    visits = [choose_preinfer(cfg, figs, bf, ds, rates) for bf in figs.blocks]
+    dataset_bytes = (ds.n_train + ds.n_val) * (T + 1) * 4
+    model_bytes = figs.params * STORED_BYTES + figs.tensors * HEADER_BYTES
+    cycle, run = Totals(), Totals()
+    held = dataset_bytes + model_bytes  # the store before the first visit: the token dataset and version 0
+    run.store_written = cycle.store_written = 0
+    gb_s = 0.0  # GB-seconds held, for the storage bill
+    for c in range(cfg.bcd.cycles):
+        for v in visits:
+            tot = [run] + ([cycle] if c == 0 else [])
+            working = v.written + min(2, v.checkpoints) * v.checkpoint_bytes
+            peak = held + working + v.block_bytes
+            gb_s += (held + working) / GB * v.wall_s
+            held += v.block_bytes
+            for x in tot:
+                x.wall_s += v.wall_s
+                for k, h in v.gpu_hours.items():
+                    _add(x.gpu_hours, k, h)
+                x.gpu_usd += v.gpu_usd
+                x.written += v.written
+                x.read += v.read
+                x.store_written += v.written + v.checkpoints * v.checkpoint_bytes + v.block_bytes
+                x.store_peak = max(x.store_peak, peak)
+                x.request_usd += v.puts / 1000 * sp.put_usd_per_1k + v.gets / 1000 * sp.get_usd_per_1k
+                x.egress_usd += (v.read + v.loaded_bytes) / GB * sp.egress_usd_gb
+        if c == 0:
+            cycle.storage_usd = gb_s * sp.storage_usd_gb_month / MONTH_S
+    run.storage_usd = gb_s * sp.storage_usd_gb_month / MONTH_S
+    notes = [f"steps are the cap bcd.max_steps={cfg.bcd.max_steps} per visit (a visit may stop sooner: the plateau "
+             "or the adaptive budget), so times and money are upper bounds"]
+    if cfg.bcd.act_compression != "none":
+        notes.append("bcd.act_compression=zstd: activation bytes are before compression (they barely compress)")
+    if any(v.preinfer for v in visits) and cfg.bcd.act_dtype == "float32":
+        notes.append("bcd.act_dtype=bfloat16 halves the activation bytes written and read (rounded activations: the "
+                     "weights then differ from computing the prefix by that rounding, docs/DESIGN.md I2)")
+    return RunPlan(ds, rates, visits, cycle, run, cfg.bcd.cycles, dataset_bytes, model_bytes, notes)

@@ -1,0 +1,234 @@
+"""``bcdflow plan``: the whole run planned at the user's scale (issue 34) from the config, the dataset's size and stated
+rates: per visit the rows it samples, the activation bytes it writes to and reads from the store, pre-inference,
+store transfer, training and evaluation time; per cycle and for the run the wall time, GPU-hours per kind, the
+store's peak and total bytes and the money (GPUs and object storage, priced by the ``spend`` section). The memory
+part is ``plan-memory``'s (how each visit holds its model on the card; ``--json`` holds it whole under ``memory``).
+
+    bcdflow plan --set model.from_hf=benchmarks/shapes/llama-3-8b --set data.seq_len=1024 \\
+        --set train.precision=bf16 --set train.batch_size=8 --tokens 100e6 --gpu-gb 24 --store-gbs 0.2
+    bcdflow plan -c run.yaml --probe            # the store's rates measured: a few shards written and read back
+    bcdflow plan -c run.yaml                    # the dataset counted from its files (tokenized as the run will)
+
+The arithmetic is ``core/runplan.py`` (torch-free, tested on its own); the model's figures are the planner's
+(``core/plan_figures.figures`` from ``models/holding.choose_holding``: each visit's step time as held, with and without pre-inference), the
+dataset's size from ``--tokens`` or the prepared token dataset, and the rates from the flags or ``--probe``.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+
+from bcdflow.errors import BadInput
+from bcdflow.tracking.tables import strict_json
+
+GB = 1e9
+
+
+def add_parser(sub, common) -> None:
+    sp = sub.add_parser("plan", parents=[common],
+                        help="the whole run at your scale: bytes stored and moved per visit, time and money per cycle")
+    sp.add_argument("-c", "--config", help="YAML config file (as for train)")
+    sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    sp.add_argument("--tokens", help="the dataset's token count (e.g. 100e6); default: counted from data.files "
+                                     "(the token dataset is prepared in the store, as the run would)")
+    sp.add_argument("--gpu-gb", type=float, default=24.0, help="the training card's memory, GB (default 24)")
+    sp.add_argument("--store-gbs", type=float, default=None,
+                    help="store bandwidth both ways, GB/s (default: train.store_gbs, 0.2: a rented box's ~1.6 Gbit/s)")
+    sp.add_argument("--write-gbs", type=float, default=None, help="store write bandwidth, GB/s (overrides --store-gbs)")
+    sp.add_argument("--read-gbs", type=float, default=None, help="store read bandwidth, GB/s (overrides --store-gbs)")
+    sp.add_argument("--preinfer-gpus", type=float, default=None,
+                    help="cheap GPUs computing pre-inference beside the training box (priced as "
+                         "spend.preinfer_device; default: the training box itself, or fleet.dask_workers)")
+    sp.add_argument("--preinfer-tflops", type=float, default=None,
+                    help="one pre-inference GPU's forward TFLOP/s (default: the training card's)")
+    sp.add_argument("--tflops", type=float, default=None, help="the training card's TFLOP/s (default: train.tflops)")
+    sp.add_argument("--pcie-gbs", type=float, default=None, help="host-to-device GB/s (default: train.pcie_gbs)")
+    sp.add_argument("--probe", action="store_true",
+                    help="measure the store's write and read GB/s with a few activation shards (written, read, removed)")
+    sp.add_argument("--json", action="store_true", help="the plan (and plan-memory's tables) as JSON")
+    sp.set_defaults(fn=cmd_plan)
+
+
+# -- the dataset's size ---------------------------------------------------------------------------------------------
+
+def dataset_size(cfg, tokens):
+    """``--tokens`` as given, else the run's token dataset prepared in the store (tokenized once, as the run would;
+    a run started later reuses it) and its row counts read back."""
+    from bcdflow.core.runplan import Dataset
+
+    if tokens is not None:
+        return Dataset.of_tokens(_number("--tokens", tokens), cfg.data.seq_len, cfg.data.val_fraction)
+    from bcdflow.core.context import open_store
+    from bcdflow.storage.layout import DATASET_META, dataset_key
+    from bcdflow.tasks.data import prepare_data
+
+    store = open_store(cfg)
+    store.probe()
+    ds_id = prepare_data.fn(cfg, store)
+    meta = store.read_json(dataset_key(ds_id, DATASET_META))
+    return Dataset(int(meta.get("n_tokens", (meta["n_train"] + meta["n_val"]) * (cfg.data.seq_len + 1))),
+                   meta["n_train"], meta["n_val"])
+
+
+def _number(flag: str, text) -> float:
+    from bcdflow.core.runplan import positive
+
+    return positive(flag, text)
+
+
+# -- the store's rates, measured -------------------------------------------------------------------------------------
+
+PROBE_SHARDS = 4
+
+
+def probe_store(cfg, d_model: int) -> dict:
+    """Write ``PROBE_SHARDS`` activation shards of the run's layout (``bcd.shard_rows`` rows, ``data.seq_len``,
+    ``bcd.act_dtype``) to the configured store through ``storage/activations`` and read them back whole with its
+    reader, timing each; the probe's group is removed after. GB/s of the chunk objects' bytes."""
+    import torch
+
+    from bcdflow.core.context import open_store
+    from bcdflow.storage import activations
+    from bcdflow.storage.act_layout import group_layout
+    from bcdflow.storage.layout import throughput_key
+
+    store = open_store(cfg)
+    store.probe()
+    b, T = cfg.bcd, cfg.data.seq_len
+    rows = PROBE_SHARDS * b.shard_rows
+    key = throughput_key(uuid.uuid4().hex[:12])
+    lay = group_layout(rows, T, d_model, b.shard_rows, b.act_dtype)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        activations.create_group(store, key, n_rows=rows, seq_len=T, d_model=d_model, shard_rows=b.shard_rows,
+                                 dtype=b.act_dtype, compression=b.act_compression)
+        hidden = torch.randn((b.shard_rows, T, d_model), generator=gen)
+        # not zeros: Zarr skips writing a chunk that is all fill value (the reader would find it missing)
+        targets = torch.randint(1, 1 << 15, (b.shard_rows, T), generator=gen, dtype=torch.int32)
+        t0 = time.perf_counter()
+        for s in range(PROBE_SHARDS):
+            activations.write_shard(store, key, s, hidden, targets)
+        write_s = time.perf_counter() - t0
+        reader = activations.ActivationReader(store, key)
+        t0 = time.perf_counter()
+        for lo in range(0, rows, lay.chunk_rows):
+            reader.read(lo, min(rows, lo + lay.chunk_rows))
+        read_s = time.perf_counter() - t0
+        reader.close()
+    finally:
+        store.rm(key)
+    return {"store": store.url, "bytes": lay.array_bytes, "shards": PROBE_SHARDS, "write_s": write_s,
+            "read_s": read_s, "write_gbs": lay.array_bytes / write_s / GB, "read_gbs": lay.array_bytes / read_s / GB}
+
+
+# -- the command -----------------------------------------------------------------------------------------------------
+
+def build(cfg, args) -> dict:
+    """The plan as a dict: the run's (core/runplan.RunPlan) and plan-memory's."""
+    from bcdflow.core.context import block_plan, model_config
+    from bcdflow.core.plan_figures import figures
+    from bcdflow.core.runplan import Rates, plan_run
+    from bcdflow.models.memory import device_budget
+    from bcdflow.core.spend import gpus_used
+    from bcdflow.flows.plan_memory import plan as memory_plan
+    from bcdflow.models.specs import tflops_for
+
+    mcfg = model_config(cfg)
+    ds = dataset_size(cfg, args.tokens)
+    measured = probe_store(cfg, mcfg.d_model) if args.probe else None
+    store_gbs = args.store_gbs if args.store_gbs is not None else cfg.train.store_gbs
+    write = args.write_gbs if args.write_gbs is not None else (measured["write_gbs"] if measured else store_gbs)
+    read = args.read_gbs if args.read_gbs is not None else (measured["read_gbs"] if measured else store_gbs)
+    train_tf = tflops_for(cfg.train.precision, cfg.train.tflops)
+    elsewhere = args.preinfer_gpus is not None or cfg.fleet.preinfer == "dask"
+    pre_gpus = args.preinfer_gpus if args.preinfer_gpus is not None else (
+        cfg.spend.preinfer_gpus or gpus_used(cfg)["preinfer"])
+    rates = Rates(write_gbs=write, read_gbs=read, preinfer_gpus=pre_gpus,
+                  preinfer_tflops=args.preinfer_tflops if args.preinfer_tflops is not None else train_tf,
+                  train_tflops=train_tf, preinfer_elsewhere=elsewhere, measured=measured).check()
+    rates = Rates(**{**rates.__dict__, "preinfer_gpus": int(rates.preinfer_gpus)})
+    budget = device_budget(args.gpu_gb * GB, gpus=cfg.train.gpus).usable
+    p = plan_run(cfg, figures(cfg, mcfg, block_plan(cfg, mcfg), budget), ds, rates)
+    out = p.to_dict()
+    out["model"] = {"family": mcfg.family, "n_layer": mcfg.n_layer, "d_model": mcfg.d_model,
+                    "vocab_size": mcfg.vocab_size}
+    out["config"] = {"blocks": cfg.n_blocks, "batch_size": cfg.train.batch_size, "seq_len": cfg.data.seq_len,
+                     "max_steps": cfg.bcd.max_steps, "sample_rate": cfg.bcd.sample_rate, "precision":
+                     cfg.train.precision, "act_dtype": cfg.bcd.act_dtype, "preinfer": cfg.bcd.preinfer,
+                     "train_gpus": cfg.spend.train_gpus or cfg.train.gpus, "train_device": cfg.spend.train_device,
+                     "preinfer_device": cfg.spend.preinfer_device, "gpu_gb": args.gpu_gb}
+    out["memory"] = memory_plan(cfg, args.gpu_gb)
+    return out
+
+
+def _gb(b: float) -> str:
+    """Bytes in GB, or TB from 10 TB."""
+    return f"{b / GB:,.1f} GB" if b < 1e13 else f"{b / 1e12:,.1f} TB"
+
+
+def _h(s: float) -> str:
+    return f"{s / 3600:.2f}" if s >= 36 else f"{s:.0f}s"
+
+
+def table(res: dict) -> str:
+    c, r, m = res["config"], res["rates"], res["model"]
+    ds = res["dataset"]
+    lines = [f"{m['family']} {m['n_layer']} layers, d={m['d_model']}, vocab={m['vocab_size']}; {ds['tokens']:,} tokens "
+             f"= {ds['n_train']:,} training rows of {c['seq_len']}; bcd.blocks={c['blocks']}, batch {c['batch_size']}, "
+             f"step cap {c['max_steps']}, sample rate {c['sample_rate']:g}, {c['precision']}, activations "
+             f"{c['act_dtype']}; {res['cycles']} cycle(s).",
+             f"Rates: store write {r['write_gbs']:g} GB/s, read {r['read_gbs']:g} GB/s"
+             + (" (measured by --probe)" if r.get("measured") else "")
+             + f"; training {c['train_gpus']} x {c['train_device']} at {r['train_tflops']:g} TFLOP/s; pre-inference "
+             f"{r['preinfer_gpus']} x {c['preinfer_device']} at {r['preinfer_tflops']:g} TFLOP/s"
+             + (" beside the training box" if r["preinfer_elsewhere"] else " (the training box)") + ".", "",
+             "Per visit: activation bytes pre-inference writes and training reads, mid-visit checkpoints written; hours "
+             "(s: seconds) of pre-inference, store transfers (all of them, overlapped or not), training, evaluation, "
+             "the visit's wall time; GB = 1e9 bytes:"]
+    head = (f"{'visit':<7}{'layers':>8}{'rows':>10}{'steps':>6}  {'pre':<4}{'written':>12}{'read':>12}"
+            f"{'ckpts':>12}{'pre-inf':>9}{'store':>8}{'train':>8}{'eval':>7}{'wall':>8}{'GPU $':>10}  fits")
+    lines += [head, "-" * len(head)]
+    for v in res["visits"]:
+        io = (v["preinfer_write_s"] + v["read_s"] + v["load_s"] + v["prefix_load_s"] + v["checkpoint_s"]
+              + v["commit_s"])
+        lines.append(f"b{v['block']:<6}{'%d-%d' % tuple(v['layers']):>8}{v['rows']:>10,}{v['steps']:>6}  "
+                     f"{'yes' if v['preinfer'] else 'no':<4}{_gb(v['written']):>12}{_gb(v['read']):>12}"
+                     f"{_gb(v['checkpoints'] * v['checkpoint_bytes']):>12}"
+                     f"{_h(v['preinfer_s']):>9}{_h(io):>8}{_h(v['train_s']):>8}{_h(v['eval_s']):>7}"
+                     f"{_h(v['wall_s']):>8}{v['gpu_usd']:>10,.2f}  {'yes' if v['fits'] else 'NO'}")
+    lines.append("")
+    lines += [f"  b{v['block']}: {v['why']}" for v in res["visits"]]
+    for name, t in (("one cycle", res["cycle"]), (f"the run ({res['cycles']} cycles)", res["run"])):
+        hours = ", ".join(f"{h:,.1f} {k}" for k, h in t["gpu_hours"].items())
+        lines += ["", f"{name}: {t['wall_s'] / 3600:,.2f} h wall; GPU-hours {hours}; activations written "
+                      f"{_gb(t['written'])}, read {_gb(t['read'])}; store written {_gb(t['store_written'])}, "
+                      f"peak {_gb(t['store_peak'])}",
+                  f"  ${t['usd']:,.2f} = GPUs ${t['gpu_usd']:,.2f} + storage ${t['storage_usd']:,.2f} + requests "
+                  f"${t['request_usd']:,.2f} + egress ${t['egress_usd']:,.2f}"]
+    lines += ["", f"store peak: token dataset {_gb(res['dataset_bytes'])} + versions (version 0: "
+                  f"{_gb(res['model_bytes'])}, each visit adds its block files) + one visit's activations and two "
+                  "mid-visit checkpoints"]
+    lines += [f"note: {n}" for n in res["notes"]]
+    mem = res["memory"]["recommendation"]["line"]
+    lines += ["", f"memory (bcdflow plan-memory for the tables): {mem}"]
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    from bcdflow.core.config import load_config
+
+    for flag, v in (("--gpu-gb", args.gpu_gb), ("--store-gbs", args.store_gbs), ("--write-gbs", args.write_gbs),
+                    ("--read-gbs", args.read_gbs), ("--preinfer-gpus", args.preinfer_gpus),
+                    ("--preinfer-tflops", args.preinfer_tflops), ("--tflops", args.tflops),
+                    ("--pcie-gbs", args.pcie_gbs)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise BadInput(f"{flag}: must be a positive number, got {v:g}")
+    if args.preinfer_gpus is not None and args.preinfer_gpus != int(args.preinfer_gpus):
+        raise BadInput(f"--preinfer-gpus: must be a whole number of GPUs, got {args.preinfer_gpus:g}")
+    sets = list(args.set or [])
+    sets += [f"train.pcie_gbs={args.pcie_gbs}"] if args.pcie_gbs else []
+    sets += [f"train.tflops={args.tflops}"] if args.tflops else []
+    res = build(load_config(args.config, sets), args)
+    print(strict_json(res) if args.json else table(res))
+    return 0
