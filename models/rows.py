@@ -4,7 +4,7 @@ the token embedding ``wte.weight`` or the untied head ``lm_head.weight`` and not
 The rows of a vocabulary matrix are independent coordinates (a token's embedding row, a token's output row), so block
 coordinate descent may take a slice of them as a block. The visit's model holds the whole matrix frozen (in the
 frozen dtype: bf16 under ``train.precision=bf16``) and its trainable parameter is a leaf tensor of the slice's rows
-only (fp32 master weights), so gradient and optimizer state exist for the slice alone:
+only (fp32 master weights, or the optimizer's bf16 ones), so gradient and optimizer state exist for the slice alone:
 
     rows = attach_rows(model, "wte.weight", lo, hi)   # an nn.Parameter (hi - lo, C); the optimizer's only one
     ...train...                                         # every read of the matrix sees the slice's current rows
@@ -60,15 +60,16 @@ def _module(model: nn.Module, name: str) -> nn.Module:
     return getattr(model, VOCAB_MATRICES[name])
 
 
-def attach_rows(model: nn.Module, name: str, lo: int, hi: int) -> nn.Parameter:
+def attach_rows(model: nn.Module, name: str, lo: int, hi: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
     """Make rows [lo, hi) of the vocabulary matrix ``name`` of ``model`` its only trainable part: returns the slice as
-    a new fp32 leaf parameter (a copy of those rows), every other row frozen where the matrix lives."""
+    a new leaf parameter (a copy of those rows in ``dtype``: fp32 master weights, or bf16 ones with
+    ``optim.name=adamw8bit-bf16``), every other row frozen where the matrix lives."""
     module = _module(model, name)
     weight = module.weight
     if not 0 <= lo < hi <= weight.size(0):
         raise ValueError(f"rows [{lo}, {hi}) lie outside {name} ({weight.size(0)} rows)")
     weight.requires_grad_(False)
-    rows = nn.Parameter(weight.detach()[lo:hi].to(torch.float32, copy=True))
+    rows = nn.Parameter(weight.detach()[lo:hi].to(dtype, copy=True))
     parametrize.register_parametrization(module, "weight", RowSlice(rows, lo), unsafe=True)
     return rows
 

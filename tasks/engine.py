@@ -393,7 +393,7 @@ class Resident:
     def __init__(self, ctx: RunContext, vs: VisitLayout):
         self.ctx, self.vs, self.device = ctx, vs, ctx.device
         cfg = ctx.cfg
-        # a row block: the whole matrix frozen (bf16 under bf16), its rows a trainable fp32 slice (models/rows.py)
+        # a row block: the whole matrix frozen (bf16 under bf16), its rows a trainable slice (models/rows.py)
         active = frozenset() if vs.rows else vs.active
         self.model = ctx.load_part(ctx.manifest(vs.version), vs.layers, embed=vs.embed, head=True,
                                    trainable=active, stream=vs.streamed,
@@ -401,7 +401,8 @@ class Resident:
         self.named = prepare_model(self.model, active, cfg.train.loss_chunk_rows, cfg.train.compile)
         if vs.rows:
             name, lo, hi = vs.rows
-            self.named = [(name, attach_rows(self.model, name, lo, hi))]
+            master = torch.bfloat16 if OPTIMIZERS[cfg.optim.name].master == 2 else torch.float32
+            self.named = [(name, attach_rows(self.model, name, lo, hi, master))]
         # a peer that wraps the model (optim.name=lora: adapters, the base frozen) trains what the wrapper adds
         wrap = OPTIMIZERS[cfg.optim.name].wrap
         self.named, self.unwrap = wrap(self.model, cfg.optim_spec()) if wrap else (self.named, None)

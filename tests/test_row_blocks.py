@@ -185,9 +185,9 @@ def test_a_row_block_run_killed_mid_visit_resumes_bitwise_and_exports_as_any_run
     ref = Store(str(rows_reference))
     assert [v.block for v in runs.read_state(ref, "ref").visits] == list(range(7))
     store = str(tmp_path / "store")
-    # 3 checkpoints (steps 2, 4, 6) per visit of 6 steps: the 17th is c0-b5's second
+    # 2 checkpoints (steps 2, 4; the last step commits instead) per visit of 6 steps: the 12th is c0-b5's second
     killed = _cli(prefect_api_url, "train", *_sets(*ROWS), "--store", store, "--run-id", "k",
-                  env={"BCDFLOW_FAILPOINTS": "train-checkpoint:17"})
+                  env={"BCDFLOW_FAILPOINTS": "train-checkpoint:12"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     pointer = Store(store).read_json("runs/k/visits/c0-b5/train-ckpt/ckpt.json")
     assert pointer["step"] == 4
