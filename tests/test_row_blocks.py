@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
@@ -143,6 +144,37 @@ def test_the_planner_agrees_with_the_tracker_on_row_visits_within_10_percent(mod
     assert len(got) == (2 if model == "gpt2-124m" else 4)
     for name, measured, planned in got:
         assert abs(planned / measured - 1) <= 0.10, (name, measured, planned)
+
+
+def test_the_planner_recommends_row_blocks_only_where_whole_matrices_fit_in_no_block():
+    """Llama-3-8B (bf16, 2x1024, the reserve counted) on an 8 GB card: no block that owns the 128k-row embedding or
+    head fits, with any state; with the matrices in row blocks the layer blocks cut by fit and the fewest row blocks
+    fit, every visit within the budget, and the recommendation's settings make that plan. On 16 GB the whole matrices
+    fit (5 blocks), so no row blocks are recommended there."""
+    from bcdflow.models.holding import recommend, recommend_state
+    from bcdflow.models.memory import GB, device_budget
+
+    cfg = get_config("tiny-llama", n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_ff=14336, vocab_size=128256,
+                     n_ctx=8192)  # Llama-3-8B's shape (benchmarks/shapes/llama-3-8b)
+    shape = StepShape(2, 1024, "bf16")
+    budget = device_budget(8 * GB)
+    assert recommend(cfg, replace(shape, optim="adamw8bit-bf16"), budget).blocks is None
+    rec = recommend_state(cfg, shape, budget)
+    k = rec.settings.get("bcd.vocab_blocks")
+    assert rec.blocks and k and k == rec.vocab_blocks > 1, rec.line()
+    assert f"bcd.vocab_blocks={k}" in rec.line() and "whole vocabulary matrices fit in no block count" in rec.hint
+    plan = model_plan(cfg, rec.blocks, rec.boundaries, vocab_blocks=k)
+    assert len(plan) == len(rec.holdings) == rec.blocks + 2 * k  # an untied head: both matrices in rows
+    assert all(h.fits and h.estimate.peak <= budget.usable for h in rec.holdings)
+    wider = recommend_state(cfg, shape, device_budget(16 * GB))
+    assert wider.vocab_blocks == 1 and "bcd.vocab_blocks" not in wider.settings, wider.line()
+
+
+def test_plan_memory_plans_the_configs_row_blocks(capsys):
+    """``plan-memory`` plans a config's own ``bcd.vocab_blocks``: a row per row block, named by its matrix."""
+    assert main(["plan-memory", "--set", "model.name=tiny-llama", "--set", "bcd.vocab_blocks=2", "--gpu-gb", "24"]) == 0
+    out = capsys.readouterr().out.split("(recommended)")[0]
+    assert out.count("emb rows") == 2 and out.count("lm rows") == 2, out
 
 
 # -- the command line: bad input, resume and export -----------------------------------------------------------------
