@@ -1,4 +1,4 @@
-"""Row blocks of a vocabulary matrix (``bcd.vocab_blocks``; docs/DESIGN.md §2.3): a visit that trains rows [lo, hi) of
+"""Row blocks of a vocabulary matrix (``bcd.vocab_blocks``; docs/DESIGN.md §2.7): a visit that trains rows [lo, hi) of
 the token embedding ``wte.weight`` or the untied head ``lm_head.weight`` and nothing else.
 
 The rows of a vocabulary matrix are independent coordinates (a token's embedding row, a token's output row), so block

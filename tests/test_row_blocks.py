@@ -1,5 +1,5 @@
 """``bcd.vocab_blocks``: the token embedding and an untied head trained in row blocks (issue 33, item 2;
-docs/DESIGN.md §2.3, docs/guide/row-blocks.md). A row visit changes only its rows (bitwise elsewhere, in every block),
+docs/DESIGN.md §2.7, docs/guide/row-blocks.md). A row visit changes only its rows (bitwise elsewhere, in every block),
 its optimizer holds the slice alone, the slice's gradient is those rows of the whole matrix's (bitwise on the CPU),
 the planner agrees with the CPU tensor tracker, and a killed run with row blocks resumes bitwise and exports as a run
 without them does.
