@@ -151,10 +151,12 @@ class Visit:
     """
 
     def __init__(self, name, cfg, master, device, args, layers, embed, trainable, batch, start=None, hi=None,
-                 recompute=False, stream=False, expand=0):
+                 recompute=False, stream=False, expand=0, rows=None):
         self.name, self.layers, self.embed, self.device, self.batch = name, layers, embed, device, batch
         self.start = layers[0] if start is None else start
         self.hi, self.recompute = hi, recompute
+        if rows:  # a row block (bcd.vocab_blocks): the matrix frozen, its rows an fp32 slice, as the engine holds it
+            trainable = set()
         low = torch.bfloat16 if args.precision == "bf16" and not getattr(args, "frozen_fp32", False) else None
         fp32 = trainable if OPTIMIZERS[args.optim].master == 4 else ()  # bf16 master weights: adamw8bit-bf16
         if master is None:  # random weights, made on the device (an isolated configuration: benchmarks/isolate.py)
@@ -172,6 +174,9 @@ class Visit:
         from bcdflow.tasks.engine import VisitLayout, prepare_model, visit_step_loss
 
         named = prepare_model(model, trainable, getattr(args, "chunk_rows", None), getattr(args, "compile", False))
+        if rows:
+            from bcdflow.models.rows import attach_rows
+            named = [(rows[0], attach_rows(model, *rows))]
         frozen = [i for i in range(*layers) if not any(n.startswith(f"h.{i}.") for n in trainable)]
         self.stream = (LayerStream(model, frozen, device, getattr(args, "stream_window", 2), grad_from=self.start)
                        if stream else None)
@@ -373,11 +378,11 @@ class Workload:
     def tokens(self) -> int:
         return self.x.numel()
 
-    def plan(self, blocks: int):
+    def plan(self, blocks: int, vocab_blocks: int = 1):
         over = {k: v for k, v in self.c["overrides"].items() if k != "vocab_size"}
         run = RunConfig(model={"name": self.c["model"], **over},
                         data={"vocab_size": max(self.cfg.vocab_size, 260), "seq_len": self.c["seq_len"]},
-                        bcd={"blocks": blocks})
+                        bcd={"blocks": blocks, "vocab_blocks": vocab_blocks})
         return block_plan(run, model_config(run, self.cfg.vocab_size))
 
     def full(self) -> Visit:
@@ -400,15 +405,17 @@ class Workload:
         hidden states; without, the whole model with the prefix under no_grad every step. ``expand``: the rank of
         ``bcd.expand=lora`` adapters on the layers after it."""
         (lo, hi), n = blk.layers, self.cfg.n_layer
+        rows = (blk.params[0], *blk.rows) if blk.rows is not None else None
         if self.isolated:
             blocks = len(self.plan_of(blk))
             return Remote(self, name, "visit", blocks=blocks, block=blk.index, preinfer=preinfer,
                           recompute=recompute, stream=stream, expand=expand)
         if blk.reads_activations(preinfer):
             return Visit(name, self.cfg, self.master, self.device, self.args, (lo, n), False, set(blk.params),
-                         (self.hidden(lo), self.y), hi=hi, recompute=recompute, stream=stream, expand=expand)
+                         (self.hidden(lo), self.y), hi=hi, recompute=recompute, stream=stream, expand=expand,
+                         rows=rows)
         return Visit(name, self.cfg, self.master, self.device, self.args, (0, n), True, set(blk.params),
-                     (self.x, self.y), start=lo, hi=hi, recompute=recompute, stream=stream, expand=expand)
+                     (self.x, self.y), start=lo, hi=hi, recompute=recompute, stream=stream, expand=expand, rows=rows)
 
     def prefix(self, lo: int) -> Timed:
         """The pre-inference forward of the frozen prefix, layers [0, lo), over one batch (``tasks/preinfer.py``)."""

@@ -16,7 +16,10 @@ Sections (each recorded even when another fails):
 - ``time_model``: host-to-device GB/s and bf16/fp32 matmul TFLOP/s measured, fed into the planner's step-time
   model (models/holding.step_time), its prediction against each measured step;
 - ``engine``: one visit through the product's engine with landscape expansion on, streamed, against the same visit
-  resident: losses and committed blocks within bf16 rounding.
+  resident: losses and committed blocks within bf16 rounding;
+- ``light_rows`` (issue 33): the lighter state (``adamw8bit-bf16``: bf16 master weights, 8-bit moments) on block 0
+  of the 16 GB plan under a 16 GB cap, and the embedding's first row block (``bcd.vocab_blocks=2``) of the 8 GB plan
+  under an 8 GB cap: peak reserved against the planner's figure and the reserve, retries, pinned bytes.
 
 The smoke mode runs the same code on the CPU at tiny shapes (the suite runs it, tests/test_benchmarks.py, so the
 check cannot rot); it takes no GPU figure and says so.
@@ -93,14 +96,15 @@ def _streaming(out: Path, tag: str, args: list[str], timeout: float) -> dict:
     return {"rc": rc, "result": res, "tail": None if rc == 0 else log[-1500:]}
 
 
-def _visit_args(smoke: bool, block: int, rc: str) -> list[str]:
+def _visit_args(smoke: bool, block: int, rc: str, sets: tuple[str, ...] = ("bcd.blocks=9",)) -> list[str]:
     if smoke:  # the same benchmark, a tiny LLaMA on the CPU
         base = ["--set", "model.name=tiny-llama", "--set", "model.n_layer=9", "--set", "data.seq_len=32",
                 "--set", "train.batch_size=2", "--steps", "1", "--device", "cpu"]
     else:
         base = ["--set", f"model.from_hf={SHAPE}", "--set", "train.precision=bf16", "--set", "data.seq_len=1024",
                 "--set", "train.batch_size=2", "--steps", "3", "--device", "cuda"]
-    return [*base, "--set", "bcd.blocks=9", "--set", f"bcd.recompute={rc}", "--blocks-to-run", str(block)]
+    return [*base, *[x for k in sets for x in ("--set", k)], "--set", f"bcd.recompute={rc}", "--blocks-to-run",
+            str(block)]
 
 
 def llama8b(out: Path, smoke: bool) -> dict:
@@ -112,6 +116,33 @@ def llama8b(out: Path, smoke: bool) -> dict:
         held = _streaming(out, f"{tag}-cap24", [*_visit_args(smoke, block, rc), *cap, "--holdings",
                                                 "stream" if smoke else "auto", "--profile"], 60 if smoke else 150)
         rows[tag] = judge(held, 24.0)
+    return rows
+
+
+# issue 33 on the card: the lighter state and a row block at Llama-3-8B's shape, each under the card the planner
+# recommends it for (docs/guide/memory-planner-fit.md, docs/guide/row-blocks.md): (card GB, settings, visit)
+_EVERY_OTHER = "bcd.boundaries=[" + ",".join(map(str, range(1, 31, 2))) + "]"  # 16 layer blocks: the 8 GB plan
+LIGHT_ROWS = {
+    "light_block0_16gb": (16, ["optim.name=adamw8bit-bf16", "bcd.boundaries=[5,12,19,26]"], 0),
+    "rows_embedding_8gb": (8, ["optim.name=adamw8bit-bf16", "bcd.vocab_blocks=2", _EVERY_OTHER], 16),
+}
+LIGHT_ROWS_SMOKE = {  # the same code paths: a tiny LLaMA of nine layers, bf16 on the CPU
+    "light_block0_16gb": (16, ["optim.name=adamw8bit-bf16", "bcd.blocks=3"], 0),
+    "rows_embedding_8gb": (8, ["optim.name=adamw8bit-bf16", "bcd.vocab_blocks=2", "bcd.blocks=3"], 3),
+}
+
+
+def light_rows(out: Path, smoke: bool) -> dict:
+    """Block 0 of the 16 GB plan with bf16 master weights and 8-bit moments (``adamw8bit-bf16``), and the
+    embedding's first row block of the 8 GB plan (``bcd.vocab_blocks=2``: the whole model on the gradient path, its
+    layers frozen and mostly streamed), each under its card's cap, held as the planner holds it there: peak
+    reserved against the planner's figure and the reserve, retries, pinned bytes (``judge``)."""
+    rows = {}
+    for tag, (card, sets, block) in (LIGHT_ROWS_SMOKE if smoke else LIGHT_ROWS).items():
+        args = _visit_args(smoke, block, "auto", ("train.precision=bf16", *sets))
+        cap = [] if smoke else ["--cap-gb", str(card)]
+        held = _streaming(out, tag, [*args, *cap, "--holdings", "stream" if smoke else "auto"], 60 if smoke else 150)
+        rows[tag] = judge(held, float(card))
     return rows
 
 
@@ -326,6 +357,20 @@ def markdown(r: dict) -> str:
                      f"{v['usable_gb']:.2f} | {v['alloc_retries']} | {v['host_bytes'] == v['planned_host_bytes']} | "
                      f"{tr.get('overlap') if tr.get('overlap') is None else round(tr['overlap'], 2)} | "
                      f"{v.get('streamed_over_resident') and round(v['streamed_over_resident'], 2)} |")
+    lines += ["", "## Issue 33: the lighter state and a row block, Llama-3-8B shape, bf16, 2x1024", "",
+              "| visit | card GB | recompute | streamed/resident layers | planned GB | allocated GB | reserved GB | "
+              "usable GB | retries | pinned = planned | tokens/s |", "|" + "---|" * 11]
+    for tag, v in s.get("light_rows", {}).items():
+        if not isinstance(v, dict):
+            continue
+        card = (LIGHT_ROWS.get(tag) or (None,))[0]
+        if "streamed_layers" not in v:
+            lines.append(f"| {tag} | {card} | {v.get('error') or (v.get('tail') or '')[-200:]!r} |" + " |" * 8)
+            continue
+        lines.append(f"| {tag} | {card} | {v['recompute']} | {v['streamed_layers']}/{v['resident_layers']} | "
+                     f"{v['planned_peak_gb']:.2f} | {v['peak_allocated_gb']:.2f} | {v['peak_reserved_gb']:.2f} | "
+                     f"{v['usable_gb']:.2f} | {v['alloc_retries']} | {v['host_bytes'] == v['planned_host_bytes']} | "
+                     f"{v['tokens_per_s'] and round(v['tokens_per_s'])} |")
     tm = s.get("time_model", {})
     m = tm.get("measured", {})
     lines += ["", "## Time model", "",
@@ -353,11 +398,12 @@ def verdict(r: dict) -> list[str]:
     if not r["smoke"] and (t.get("rc") != 0 or t.get("skipped") == t.get("tests")):
         bad.append(f"gpu tests: rc {t.get('rc')}, {t.get('failures')} failed, {t.get('errors')} errors, "
                    f"{t.get('skipped')} of {t.get('tests')} skipped" + "".join(f"; {f}" for f in t.get("failed", [])))
-    for tag, v in s.get("llama8b", {}).items():
-        if isinstance(v, dict) and not v.get("ok"):
-            bad.append(f"llama8b {tag}: " + (v.get("error") or v.get("tail") or
-                                             f"retries {v.get('alloc_retries')}, reserved "
-                                             f"{v.get('peak_reserved_gb')} GB over plan + reserve")[-300:])
+    for sec in ("llama8b", "light_rows"):
+        for tag, v in s.get(sec, {}).items():
+            if isinstance(v, dict) and not v.get("ok"):
+                bad.append(f"{sec} {tag}: " + (v.get("error") or v.get("tail") or
+                                               f"retries {v.get('alloc_retries')}, reserved "
+                                               f"{v.get('peak_reserved_gb')} GB over plan + reserve")[-300:])
     e = s.get("engine", {})
     if "ok" in e and not e["ok"]:
         bad.append(f"engine: streamed differs from resident by {e.get('max_abs_diff_committed')} (scale "
@@ -407,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     section("gpu_tests", lambda: gpu_tests(out, smoke))
     section("llama8b", lambda: llama8b(out, smoke))
     section("engine", lambda: engine(smoke))
+    section("light_rows", lambda: light_rows(out, smoke))
     section("llama8b_resident", lambda: {"skipped": "smoke (tests/test_benchmarks.py runs resident holdings)"}
             if smoke else llama8b_resident(out, r["sections"]["llama8b"], smoke))
     section("time_model", lambda: time_model(r["sections"]["llama8b"], smoke))

@@ -44,6 +44,8 @@ from bcdflow.models.build import materialize
 from bcdflow.models.expand import SuffixAdapters
 from bcdflow.models.holding import choose_holding
 from bcdflow.models.memory import GB, device_budget, visit_memory
+from bcdflow.models.optimizers import OPTIMIZERS
+from bcdflow.models.rows import attach_rows
 from bcdflow.models.specs import StepShape
 from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
@@ -59,15 +61,18 @@ def build_visit(run, mcfg, plan, block: int, device: torch.device, streamed: tup
     None, adapters or None)."""
     blk, pre = plan[block], run.bcd.preinfer
     lo, hi = blk.layers
-    expand = run.bcd.expand_rank if run.bcd.expand != "off" and hi < mcfg.n_layer else 0
+    rows = (blk.params[0], *blk.rows) if blk.rows is not None else None  # a row block (bcd.vocab_blocks)
+    expand = run.bcd.expand_rank if run.bcd.expand != "off" and hi < mcfg.n_layer and not rows else 0
     vs = VisitLayout(run_id="benchmark", spec=VisitSpec(0, block, 0), lo=lo, hi=hi,
                      n_layer=mcfg.n_layer, from_acts=blk.reads_activations(pre),
                      active=frozenset(blk.trainable(run.bcd.freeze, mcfg.tied)),
                      recompute=recompute, recompute_active=run.bcd.recompute == "all", streamed=streamed, exact=False,
-                     expand=expand)
+                     expand=expand, rows=rows)
     low = torch.bfloat16 if run.train.precision == "bf16" else None
+    master = OPTIMIZERS[run.optim.name].master  # 2: bf16 master weights (optim.name=adamw8bit-bf16)
+    active = frozenset() if rows else vs.active  # as the engine's Resident holds a visit
     model = build_model(mcfg, layers=vs.layers, embed=vs.embed, head=True, device="meta", init=False,
-                        frozen_dtype=low, trainable=vs.active)
+                        frozen_dtype=low, trainable=active if master == 4 else ())
     model.stream = None
     if streamed:
         for i in streamed:
@@ -84,7 +89,9 @@ def build_visit(run, mcfg, plan, block: int, device: torch.device, streamed: tup
                 drawn[tuple(dst.shape)] = torch.empty(dst.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g)
             dst.copy_(drawn[tuple(dst.shape)])
     del drawn
-    named = prepare_model(model, vs.active, run.train.loss_chunk_rows, False)  # gradients on the block only
+    named = prepare_model(model, active, run.train.loss_chunk_rows, False)  # gradients on the block only
+    if rows:
+        named = [(rows[0], attach_rows(model, *rows, torch.bfloat16 if master == 2 else torch.float32))]
     adapters = None
     if expand:
         adapters = SuffixAdapters(model, suffix_layers(vs), expand, seed=block, device=device).attach(model)

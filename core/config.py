@@ -152,6 +152,12 @@ class BcdSection(_Section):
     is the token embedding). BAdam's default: the 128k-row embedding and untied head of a Llama-3-sized model are
     a large part of the blocks that own them, so freezing them makes those visits as small as the others, and a
     ``params`` split balances what trains. A trade-off: the run is no longer full-parameter training."""
+    vocab_blocks: int = Field(1, ge=1)
+    """Row blocks per vocabulary matrix: > 1 splits the token embedding and an untied head (not one ``freeze`` keeps)
+    each into that many blocks of rows, visited after the layer blocks; a visit trains its rows only (gradient and
+    optimizer state for those rows), the block that stores the matrix trains the rest of its parameters, and the
+    rows' visit commits the whole matrix (its other rows unchanged) into that block's file. Full-parameter training
+    where a 128k-row matrix would not fit whole (docs/guide/row-blocks.md)."""
     cycles: int = Field(2, ge=1)
     """Passes over all blocks."""
     order: Order = "cyclic"
@@ -533,6 +539,13 @@ class RunConfig(_Section):
         if self.bcd.expand != "off" and self.train.gpus > 1 and self.train.parallel == "fsdp":
             raise ValueError("bcd.expand: FSDP does not shard the adapters; set train.parallel=ddp (or auto, which "
                              "then takes ddp) or bcd.expand=off")
+        if self.bcd.vocab_blocks > 1:
+            why = ("train.gpus > 1 (a row block's visit runs in one process)" if self.train.gpus > 1 else
+                   "bcd.order=greedy (its probe ranks stored blocks)" if self.bcd.order == "greedy" else
+                   f"optim.name={self.optim.name} (a baseline peer trains one block)"
+                   if OPTIMIZERS[self.optim.name].peer else None)
+            if why:
+                raise ValueError(f"bcd.vocab_blocks: row blocks are not for {why}; set bcd.vocab_blocks=1")
         if not self.model.from_hf:  # a registry model is data: check against it now (a checkpoint's: core/hf_import.py)
             check_model(self, get_config(self.model.name, **self.model.overrides(), vocab_size=self.data.vocab_size))
         return self
@@ -638,6 +651,9 @@ def read_settings(store, run_id: str) -> RunConfig:
 def check_model(cfg: RunConfig, mcfg: ModelConfig) -> None:
     """The keys whose valid range depends on the model: the block cuts and the sequence length."""
     layer_bounds(mcfg.n_layer, cfg.bcd.blocks, cfg.bcd.boundaries)  # raises naming bcd.blocks/boundaries
+    if cfg.bcd.vocab_blocks > mcfg.vocab_size:
+        raise ConfigError(f"bcd.vocab_blocks: {cfg.bcd.vocab_blocks} row blocks of a {mcfg.vocab_size}-row vocabulary "
+                          "matrix leave some empty; at most one per row")
     if cfg.data.seq_len > mcfg.n_ctx:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds the model's context n_ctx={mcfg.n_ctx}")
 

@@ -56,7 +56,7 @@ def model_config(cfg: RunConfig, vocab_size: int | None = None) -> ModelConfig:
 
 def block_plan(cfg: RunConfig, mcfg: ModelConfig) -> Plan:
     """The block plan of the run's ``bcd`` section over model ``mcfg``."""
-    return model_plan(mcfg, cfg.bcd.blocks, cfg.bcd.boundaries, cfg.bcd.split, cfg.bcd.freeze)
+    return model_plan(mcfg, cfg.bcd.blocks, cfg.bcd.boundaries, cfg.bcd.split, cfg.bcd.freeze, cfg.bcd.vocab_blocks)
 
 
 def open_store(cfg: RunConfig) -> Store:
@@ -267,7 +267,7 @@ def check_plan_fits(cfg: RunConfig) -> None:
             streamed, rows = no_grad_holding(mcfg, part, passes, None if budget is None else budget.usable)
             prefix = no_grad_memory(mcfg, part, replace(passes, batch=rows, streamed=streamed)).host_bytes \
                 if streamed else 0
-            loading = reading_bytes(mcfg, plan, range(b))  # the prefix is blocks [0, b): one file at a time
+            loading = reading_bytes(mcfg, plan, range(min(b, len(plan.blocks))))  # blocks [0, b): a file at a time
             if prefix + staging + loading > need:
                 need = prefix + staging + loading
                 what = (f"block {b}'s pre-inference: {prefix / 1e9:.1f} GB of streamed prefix layers, "

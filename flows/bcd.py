@@ -195,7 +195,7 @@ def full_config(cfg: RunConfig) -> RunConfig:
                                      "preinfer": False, "max_steps": cfg.train.steps,
                                      "eval_every": baseline_eval_every(cfg.train), "patience": cfg.train.patience,
                                      "budget": "fixed", "lr_scales": None, "moments": "reset",
-                                     "expand": "off"})
+                                     "expand": "off", "vocab_blocks": 1})
     return cfg.model_copy(update={"bcd": bcd})
 
 

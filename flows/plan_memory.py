@@ -41,7 +41,9 @@ def add_parser(sub, common) -> None:
 def _visit_row(h, plan_, b: int) -> dict:
     e, t = h.estimate, h.time
     lo, hi = plan_[b].layers
+    rows = plan_[b].rows  # a row block (bcd.vocab_blocks): its matrix and rows
     return dict(e.to_dict(), block=b, trains=[lo, hi], holds=list(e.layers), recompute=h.recompute,
+                rows=[plan_[b].params[0], *rows] if rows is not None else None,
                 streamed=list(h.streamed), resident_layers=e.frozen_layers - len(h.streamed), fits=h.fits,
                 holding=h.words(), step_resident_s=t.resident_s, step_s=t.streamed_s, overhead=t.overhead,
                 copy_fwd_bytes=t.copy_fwd_bytes, copy_bwd_bytes=t.copy_bwd_bytes,
@@ -65,8 +67,8 @@ def plan(cfg, gpu_gb: float) -> dict:
     budget = device_budget(gpu_gb * GB, gpus=t.gpus)
     full = visit_memory(mcfg, None, None, shape)
 
-    def visits(blocks: int, boundaries: list[int] | None) -> list[dict]:
-        plan_ = model_plan(mcfg, blocks, boundaries, split=split, freeze=shape.freeze)
+    def visits(blocks: int, boundaries: list[int] | None, vocab_blocks: int) -> list[dict]:
+        plan_ = model_plan(mcfg, blocks, boundaries, split=split, freeze=shape.freeze, vocab_blocks=vocab_blocks)
         hs = [choose_holding(mcfg, plan_, b, shape, budget.usable) for b in range(len(plan_))]
         return [_visit_row(h, plan_, b) for b, h in enumerate(hs)]
 
@@ -84,11 +86,12 @@ def plan(cfg, gpu_gb: float) -> dict:
            "full": dict(full.to_dict(), fits=full.peak <= budget.usable),
            "pcie_gbs": t.pcie_gbs, "tflops": tflops_for(p, t.tflops), "stream_window": t.stream_window,
            "recompute": cfg.bcd.recompute, "offload": shape.offload,
-           "visits": visits(cfg.bcd.blocks, cfg.bcd.boundaries),
+           "visits": visits(cfg.bcd.blocks, cfg.bcd.boundaries, cfg.bcd.vocab_blocks),
            "recommendation": {"blocks": rec.blocks, "host_bytes": rec.host_bytes, "worst_peak": rec.worst_peak,
                               "line": rec.line() + (f"; {rec.hint}" if rec.hint else ""), "visits": []}}
     if rec.blocks is not None:
-        plan_ = model_plan(mcfg, rec.blocks, rec.boundaries, split=split, freeze=shape.freeze)
+        plan_ = model_plan(mcfg, rec.blocks, rec.boundaries, split=split, freeze=shape.freeze,
+                           vocab_blocks=rec.vocab_blocks)
         out["recommendation"]["visits"] = [_visit_row(h, plan_, b) for b, h in enumerate(rec.holdings)]
         out["recommendation"].update(boundaries=rec.boundaries, settings=rec.settings)
     if t.gpus > 1:  # per process, the batch split over the GPUs (as tasks/train_dist.choose_parallel plans one)
@@ -113,7 +116,8 @@ def _table(rows: list[dict], full: dict | None, cap: float) -> list[str]:
             tail = (f"  {r['holding']:<40}{r['host_bytes'] / gb:>6.1f}"
                     f"{(r['copy_fwd_bytes'] + r['copy_bwd_bytes']) / gb:>6.1f}{r['step_resident_s']:>8.3f}"
                     f"{r['step_s']:>8.3f}{r['overhead']:>6.0%}{hides:>10}")
-        lines.append(f"{r['name']:<9}{f'{lo}-{hi}':>8}{f'{hl}-{hh}':>8}{r['trainable_params'] / 1e6:>10.0f}M"
+        trains = ("emb rows" if r["rows"][0] == "wte.weight" else "lm rows") if r.get("rows") else f"{lo}-{hi}"
+        lines.append(f"{r['name']:<9}{trains:>8}{f'{hl}-{hh}':>8}{r['trainable_params'] / 1e6:>10.0f}M"
                      + "".join(f"{r[c] / gb:>12.2f}" for c in COLS) + f"{r['peak'] / gb:>8.2f}" + tail
                      + f"  {'yes' if r['peak'] <= cap else 'no'}")
     return lines

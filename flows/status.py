@@ -54,7 +54,9 @@ def run_overview(store, run_id: str, record: dict | None = None, cfg=None) -> di
         record, cfg = stored_run(store, run_id)
     if cfg is None:
         return overview.overview(store, run_id)
-    return overview.overview(store, run_id, cfg.bcd.cycles * cfg.n_blocks, cfg.bcd.max_steps, record.get("mode"))
+    plan = record.get("plan") or {}  # the visits of a cycle: the stored blocks and any row blocks (bcd.vocab_blocks)
+    per_cycle = len(plan.get("blocks") or ()) + len(plan.get("rows") or ()) or cfg.n_blocks
+    return overview.overview(store, run_id, cfg.bcd.cycles * per_cycle, cfg.bcd.max_steps, record.get("mode"))
 
 
 def overviews(store) -> list[dict]:

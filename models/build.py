@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from bcdflow.models.base import Decoder
 from bcdflow.models.families import decoder_class
 from bcdflow.models.model_config import ModelConfig
-from bcdflow.models.plan import Plan, frozen_names, make_plan
+from bcdflow.models.plan import VOCAB_MATRICES, Plan, frozen_names, make_plan, split_rows
 
 
 def build_model(cfg: ModelConfig, layers: tuple[int, int] | None = None, embed: bool = True,
@@ -124,11 +124,16 @@ def param_sizes(cfg: ModelConfig) -> dict[str, int]:
 
 
 def model_plan(cfg: ModelConfig, blocks: int | None = None, boundaries: Sequence[int] | None = None,
-               split: str = "params", freeze: Sequence[str] = ()) -> Plan:
+               split: str = "params", freeze: Sequence[str] = (), vocab_blocks: int = 1) -> Plan:
     """The block plan of a model: ``split="params"`` balances parameter counts (embeddings and head
     included, the paper's "one third of the parameters", §4.1; parameters ``freeze`` keeps frozen count
-    nothing), ``"layers"`` balances layer counts."""
+    nothing, nor do vocabulary matrices trained in row blocks), ``"layers"`` balances layer counts.
+    ``vocab_blocks`` > 1: the token embedding and an untied head each split into that many row blocks
+    (``models/plan.split_rows``)."""
+    shapes = param_shapes(cfg)
     sizes = param_sizes(cfg)
     frozen = frozen_names(sizes, freeze, cfg.tied)
-    sizes = {n: 0 if n in frozen else k for n, k in sizes.items()}
-    return make_plan(sizes if split == "params" else list(sizes), cfg.n_layer, blocks, boundaries)
+    split_off = {n for n in VOCAB_MATRICES if n in sizes and n not in frozen} if vocab_blocks > 1 else set()
+    sizes = {n: 0 if n in frozen or n in split_off else k for n, k in sizes.items()}
+    plan = make_plan(sizes if split == "params" else list(sizes), cfg.n_layer, blocks, boundaries)
+    return split_rows(plan, shapes, vocab_blocks, frozen)

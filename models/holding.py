@@ -285,8 +285,7 @@ def no_grad_holding(cfg: ModelConfig, part: NoGradPass, shape: StepShape,
 
 def choose_cuts(units: int, fits: Callable[[int, int, float], bool], budget: float, steps: int = 8
                 ) -> list[int] | None:
-    """Cut points ``[0, c1, ..., units]`` of ``units`` consecutive units (layers; a row-slice option would add a
-    vocabulary matrix's slices as units) into the fewest spans each of which fits: ``fits(lo, hi, cap)`` says
+    """Cut points ``[0, c1, ..., units]`` of ``units`` consecutive units (layers) into the fewest spans each of which fits: ``fits(lo, hi, cap)`` says
     whether the span ``[lo, hi)`` fits ``cap`` bytes, and a span inside one that fits must fit too (a smaller block
     holds less). Greedy (each span as long as it fits, which gives the fewest spans when fitting is monotone), then
     balanced: the smallest cap (bisected ``steps`` times between 0 and ``budget``) at which the greedy cut still
@@ -319,21 +318,26 @@ def choose_cuts(units: int, fits: Callable[[int, int, float], bool], budget: flo
     return best
 
 
-def fit_boundaries(cfg: ModelConfig, shape: StepShape, budget: float) -> list[int] | None:
+def fit_boundaries(cfg: ModelConfig, shape: StepShape, budget: float, vocab_blocks: int = 1) -> list[int] | None:
     """``bcd.boundaries`` for the fewest blocks whose every visit fits ``budget`` bytes, each block's layers sized
     to what its visit can hold (block 0 carries the embeddings, the last block the head, so they get fewer layers):
     :func:`choose_cuts` over the layers, each span's visit held as :func:`fit_holding` holds it. The inner cut
-    points (``[]`` for one block); None when a one-layer block does not fit."""
+    points (``[]`` for one block); None when a one-layer block does not fit. ``vocab_blocks`` > 1: the vocabulary
+    matrices train in row blocks of their own, so no layer block trains them (any count > 1 cuts the same)."""
     n = cfg.n_layer
 
     def fits(lo: int, hi: int, cap: float) -> bool:
         cut = [c for c in (lo, hi) if 0 < c < n]
-        plan = model_plan(cfg, None if cut else 1, cut or None, freeze=shape.freeze)
+        plan = model_plan(cfg, None if cut else 1, cut or None, freeze=shape.freeze, vocab_blocks=vocab_blocks)
         block = 0 if lo == 0 else 1
         return fit_holding(cfg, plan, block, shape, cap).fits
 
     cuts = choose_cuts(n, fits, budget)
     return None if cuts is None else cuts[1:-1]
+
+
+VOCAB_SPLITS = (2, 4, 8, 16, 32, 64)
+"""The row-block counts the planner tries for the vocabulary matrices (``bcd.vocab_blocks``), fewest first."""
 
 
 @dataclass
@@ -352,6 +356,9 @@ class Recommendation:
     boundaries: list[int] | None = None
     optim: str = "adamw"
     """The optimizer the visits are planned with (``optim.name``; in ``settings`` where it is recommended)."""
+    vocab_blocks: int = 1
+    """Row blocks per vocabulary matrix (``bcd.vocab_blocks``; in ``settings`` where above 1): their visits follow
+    the layer blocks' in ``holdings``."""
 
     @property
     def worst_peak(self) -> int | None:
@@ -370,7 +377,9 @@ class Recommendation:
         cut = f" bcd.boundaries=[{','.join(map(str, self.boundaries))}]" if self.boundaries else ""
         rc = sum(h.recompute for h in self.holdings)
         st = sum(bool(h.streamed) for h in self.holdings)
-        how = f"{rc} of {len(self.holdings)} visits recompute, {st} stream"
+        rows = len(self.holdings) - self.blocks
+        how = (f"{len(self.holdings)} visits, {rows} of them row blocks: {rc} recompute, {st} stream" if rows else
+               f"{rc} of {len(self.holdings)} visits recompute, {st} stream")
         host = f", {self.host_bytes / GB:.1f} GB of pinned host memory" if st else ""
         return (f"recommended: bcd.blocks={self.blocks}{cut}{' ' + keys if keys else ''} ({how}{host}; worst visit "
                 f"{self.worst_peak / GB:.1f} GB of {usable}; {full})")
@@ -422,6 +431,35 @@ def recommend(cfg: ModelConfig, shape: StepShape, budget: Budget, split: str = "
                           boundaries=cuts, optim=shape.optim)
 
 
+def recommend_rows(cfg: ModelConfig, shape: StepShape, budget: Budget, shard_rows: int = 256) -> Recommendation:
+    """:func:`recommend` with the vocabulary matrices trained in row blocks (``bcd.vocab_blocks``): the layer blocks
+    cut by fit without them (:func:`fit_boundaries`), then the fewest row blocks (:data:`VOCAB_SPLITS`) whose every
+    visit fits too. For a model whose embedding or head keeps the block that owns it from fitting at all: a row
+    visit holds its matrix frozen and trains a slice of its rows. ``blocks`` None when nothing fits."""
+    full = visit_memory(cfg, None, None, shape)
+    settings = {k: v for k, v in (("bcd.recompute", shape.recompute), ("train.offload", shape.offload))
+                if v != "auto"}
+    none = Recommendation(None, [], budget, full.peak, full.peak <= budget.usable, settings=settings)
+    if not model_plan(cfg, 1, freeze=shape.freeze, vocab_blocks=2).rows:
+        return none  # nothing to split: the vocabulary matrices frozen (bcd.freeze)
+    cuts = fit_boundaries(cfg, shape, budget.usable, vocab_blocks=2)
+    if cuts is None:
+        return none
+    for k in VOCAB_SPLITS:
+        plan = model_plan(cfg, None if cuts else 1, cuts or None, freeze=shape.freeze, vocab_blocks=k)
+        if all(fit_holding(cfg, plan, b, shape, budget.usable).fits for b in range(len(plan.blocks), len(plan))):
+            break
+    else:
+        return none
+    hs = [choose_holding(cfg, plan, b, shape, budget.usable) for b in range(len(plan))]
+    host = max([h.estimate.host_bytes for h in hs] + [
+        _prefix_host_bytes(cfg, plan, b, shape, budget.usable, shard_rows)
+        for b in range(len(plan)) if shape.preinfer and any(h.streamed for h in hs)])
+    return Recommendation(len(cuts) + 1, hs, budget, full.peak, full.peak <= budget.usable, host,
+                          settings={**settings, "bcd.vocab_blocks": k}, boundaries=cuts or None, optim=shape.optim,
+                          vocab_blocks=k)
+
+
 LIGHTER = {"fp32": "adamw8bit", "bf16": "adamw8bit-bf16"}
 """The lighter state the planner weighs against fp32 AdamW, by ``train.precision`` (bf16 master weights need bf16
 compute): models/optimizers.py, models/light.py."""
@@ -433,11 +471,24 @@ def recommend_state(cfg: ModelConfig, shape: StepShape, budget: Budget, split: s
     precision (:data:`LIGHTER`): recommended instead (``optim.name`` in its settings) where it needs at most half
     the blocks, or where fp32 AdamW fits in no block count. Fewer, larger blocks are the surest lever on the steps
     to a loss (docs/results/suite-2026-11-23); the light state's own figures: docs/results/light-state-*."""
-    rec = recommend(cfg, shape, budget, split, shard_rows)
+    rec = _lighter(cfg, shape, lambda s: recommend(cfg, s, budget, split, shard_rows))
+    if rec.blocks is None:  # the whole vocabulary matrices fit in no block: their rows in blocks of their own
+        rows = _lighter(cfg, shape, lambda s: recommend_rows(cfg, s, budget, shard_rows))
+        if rows.blocks is not None:
+            rows.hint = "; ".join(h for h in ("whole vocabulary matrices fit in no block count", rows.hint) if h)
+            return rows
+    return rec
+
+
+def _lighter(cfg: ModelConfig, shape: StepShape, plan_with: Callable[[StepShape], Recommendation]
+             ) -> Recommendation:
+    """``plan_with(shape)``, or with the lighter state of the precision where that needs at most half the blocks or
+    the shape's fp32 AdamW fits in none (only where the shape's optimizer is ``adamw``)."""
+    rec = plan_with(shape)
     if shape.optim != "adamw":
         return rec
     name = LIGHTER[shape.precision]
-    alt = recommend(cfg, replace(shape, optim=name), budget, split, shard_rows)
+    alt = plan_with(replace(shape, optim=name))
     if alt.blocks is not None and (rec.blocks is None or 2 * alt.blocks <= rec.blocks):
         alt.settings = {"optim.name": name, **alt.settings}
         alt.hint = (f"fp32 AdamW needs bcd.blocks={rec.blocks}" if rec.blocks is not None else

@@ -200,6 +200,16 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     else:
         lo, hi = plan[block].layers
         trainable = plan[block].trainable(freeze, cfg.tied)
+    # a row block (``bcd.vocab_blocks``, models/rows.py): its matrix held whole and frozen, its rows a slice (in the
+    # optimizer's master dtype) with the gradient and optimizer state; the matrix's whole gradient exists in backward only, in its stored dtype
+    row_slice = None if full else plan[block].rows
+    sliced = plan[block].params[0] if row_slice is not None else None
+
+    def trained_shape(name: str) -> tuple[int, ...]:
+        return (row_slice[1] - row_slice[0], shapes[name][1]) if name == sliced else shapes[name]
+
+    def numel_trained(name: str) -> int:
+        return _numel(trained_shape(name))
     from_acts = not full and plan[block].reads_activations(preinfer)
     held_lo = lo if from_acts else 0
 
@@ -218,12 +228,14 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     opt_of = OPTIMIZERS[optim]
 
     def wbytes(name: str) -> int:
+        if name == sliced:  # the frozen matrix and the slice's master rows
+            return _numel(shapes[name]) * (2 if low else 4) + opt_of.param_bytes(trained_shape(name))
         if name in trainable:
             return opt_of.param_bytes(shapes[name])  # fp32 master weights, or bf16 (adamw8bit-bf16)
         return _numel(shapes[name]) * (2 if low and len(shapes[name]) >= 2 else 4)
 
-    train_numel = sum(_numel(shapes[k]) for k in trainable)
-    train_bytes = sum(opt_of.param_bytes(shapes[k]) for k in trainable)  # a gradient takes as many as its weight
+    train_numel = sum(numel_trained(k) for k in trainable)
+    train_bytes = sum(opt_of.param_bytes(trained_shape(k)) for k in trainable)  # a gradient takes as many as its weight
     shard = gpus if parallel == "fsdp" else 1
     weights = sum(wbytes(k) for k in held_names)
     layer_train_names = {layer_of(k) for k in trainable if layer_of(k) is not None}
@@ -247,9 +259,10 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
         largest = max((sum(wbytes(k) for k in held_by_layer.get(i, ())) for i in range(held_lo, n)), default=0)
         weights = weights // shard + 2 * largest
     grads = train_bytes // shard
-    opt = sum(opt_of.state_bytes(_numel(shapes[k])) for k in trainable) // shard
+    opt = sum(opt_of.state_bytes(numel_trained(k)) for k in trainable) // shard
     # bcd.expand: per adapted layer (after the block) its adapter parameters and saved bytes per token
-    adapted = {i: expand_bytes(cfg, shape, i) for i in range(hi, n)} if expand_rank and not full else {}
+    expanding = expand_rank and not full and row_slice is None  # a row block expands nothing
+    adapted = {i: expand_bytes(cfg, shape, i) for i in range(hi, n)} if expanding else {}
     expand_params = sum(p for p, _ in adapted.values())
     weights += 4 * expand_params
     opt += opt_of.state_bytes(expand_params) if expand_params else 0
@@ -289,10 +302,13 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     grad_h = N * 4 * C  # the head's input gradient, computed in forward
     grad_w = opt_of.master * head_numel // shard if head_trainable else 0  # part of ``grads``: from the loss on
     w_copy = 2 * head_numel if head_trainable and precision == "bf16" and opt_of.master == 4 else 0
+    whole_grad = head_numel * (2 if low else 4) if row_slice else 0  # a row block's matrix gradient, in its dtype
+    if row_slice:  # the head's weight gradient is the whole matrix's, in its dtype, until backward slices it
+        grad_w, w_copy = (whole_grad if head_trainable else 0), 0
     chunk = rows * V * (6 if precision == "bf16" else 4) + rows * C * (2 if precision == "bf16" else 0)
     if head_trainable:
         chunk += head_numel * s  # one chunk's weight-gradient partial before it is added
-    other_grads = grads - grad_w  # the rest of the trainable gradients, made in backward
+    other_grads = grads - grad_w if not row_slice else grads  # the rest of the trainable gradients, made in backward
     persistent = weights + opt + inp
     saved = sum(a for _, a, _ in acts)
 
@@ -309,7 +325,10 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     at("forward", saved + ln_f, grad_h + chunk + w_copy, grad_w, 0)
     running_act, running_grads = saved + ln_f, grad_w
     back_t = N * _layer_backward_temp(cfg, shape)
-    at("backward head", running_act, grad_h, running_grads, 2 * N * 4 * C)
+    at("backward head", running_act, grad_h, running_grads,
+       2 * N * 4 * C + (grad_w if row_slice and head_trainable else 0))  # a row block: scaled, then sliced
+    if row_slice:
+        running_grads = grads if head_trainable else 0  # the slice's gradient; the matrix's is freed
     running_act -= ln_f
     for i, a, g in reversed(acts):
         redo = N * layer_saved_bytes(cfg, shape, "frozen") if recompute and not layer_train[i] and i >= hi else 0
@@ -322,11 +341,13 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
         running_grads += g
     if not from_acts and full or (not full and lo == 0):
         emb = head_numel * opt_of.master if cfg.tied and "wte.weight" in trainable else 0  # dense wte grad, added
+        if row_slice and sliced == "wte.weight":  # the dense gradient in the matrix's dtype, then its slice
+            emb = whole_grad + grads
         at("backward embeddings", 0, 0, running_grads, emb + N * 4 * C)
-    running_grads = max(running_grads, other_grads + grad_w)
+    running_grads = grads if row_slice else max(running_grads, other_grads + grad_w)
     opt_temp = running_grads if opt_of.decay_temporary and weight_decay > 0 else 0
     if opt_of.master == 2 and trainable:  # a bf16 weight's update: a chunk's fp32 weight, gradient and noise
-        opt_temp = 3 * 4 * min(LIGHT_CHUNK, max(_numel(shapes[k]) for k in trainable))
+        opt_temp = 3 * 4 * min(LIGHT_CHUNK, max(numel_trained(k) for k in trainable))
     at("optimizer", 0, 0, running_grads, opt_temp)
     return Estimate(name="full" if full else f"block {block}", layers=(held_lo, n), trainable_params=train_numel,
                     held_params=sum(_numel(shapes[k]) for k in held_names), weights=weights, optim=opt, input=inp,
@@ -351,7 +372,8 @@ def load_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, store
     one tensor's conversion (a copy to CUDA that changes the dtype converts on the host into a temporary of the
     destination's size: the largest tensor at 4 bytes)."""
     lo = plan[block].layers[0] if plan[block].reads_activations(shape.preinfer) else 0
-    owners = {b for b in range(len(plan)) if b >= block or not lo}
+    stored = plan.stored(block)  # a row block reads the stored blocks its part holds
+    owners = {b for b in range(len(plan.blocks)) if b >= stored or not lo}
     if lo and cfg.tied:
         owners.add(plan.owner("wte.weight"))  # the tied head reads block 0's embedding
     return reading_bytes(cfg, plan, owners, stored_bytes)

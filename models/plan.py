@@ -24,13 +24,25 @@ class Block:
     index: int
     layers: tuple[int, int]  # [lo, hi)
     params: tuple[str, ...]
+    split: tuple[str, ...] = ()
+    """A stored block: its vocabulary matrices trained in row blocks (``bcd.vocab_blocks``), not by its own visit."""
+    rows: tuple[int, int] | None = None
+    """A row block: the rows [lo, hi) of its one parameter (``params``) it trains; None: a stored block."""
+    owner: int | None = None
+    """A row block: the stored block that holds its matrix (whose file its visit commits)."""
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "layers": list(self.layers), "params": list(self.params)}
+        d = {"index": self.index, "layers": list(self.layers), "params": list(self.params)}
+        if self.split:
+            d["split"] = list(self.split)
+        if self.rows is not None:
+            d.update(rows=list(self.rows), owner=self.owner)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Block":
-        return cls(d["index"], tuple(d["layers"]), tuple(d["params"]))
+        return cls(d["index"], tuple(d["layers"]), tuple(d["params"]), tuple(d.get("split", ())),
+                   tuple(d["rows"]) if d.get("rows") is not None else None, d.get("owner"))
 
     def reads_activations(self, preinfer: bool) -> bool:
         """Whether this block's visit trains from the frozen prefix's stored activations (paper §3.2.2): with
@@ -38,8 +50,9 @@ class Block:
         return preinfer and self.layers[0] > 0
 
     def trainable(self, freeze: Sequence[str], tied: bool) -> set[str]:
-        """The parameters this block's visit trains: its own, less what ``bcd.freeze`` keeps frozen."""
-        return set(self.params) - frozen_names(self.params, freeze, tied)
+        """The parameters this block's visit trains: its own, less what ``bcd.freeze`` keeps frozen and the matrices
+        its row blocks train (a row block: its matrix, whose rows ``rows`` it trains)."""
+        return set(self.params) - frozen_names(self.params, freeze, tied) - set(self.split)
 
     def frozen_layers(self, n_layer: int, preinfer: bool) -> list[int]:
         """The frozen layers this block's visit holds: the suffix, and the prefix when it reads no stored
@@ -51,14 +64,25 @@ class Block:
 
 @dataclass(frozen=True)
 class Plan:
+    """The blocks a run visits: ``blocks``, the stored blocks (each one file of a version's manifest), then ``rows``,
+    the row blocks of its vocabulary matrices (``bcd.vocab_blocks``), numbered after them; a row block's visit commits
+    the stored block that holds its matrix (``Block.owner``). ``len`` and indexing cover both: every visit's."""
     n_layer: int
     blocks: tuple[Block, ...]
+    rows: tuple[Block, ...] = ()
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.blocks) + len(self.rows)
 
     def __getitem__(self, b: int) -> Block:
-        return self.blocks[b]
+        if b < 0:
+            raise IndexError(b)
+        return self.blocks[b] if b < len(self.blocks) else self.rows[b - len(self.blocks)]
+
+    def stored(self, b: int) -> int:
+        """The stored block whose file block ``b``'s visit commits (itself, or a row block's owner)."""
+        blk = self[b]
+        return blk.index if blk.owner is None else blk.owner
 
     def owner(self, name: str) -> int:
         for blk in self.blocks:
@@ -67,7 +91,10 @@ class Plan:
         raise KeyError(name)
 
     def to_dict(self) -> dict:
-        return {"n_layer": self.n_layer, "blocks": [b.to_dict() for b in self.blocks]}
+        d = {"n_layer": self.n_layer, "blocks": [b.to_dict() for b in self.blocks]}
+        if self.rows:  # the stored blocks stay ``blocks``: what the manifests, export and prune read
+            d["rows"] = [b.to_dict() for b in self.rows]
+        return d
 
 
 def layer_bounds(n_layer: int, blocks: int | None = None, boundaries: Sequence[int] | None = None,
@@ -145,6 +172,45 @@ def make_plan(param_names: Sequence[str] | Mapping[str, int], n_layer: int, bloc
             raise ValueError(f"parameter {name!r} belongs to no layer, embedding or head")
         owned[b].append(name)
     return Plan(n_layer, tuple(Block(i, (cuts[i], cuts[i + 1]), tuple(owned[i])) for i in range(M)))
+
+
+VOCAB_MATRICES = {"wte.weight": "wte", "lm_head.weight": "lm_head"}
+"""The vocabulary matrices a plan may split into row blocks (``bcd.vocab_blocks``), and the module holding each."""
+
+
+def row_cuts(rows: int, parts: int) -> list[int]:
+    """Cut points [0, ..., rows] of ``parts`` row blocks as even as they go (the remainder on the later ones, as an
+    even layer split)."""
+    base, extra = divmod(rows, parts)
+    cuts = [0]
+    for i in range(parts):
+        cuts.append(cuts[-1] + base + (1 if i >= parts - extra else 0))
+    return cuts
+
+
+def split_rows(plan: Plan, shapes: Mapping[str, Sequence[int]], parts: int, frozen: Iterable[str] = ()) -> Plan:
+    """``plan`` with each vocabulary matrix in ``shapes`` (the token embedding, then an untied head; not those
+    ``frozen``) split into ``parts`` row blocks (``bcd.vocab_blocks``), numbered after the stored blocks: embedding
+    rows ``layers`` (0, 0) (on the gradient path through every layer), head rows (n_layer, n_layer) (from the last
+    layer's states). ``parts`` 1: the plan as it is."""
+    if parts <= 1:
+        return plan
+    frozen = set(frozen)
+    names = [n for n in VOCAB_MATRICES if n in shapes and n not in frozen]
+    for name in names:
+        if not 1 <= parts <= shapes[name][0]:
+            raise ConfigError(f"bcd.vocab_blocks: {name} has {shapes[name][0]} rows, so at most that many row "
+                              f"blocks, got {parts}")
+    rows, blocks = [], list(plan.blocks)
+    for name in names:
+        owner = plan.owner(name)
+        blocks[owner] = Block(owner, blocks[owner].layers, blocks[owner].params,
+                              blocks[owner].split + (name,))
+        at = 0 if name == "wte.weight" else plan.n_layer
+        cuts = row_cuts(shapes[name][0], parts)
+        rows += [Block(len(plan.blocks) + len(rows) + k, (at, at), (name,), rows=(cuts[k], cuts[k + 1]),
+                       owner=owner) for k in range(parts)]
+    return Plan(plan.n_layer, tuple(blocks), tuple(rows))
 
 
 FREEZABLE = {"embeddings": EMBED_PREFIXES, "head": ("lm_head.",)}

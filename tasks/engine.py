@@ -31,6 +31,7 @@ from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import NoGradPass, no_grad_memory, no_grad_rows, visit_memory
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import block_tensors
+from bcdflow.models.rows import attach_rows
 from bcdflow.models.stream import BatchStage
 from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
 from bcdflow.models.visit_compute import autocast, prefix_hidden, visit_loss
@@ -76,10 +77,13 @@ class TrainResult(BaseModel):
     """``bcd.expand``: the suffix blocks with the adapters merged in (content-addressed files' entries), by block."""
     suffix_norms: dict[int, float] = {}
     """``bcd.expand``: the norm of each suffix block's merged update, as stored."""
+    stored: int | None = None
+    """A row block's visit (``bcd.vocab_blocks``): the stored block its ``block_file`` replaces (``Plan.stored``)."""
 
     def files(self, block: int) -> dict[int, dict]:
-        """Every block file the visit of ``block`` wrote, by block: its own and the suffix blocks it changed."""
-        return {block: self.block_file, **self.suffix_files}
+        """Every block file the visit of ``block`` wrote, by stored block: its own (a row block's: the one holding its
+        matrix) and the suffix blocks it changed."""
+        return {block if self.stored is None else self.stored: self.block_file, **self.suffix_files}
 
 
 def device_peak(device: torch.device) -> tuple[int, int, int] | None:
@@ -270,8 +274,11 @@ class VisitLayout:
     """Its evaluation on the validation rows is the new version's (one process, and the activations it starts from
     are the prefix's exact ones: no stored activations, or stored in float32)."""
     expand: int = 0
-    """``bcd.expand``: the rank of the adapters on the layers after the block ([hi, n)); 0 = none (off, or the last
-    block)."""
+    """``bcd.expand``: the rank of the adapters on the layers after the block ([hi, n)); 0 = none (off, the last
+    block, or a row block)."""
+    rows: tuple[str, int, int] | None = None
+    """A row block (``bcd.vocab_blocks``): the vocabulary matrix and its rows [lo, hi) the visit trains (the one
+    parameter in ``active``); None: a block of whole parameters."""
 
     @property
     def cycle(self) -> int:
@@ -298,16 +305,20 @@ class VisitLayout:
 def describe(ctx: RunContext, spec: VisitSpec, gpus: int = 1) -> VisitLayout:
     """Visit ``spec`` described for ``gpus`` processes (several: DDP or FSDP2, nothing streamed)."""
     cfg, block = ctx.cfg, spec.block
-    lo, hi = ctx.plan[block].layers
+    blk = ctx.plan[block]
+    lo, hi = blk.layers
     from_acts = ctx.from_acts(block)
-    expand = cfg.bcd.expand_rank if cfg.bcd.expand != "off" and hi < ctx.model_cfg.n_layer else 0
+    # a row block expands nothing: its commit is the file of the stored block holding its matrix, which may be a
+    # suffix block too (the embedding's rows have every layer after them)
+    rows = (blk.params[0], *blk.rows) if blk.rows is not None else None
+    expand = cfg.bcd.expand_rank if cfg.bcd.expand != "off" and hi < ctx.model_cfg.n_layer and not rows else 0
     recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp")
     return VisitLayout(
         run_id=ctx.run_id, spec=spec, lo=lo, hi=hi, n_layer=ctx.model_cfg.n_layer,
         from_acts=from_acts, active=frozenset(ctx.trainable(block)), recompute=recompute,
         recompute_active=cfg.bcd.recompute == "all",
         streamed=ctx.holding(block).streamed if gpus == 1 else (),
-        exact=gpus == 1 and (not from_acts or cfg.bcd.act_dtype == "float32"), expand=expand)
+        exact=gpus == 1 and (not from_acts or cfg.bcd.act_dtype == "float32"), expand=expand, rows=rows)
 
 
 def prepare_model(model: torch.nn.Module, active, chunk_rows: int | None,
@@ -382,10 +393,16 @@ class Resident:
     def __init__(self, ctx: RunContext, vs: VisitLayout):
         self.ctx, self.vs, self.device = ctx, vs, ctx.device
         cfg = ctx.cfg
+        # a row block: the whole matrix frozen (bf16 under bf16), its rows a trainable slice (models/rows.py)
+        active = frozenset() if vs.rows else vs.active
         self.model = ctx.load_part(ctx.manifest(vs.version), vs.layers, embed=vs.embed, head=True,
-                                   trainable=vs.active, stream=vs.streamed,
+                                   trainable=active, stream=vs.streamed,
                                    grad_from=vs.lo)  # bf16: frozen matrices in bf16 (I6)
-        self.named = prepare_model(self.model, vs.active, cfg.train.loss_chunk_rows, cfg.train.compile)
+        self.named = prepare_model(self.model, active, cfg.train.loss_chunk_rows, cfg.train.compile)
+        if vs.rows:
+            name, lo, hi = vs.rows
+            master = torch.bfloat16 if OPTIMIZERS[cfg.optim.name].master == 2 else torch.float32
+            self.named = [(name, attach_rows(self.model, name, lo, hi, master))]
         # a peer that wraps the model (optim.name=lora: adapters, the base frozen) trains what the wrapper adds
         wrap = OPTIMIZERS[cfg.optim.name].wrap
         self.named, self.unwrap = wrap(self.model, cfg.optim_spec()) if wrap else (self.named, None)
@@ -416,6 +433,8 @@ class Resident:
         return opt.state_dict()
 
     def block_tensors(self) -> dict[str, torch.Tensor]:
+        if self.vs.rows:
+            return row_block_tensors(self.ctx, self.vs, dict(self.named)[self.vs.rows[0]])
         if self.unwrap is not None:  # the wrapper merged in: the model's own names and weights
             self.unwrap, finish = None, self.unwrap
             finish()
@@ -432,6 +451,17 @@ class Resident:
     def close(self) -> None:
         if self.model.stream:
             self.model.stream.close()
+
+
+def row_block_tensors(ctx: RunContext, vs: VisitLayout, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a row block's visit commits: the stored block holding its matrix as the base version stores it, with the
+    matrix's rows [lo, hi) replaced by ``rows`` (cast to its stored dtype); every other tensor and row is the stored
+    one, bitwise (I1)."""
+    name, lo, hi = vs.rows
+    tensors = checkpoints.load_from_manifest(ctx.store, ctx.run_id, ctx.manifest(vs.version), [ctx.plan.stored(vs.block)])
+    matrix = tensors[name].clone()
+    matrix[lo:hi] = rows.detach().to("cpu", matrix.dtype)
+    return {**tensors, name: matrix}
 
 
 def run_visit(ctx: RunContext, spec: VisitSpec, hold: Callable[[RunContext, VisitLayout], VisitHolding], *,
@@ -479,7 +509,7 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
     if device.type == "cuda":  # the loop's own peaks and retries (the loaded model counts in both)
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
-    spec = cfg.optim_spec(block)
+    spec = cfg.optim_spec(ctx.plan.stored(block))  # a row block: its matrix's block's bcd.lr_scales entry
     opt = make_optimizer(held.named, spec)  # by name: a peer finds its blocks and layers by name
     if adapters is not None:
         opt.add_param_group(adapter_group(cfg, spec, adapters))
@@ -561,4 +591,4 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
         val_points=val_points, peak_mem_bytes=peak and peak[0], peak_reserved_bytes=peak and peak[1],
         alloc_retries=peak and peak[2], block_file=block_file, recompute=vs.recompute, gpus=held.world,
         streamed=len(vs.streamed), rate=res.rate, moments_file=moments_file, val_loss=val_loss, eval_seconds=eval_s,
-        suffix_files=suffix_files, suffix_norms=suffix_norms)
+        suffix_files=suffix_files, suffix_norms=suffix_norms, stored=ctx.plan.stored(block) if vs.rows else None)

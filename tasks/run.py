@@ -30,7 +30,7 @@ from bcdflow.tasks.retry import retrying
 # keys that define what a run computes; a resumed run must match them exactly. ``dataset`` is the token dataset's
 # content id: the same data.files glob holding new contents is another run. optim.lr is not among them:
 # a run that diverged continues with a lower learning rate (the stored config then records the new one).
-IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.split", "bcd.freeze", "bcd.order",
+IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.split", "bcd.freeze", "bcd.vocab_blocks", "bcd.order",
             "bcd.sample_rate", "bcd.preinfer", "bcd.max_steps", "bcd.patience", "bcd.min_delta", "bcd.window",
             "bcd.expand", "bcd.expand_rank",
             "optim.name", "optim.weight_decay", "optim.momentum", "optim.grad_clip", "optim.warmup_steps",
@@ -105,7 +105,7 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
 def initial_block(mcfg, plan, b: int, seed: int) -> dict[str, torch.Tensor]:
     """Block ``b``'s initial tensors: its part of the model built alone (embeddings with block 0, the head with
     the last) and initialised from a generator seeded by (run seed, block)."""
-    blk, last = plan[b], len(plan) - 1
+    blk, last = plan[b], len(plan.blocks) - 1
     torch.manual_seed(int(np.random.SeedSequence([seed, b]).generate_state(1)[0]))
     part = build_model(mcfg, layers=blk.layers, embed=b == 0, head=b == last)
     return block_tensors(part, plan, b)
@@ -113,10 +113,12 @@ def initial_block(mcfg, plan, b: int, seed: int) -> dict[str, torch.Tensor]:
 
 @task(name="commit", **retrying())
 def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: dict,
-                 fence: dict[str, int] | None = None, suffix_files: dict[int, dict] | None = None) -> RunState:
-    """Publish version ``record.version`` = the version before it with ``record.block`` replaced by
-    ``block_file`` (and, ``bcd.expand``, the suffix blocks by ``suffix_files``), then create the run's next state
-    with the record (the commit point, docs/DESIGN.md §2.5).
+                 fence: dict[str, int] | None = None, suffix_files: dict[int, dict] | None = None,
+                 stored: int | None = None) -> RunState:
+    """Publish version ``record.version`` = the version before it with ``record.block`` (``stored``: the stored
+    block a row block's visit commits, ``Plan.stored``) replaced by ``block_file`` (and, ``bcd.expand``, the suffix
+    blocks by ``suffix_files``), then create the run's next state with the record (the commit point, docs/DESIGN.md
+    §2.5).
 
     ``fence``: the lease epochs this visit holds (``run``, ``visit c{c}-b{b}``); a state fenced by a later holder
     means this process lost its lease, and it changes nothing (LeaseLost). A retry that finds its own record
@@ -133,7 +135,7 @@ def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: d
                                  f"but run {run_id!r} is at version {state.version}: another process committed")
     failpoints.hit("commit-checked")  # the window a paused process sits in: the state create below fences it
     checkpoints.commit_version(store, run_id, record.version - 1, record.version,
-                               {**(suffix_files or {}), record.block: block_file})
+                               {**(suffix_files or {}), record.block if stored is None else stored: block_file})
     state = runs.append_visit(store, run_id, record, fence, base=state,
                               drop=tuple(k for k in fence if k.startswith("visit ")))
     failpoints.hit("after-commit")  # committed; the visit's working objects not yet dropped (flows/visit.visit)

@@ -131,14 +131,15 @@ def do_visit(cfg, run_id: str, ds_id: str, cycle: int, block: int, version: int)
     from bcdflow.core.rules import VisitSpec
     from bcdflow.tasks.train import train_block
 
-    if cfg.bcd.preinfer and block > 0:
+    if RunContext.of(cfg, run_id, ds_id).from_acts(block):  # a block with a prefix (a row block: head rows)
         shards = plan_shards.fn(RunContext.of(cfg, run_id, ds_id), cycle, block)
         assert shards, "a fresh visit has shards to compute"
         for s in shards:
             preinfer_shard.fn(RunContext.of(cfg, run_id, ds_id), cycle, block, version, s)
         assert plan_shards.fn(RunContext.of(cfg, run_id, ds_id), cycle, block) == []  # all complete now
     out = train_block.fn(RunContext.of(cfg, run_id, ds_id), VisitSpec(cycle, block, version))
-    commit_version(Store(cfg.store), run_id, version, version + 1, {block: out.block_file})
+    commit_version(Store(cfg.store), run_id, version, version + 1,
+                   {block if out.stored is None else out.stored: out.block_file})  # a row block: its matrix's block
     return out
 
 

@@ -332,6 +332,9 @@ def test_make_gpu_check_runs_its_smoke_mode_without_a_gpu(tmp_path):
     assert len(rows) == 2 and all(r["streamed_layers"] > 0 and r["host_bytes"] == r["planned_host_bytes"] for r in rows)
     e = report["sections"]["engine"]
     assert e["bitwise"] and e["streamed_layers"] > 0 and e["expanded_blocks"]
+    light = report["sections"]["light_rows"]  # issue 33: the lighter state and a row block's visit
+    assert light["light_block0_16gb"]["ok"] and light["rows_embedding_8gb"]["ok"], light
+    assert light["rows_embedding_8gb"]["layers"] == [0, 0] and light["rows_embedding_8gb"]["streamed_layers"] > 0
 
 
 def test_gpu_check_refuses_a_machine_with_a_gpu_but_no_cuda_torch(tmp_path):

@@ -1,0 +1,84 @@
+"""Row blocks of a vocabulary matrix (``bcd.vocab_blocks``; docs/DESIGN.md §2.7): a visit that trains rows [lo, hi) of
+the token embedding ``wte.weight`` or the untied head ``lm_head.weight`` and nothing else.
+
+The rows of a vocabulary matrix are independent coordinates (a token's embedding row, a token's output row), so block
+coordinate descent may take a slice of them as a block. The visit's model holds the whole matrix frozen (in the
+frozen dtype: bf16 under ``train.precision=bf16``) and its trainable parameter is a leaf tensor of the slice's rows
+only (fp32 master weights, or the optimizer's bf16 ones), so gradient and optimizer state exist for the slice alone:
+
+    rows = attach_rows(model, "wte.weight", lo, hi)   # an nn.Parameter (hi - lo, C); the optimizer's only one
+    ...train...                                         # every read of the matrix sees the slice's current rows
+    detach_rows(model, "wte.weight")                     # the plain matrix again, the slice written into it
+
+Mechanism: a ``torch.nn.utils.parametrize`` parametrization of the module's ``weight`` (torch's own way to compute a
+weight from others on every access, so the embedding lookup, the tied head and the untied head need no change). Its
+forward writes the slice into the frozen matrix's rows (outside autograd: ``.data``, a slice-sized copy, no version
+bump) and returns the matrix through :class:`_Rows`, whose backward hands the slice the rows [lo, hi) of the matrix's
+gradient: the same numbers, bitwise, as those rows of the whole matrix's gradient at the same weights. The matrix's
+full gradient still exists for a moment in backward (the embedding's dense backward, the head's weight gradient: one
+matrix in its stored dtype, counted by the planner, models/memory.py), but no full fp32 gradient stays, nor any
+optimizer state beyond the slice.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from bcdflow.models.plan import VOCAB_MATRICES
+
+class _Rows(torch.autograd.Function):
+    """The matrix ``weight`` (frozen, its rows [lo, lo + n) already holding ``rows``' values) as a function of the
+    trainable ``rows``: the gradient of ``rows`` is the rows [lo, lo + n) of the matrix's gradient, in ``rows``' dtype."""
+
+    @staticmethod
+    def forward(ctx, weight, rows, lo: int):
+        ctx.lo, ctx.n, ctx.dtype = lo, rows.size(0), rows.dtype
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # a copy, never a view: a view kept as the slice's .grad would keep the whole matrix's gradient alive
+        return None, grad[ctx.lo:ctx.lo + ctx.n].to(ctx.dtype, copy=True), None
+
+
+class RowSlice(nn.Module):
+    """The parametrization: the frozen matrix with rows [lo, hi) taken from the trainable ``rows``."""
+
+    def __init__(self, rows: nn.Parameter, lo: int):
+        super().__init__()
+        self.rows, self.lo = rows, lo
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        weight.data[self.lo:self.lo + self.rows.size(0)].copy_(self.rows.data)  # the slice's current values
+        return _Rows.apply(weight, self.rows, self.lo)
+
+
+def _module(model: nn.Module, name: str) -> nn.Module:
+    if name not in VOCAB_MATRICES:
+        raise ValueError(f"{name!r} is no vocabulary matrix ({', '.join(VOCAB_MATRICES)})")
+    return getattr(model, VOCAB_MATRICES[name])
+
+
+def attach_rows(model: nn.Module, name: str, lo: int, hi: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
+    """Make rows [lo, hi) of the vocabulary matrix ``name`` of ``model`` its only trainable part: returns the slice as
+    a new leaf parameter (a copy of those rows in ``dtype``: fp32 master weights, or bf16 ones with
+    ``optim.name=adamw8bit-bf16``), every other row frozen where the matrix lives."""
+    module = _module(model, name)
+    weight = module.weight
+    if not 0 <= lo < hi <= weight.size(0):
+        raise ValueError(f"rows [{lo}, {hi}) lie outside {name} ({weight.size(0)} rows)")
+    weight.requires_grad_(False)
+    rows = nn.Parameter(weight.detach()[lo:hi].to(dtype, copy=True))
+    parametrize.register_parametrization(module, "weight", RowSlice(rows, lo), unsafe=True)
+    return rows
+
+
+def detach_rows(model: nn.Module, name: str) -> None:
+    """Undo :func:`attach_rows`: the module's plain ``weight`` again, holding the slice's last rows (in its dtype)."""
+    module = _module(model, name)
+    if parametrize.is_parametrized(module, "weight"):
+        slice_ = module.parametrizations.weight[0]
+        with torch.no_grad():
+            slice_(module.parametrizations.weight.original)  # the rows written in once more
+        parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
