@@ -155,7 +155,7 @@ class Visit:
         self.name, self.layers, self.embed, self.device, self.batch = name, layers, embed, device, batch
         self.start = layers[0] if start is None else start
         self.hi, self.recompute = hi, recompute
-        if rows:  # a row block (bcd.vocab_blocks): the matrix frozen, its rows an fp32 slice, as the engine holds it
+        if rows:  # a row block (bcd.vocab_blocks): the matrix frozen, its rows a slice, as the engine holds it
             trainable = set()
         low = torch.bfloat16 if args.precision == "bf16" and not getattr(args, "frozen_fp32", False) else None
         fp32 = trainable if OPTIMIZERS[args.optim].master == 4 else ()  # bf16 master weights: adamw8bit-bf16
@@ -176,7 +176,8 @@ class Visit:
         named = prepare_model(model, trainable, getattr(args, "chunk_rows", None), getattr(args, "compile", False))
         if rows:
             from bcdflow.models.rows import attach_rows
-            named = [(rows[0], attach_rows(model, *rows))]
+            master = torch.bfloat16 if OPTIMIZERS[args.optim].master == 2 else torch.float32  # as the engine's
+            named = [(rows[0], attach_rows(model, *rows, master))]
         frozen = [i for i in range(*layers) if not any(n.startswith(f"h.{i}.") for n in trainable)]
         self.stream = (LayerStream(model, frozen, device, getattr(args, "stream_window", 2), grad_from=self.start)
                        if stream else None)

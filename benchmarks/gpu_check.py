@@ -121,10 +121,11 @@ def llama8b(out: Path, smoke: bool) -> dict:
 
 # issue 33 on the card: the lighter state and a row block at Llama-3-8B's shape, each under the card the planner
 # recommends it for (docs/guide/memory-planner-fit.md, docs/guide/row-blocks.md): (card GB, settings, visit)
-_EVERY_OTHER = "bcd.boundaries=[" + ",".join(map(str, range(1, 31, 2))) + "]"  # 16 layer blocks: the 8 GB plan
+# the 8 GB plan (plan-memory's recommendation, expansion counted): 18 layer blocks, then the row blocks
+PLAN_8GB = "bcd.boundaries=[" + ",".join(map(str, [1, 2, 3, 4, *range(5, 31, 2)])) + "]"
 LIGHT_ROWS = {
     "light_block0_16gb": (16, ["optim.name=adamw8bit-bf16", "bcd.boundaries=[5,12,19,26]"], 0),
-    "rows_embedding_8gb": (8, ["optim.name=adamw8bit-bf16", "bcd.vocab_blocks=2", _EVERY_OTHER], 16),
+    "rows_embedding_8gb": (8, ["optim.name=adamw8bit-bf16", "bcd.vocab_blocks=2", PLAN_8GB], 18),
 }
 LIGHT_ROWS_SMOKE = {  # the same code paths: a tiny LLaMA of nine layers, bf16 on the CPU
     "light_block0_16gb": (16, ["optim.name=adamw8bit-bf16", "bcd.blocks=3"], 0),

@@ -111,7 +111,7 @@ def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str
     visits = [v.model_dump() for v in state.visits]
     mcfg = ModelConfig(**conf["model_resolved"])
     meta = meta_model(mcfg)
-    blocks = conf["plan"]["blocks"]
+    blocks = conf["plan"]["blocks"] + conf["plan"].get("rows", [])  # row blocks (bcd.vocab_blocks) index after
     T = cfg.data.seq_len
     eval_tokens = cfg.train.eval_rows * T  # evaluate_model reads at most eval_rows rows
     flops_by_visit = []

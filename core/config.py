@@ -154,7 +154,7 @@ class BcdSection(_Section):
     ``params`` split balances what trains. A trade-off: the run is no longer full-parameter training."""
     vocab_blocks: int = Field(1, ge=1)
     """Row blocks per vocabulary matrix: > 1 splits the token embedding and an untied head (not one ``freeze`` keeps)
-    each into that many blocks of rows, visited after the layer blocks; a visit trains its rows only (gradient and
+    each into that many blocks of rows, numbered after the layer blocks; a visit trains its rows only (gradient and
     optimizer state for those rows), the block that stores the matrix trains the rest of its parameters, and the
     rows' visit commits the whole matrix (its other rows unchanged) into that block's file. Full-parameter training
     where a 128k-row matrix would not fit whole (docs/guide/row-blocks.md)."""

@@ -41,11 +41,14 @@ def figures(cfg: RunConfig, mcfg: ModelConfig, plan_: Plan, budget: float | None
         lo, _ = blk.layers
         h_on = choose_holding(mcfg, plan_, b, replace(shape, preinfer=True), budget)
         h_off = choose_holding(mcfg, plan_, b, replace(shape, preinfer=False), budget) if lo else h_on
-        owners = {o for o in range(len(plan_)) if o >= b}
+        stored = plan_.stored(b)  # a row block (bcd.vocab_blocks): the block file holding its matrix
+        owners = {o for o in range(len(plan_.blocks)) if o >= stored}
         names = {n for o in owners for n in plan_[o].params} | ({"wte.weight"} if lo and mcfg.tied else set())
+        trained = ((blk.rows[1] - blk.rows[0]) * C if blk.rows is not None  # the slice's rows only
+                   else sum(numel[n] for n in blk.trainable(shape.freeze, mcfg.tied)))
         blocks.append(BlockFigures(
-            block=b, layers=tuple(blk.layers), params=sum(numel[n] for n in blk.params),
-            trainable=sum(numel[n] for n in blk.trainable(shape.freeze, mcfg.tied)),
+            block=b, layers=tuple(blk.layers), params=sum(numel[n] for n in plan_[stored].params),
+            trainable=trained, row=blk.rows is not None,
             prefix_flops=float(sum(per_layer[:lo])), step_s=h_on.time.streamed_s / gpus,
             step_computed_s=h_off.time.streamed_s / gpus,
             fits=h_on.fits, fits_computed=h_off.fits, holding=h_on.words(), holding_computed=h_off.words(),

@@ -93,6 +93,9 @@ class BlockFigures:
     holding_computed: str = ""
     loaded_params: int = 0
     """Parameters the visit loads from the store reading activations (blocks >= b, a tied embedding)."""
+    row: bool = False
+    """A row block (``bcd.vocab_blocks``): ``params`` is the stored block its commit rewrites, ``trainable`` its rows;
+    it expands nothing and is no layer visit's suffix."""
 
 
 @dataclass(frozen=True)
@@ -281,11 +284,11 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     v.read_s = v.read / rd
     v.train_s = max(v.train_compute_s, v.read_s)
     state = OPTIMIZERS[cfg.optim.name].state
-    v.checkpoint_bytes = bf.params * STORED_BYTES + bf.trainable * 4 * state
+    v.checkpoint_bytes = bf.trainable * (STORED_BYTES + 4 * state)  # what trains (fp32) and its state
     # every checkpoint.every_steps steps or every_seconds seconds, whichever comes first
     v.checkpoints = max(steps // cfg.checkpoint.every_steps, int(v.train_s // cfg.checkpoint.every_seconds))
     v.checkpoint_s = v.checkpoints * v.checkpoint_bytes / wr
-    suffix = [o for o in figs.blocks if o.block > bf.block] if b.expand != "off" else []
+    suffix = [o for o in figs.blocks if o.block > bf.block and not o.row] if b.expand != "off" and not bf.row else []
     v.block_bytes = sum(o.params * STORED_BYTES for o in [bf, *suffix])
     moments = bf.trainable * 4 * state if b.moments == "keep" else 0
     v.commit_s = (v.block_bytes + moments) / wr

@@ -142,7 +142,7 @@ def table(res: dict) -> str:
     lines += _table(res["visits"], res["full"], cap)
     rec = res["recommendation"]
     if rec["blocks"] is not None and (rec["blocks"] != res["blocks"] or rec.get("boundaries") != res.get("boundaries")
-                                      or "optim.name" in rec.get("settings", {})):
+                                      or {"optim.name", "bcd.vocab_blocks"} & set(rec.get("settings", {}))):
         words = " ".join([_plan_words(rec["blocks"], rec.get("boundaries"))]
                          + [f"{k}={v}" for k, v in rec.get("settings", {}).items()])
         lines += ["", f"{words} (recommended):"]

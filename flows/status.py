@@ -107,7 +107,8 @@ def planned_acts(store, record: dict, cfg, block: int) -> int | None:
     from bcdflow.storage.act_layout import group_layout
 
     d_model = (record.get("model_resolved") or {}).get("d_model")
-    blocks = (record.get("plan") or {}).get("blocks") or []
+    plan = record.get("plan") or {}
+    blocks = (plan.get("blocks") or []) + (plan.get("rows") or [])  # a row block's index follows the layer blocks
     try:
         lo = int(blocks[block]["layers"][0])
     except (IndexError, KeyError, TypeError, ValueError):  # a record without the plan's layers

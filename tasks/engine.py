@@ -438,9 +438,7 @@ class Resident:
         if self.unwrap is not None:  # the wrapper merged in: the model's own names and weights
             self.unwrap, finish = None, self.unwrap
             finish()
-        out = block_tensors(self.model, self.ctx.plan, self.vs.block)
-        # bf16 master weights (optim.name=adamw8bit-bf16) are committed in fp32, as every trained block is (exact)
-        return {n: t.float() if n in self.vs.active and t.dtype == torch.bfloat16 else t for n, t in out.items()}
+        return as_stored(self.ctx, self.vs, block_tensors(self.model, self.ctx.plan, self.vs.block))
 
     def barrier(self) -> None:
         pass
@@ -451,6 +449,19 @@ class Resident:
     def close(self) -> None:
         if self.model.stream:
             self.model.stream.close()
+
+
+def as_stored(ctx: RunContext, vs: VisitLayout, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A block's tensors as its visit commits them: what trained in fp32 (bf16 master weights, optim.name=
+    adamw8bit-bf16, cast up: exact), and what the block holds frozen (``bcd.freeze``, a matrix trained in row blocks)
+    as the base version stores it, never the device's bf16 copy of it under ``train.precision=bf16`` (I1)."""
+    rounded = [n for n, t in tensors.items() if n not in vs.active and t.dtype != torch.float32]
+    if rounded:
+        manifest = ctx.manifest(vs.version)
+        stored = {n: t.clone() for n, t in checkpoints.iter_from_manifest(ctx.store, ctx.run_id, manifest,
+                                                                            [vs.block], names=rounded)}
+        tensors = {**tensors, **stored}
+    return {n: t.float() if n in vs.active and t.dtype == torch.bfloat16 else t for n, t in tensors.items()}
 
 
 def row_block_tensors(ctx: RunContext, vs: VisitLayout, rows: torch.Tensor) -> dict[str, torch.Tensor]:

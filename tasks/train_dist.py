@@ -47,7 +47,8 @@ from bcdflow.storage import checkpoints
 from bcdflow.storage.lease import lost_lease
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.tasks import preemption
-from bcdflow.tasks.engine import TrainResult, VisitLayout, device_peak, diverged_message, prepare_model, run_visit
+from bcdflow.tasks.engine import (TrainResult, VisitLayout, as_stored, device_peak, diverged_message, prepare_model,
+                                  run_visit)
 from bcdflow.tasks.expand import suffix_adapters
 from bcdflow.tasks.progress import visit_progress
 from bcdflow.tracking.tracker import TrackTarget
@@ -269,8 +270,9 @@ class Distributed:
         return par.full_optim_state(opt)
 
     def block_tensors(self):
-        owned = set(self.ctx.plan[self.vs.block].params)  # with what bcd.freeze keeps frozen
-        return par.full_params([(n, p) for n, p in self.model.named_parameters() if n in owned])
+        owned = set(self.ctx.plan[self.vs.block].params)  # with what bcd.freeze keeps frozen: as stored
+        return as_stored(self.ctx, self.vs, par.full_params([(n, p) for n, p in self.model.named_parameters()
+                                                             if n in owned]))
 
     def barrier(self):
         dist.barrier(group=self.sync.group)  # the host group: rank 0 may be writing a checkpoint for minutes

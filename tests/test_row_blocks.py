@@ -65,6 +65,25 @@ def test_a_row_visit_trains_and_changes_only_its_rows(tiny_cfg, monkeypatch, mod
         assert (before[name][lo:hi] != after[name][lo:hi]).any(dim=1).all()  # every row of the slice trained
 
 
+@pytest.mark.parametrize("sets", [("bcd.vocab_blocks=2",), ("bcd.freeze=[embeddings,head]",)],
+                         ids=["row-blocks", "freeze"])
+def test_under_bf16_a_visit_commits_the_matrices_it_holds_frozen_as_stored(tiny_cfg, sets):
+    """Under ``train.precision=bf16`` a layer block's visit holds its frozen matrices in bf16 (a matrix trained in
+    row blocks, or one ``bcd.freeze`` keeps): its commit writes them as the base version stores them (fp32, bitwise),
+    never the held bf16 copy, so a row block's fp32 rows are not rounded by the next visit of the matrix's block."""
+    cfg = tiny_cfg("model.name=tiny-llama", "train.precision=bf16", *sets)
+    ds_id = new_run(cfg)
+    ctx = RunContext.of(cfg, "r", ds_id)
+    store, last = Store(cfg.store), len(ctx.plan.blocks) - 1
+    before = _all(store, 0)
+    do_visit(cfg, "r", ds_id, cycle=0, block=0, version=0)
+    do_visit(cfg, "r", ds_id, cycle=0, block=last, version=1)
+    after = _all(store, 2)
+    for name in ("wte.weight", "lm_head.weight"):
+        assert after[name].dtype == torch.float32 and torch.equal(before[name], after[name]), name
+    assert not torch.equal(before["h.0.attention.wq.weight"], after["h.0.attention.wq.weight"])  # block 0 trained
+
+
 @pytest.mark.parametrize("model,name", [("tiny", "wte.weight"), ("tiny-llama", "wte.weight"),
                                         ("tiny-llama", "lm_head.weight")])
 def test_the_slice_gradient_is_those_rows_of_the_whole_matrix_gradient(model, name):
@@ -175,6 +194,12 @@ def test_plan_memory_plans_the_configs_row_blocks(capsys):
     assert main(["plan-memory", "--set", "model.name=tiny-llama", "--set", "bcd.vocab_blocks=2", "--gpu-gb", "24"]) == 0
     out = capsys.readouterr().out.split("(recommended)")[0]
     assert out.count("emb rows") == 2 and out.count("lm rows") == 2, out
+    # a recommendation of row blocks shows its own table (Llama-3-8B's shape on an 8 GB card), every visit fitting
+    assert main(["plan-memory", "--set", "model.from_hf=benchmarks/shapes/llama-3-8b", "--set", "train.batch_size=2",
+                 "--set", "data.seq_len=1024", "--set", "train.precision=bf16", "--gpu-gb", "8"]) == 0
+    rec = capsys.readouterr().out.split("bcd.vocab_blocks=2 (recommended):")[1].split("\n\n")[0]
+    rows = [r for r in rec.splitlines() if r.startswith("block ")]
+    assert all(r.endswith("yes") for r in rows) and rec.count("emb rows") == 2 and rec.count("lm rows") == 2, rec
 
 
 # -- the command line: bad input, resume and export -----------------------------------------------------------------

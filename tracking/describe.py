@@ -46,7 +46,7 @@ def run_params(cfg: RunConfig, mode: str, mcfg: ModelConfig, plan: Plan) -> dict
     resolved = {"model.family": mcfg.family, "model.n_layer": mcfg.n_layer, "model.d_model": mcfg.d_model,
                 "model.n_head": mcfg.n_head, "model.n_kv_head": mcfg.kv_heads, "model.d_ff": mcfg.ffn_dim,
                 "model.n_ctx": mcfg.n_ctx, "model.vocab_size": mcfg.vocab_size, "model.tied": mcfg.tied,
-                "model.params": sum(per_block), "optim.lr": cfg.optim_spec().base_lr, "bcd.blocks": len(plan),
+                "model.params": sum(per_block), "optim.lr": cfg.optim_spec().base_lr, "bcd.blocks": len(plan.blocks),
                 "mode": mode}
     for b, n in zip(plan.blocks, per_block):
         lo, hi = b.layers
