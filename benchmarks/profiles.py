@@ -54,6 +54,9 @@ _SUITE_QUICK = {
                               "bcd.blocks=2", "optim.name=adamw8bit"],
                  "keep-adaptive-b2": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=off",
                                       "bcd.blocks=2"],
+                 # issue 33, item 2: the same 2 layer blocks with the vocabulary matrix in 2 row blocks of its own
+                 "rows-b2": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=off",
+                             "bcd.blocks=2", "bcd.vocab_blocks=2"],
                  # landscape expansion (bcd.expand) on top of keep-adaptive: adapters of rank r on the suffix (lora-r16:
                  # the product's defaults since issue 25)
                  "lora-r4": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=lora",
