@@ -206,7 +206,7 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
         train_seconds=tr.seconds, eval_seconds=ev.seconds, seconds=seconds, lost_seconds=earlier.lost, **cost,
         cum_spend_usd=state.spend_usd + cost["spend_usd"])
     lease.check()  # still ours: nobody took this visit over while it trained
-    commit_visit(cfg, run_id, record, tr.block_file, fence, tr.suffix_files, stored=tr.stored)
+    commit_visit(cfg, run_id, record, tr.files(block), fence)
     # curves at the run's global step: the validation loss on the visit's run (linked to the version it committed,
     # a logged model of the run pointing at the store: no weights copied) and the parent's; per-visit figures as
     # series on the parent; the visit's own single values as its run summary

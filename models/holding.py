@@ -410,12 +410,10 @@ def recommend(cfg: ModelConfig, shape: StepShape, budget: Budget, split: str = "
     chosen by fit (:func:`fit_boundaries`), or ``bcd.blocks`` equal splits (``split``) where those need no more
     blocks. ``shard_rows``: pre-inference's rows a shard (its prefix's streamed layers count toward the host
     memory)."""
-    full = visit_memory(cfg, None, None, shape)
-    settings = {k: v for k, v in (("bcd.recompute", shape.recompute), ("train.offload", shape.offload))
-                if v != "auto"}
+    none = _no_fit(cfg, shape, budget)
     cuts = fit_boundaries(cfg, shape, budget.usable)
     if cuts is None:
-        return Recommendation(None, [], budget, full.peak, full.peak <= budget.usable, settings=settings)
+        return none
     m = len(cuts) + 1
     plan = model_plan(cfg, m, split=split, freeze=shape.freeze)
     order = sorted(range(len(plan)), key=lambda b: (b not in (0, len(plan) - 1), b))  # the big ones first
@@ -423,12 +421,29 @@ def recommend(cfg: ModelConfig, shape: StepShape, budget: Budget, split: str = "
         cuts = None  # the equal split fits as few blocks: bcd.blocks alone says it
     else:
         plan = model_plan(cfg, None, cuts, freeze=shape.freeze)  # cuts: not [] (one block fits as an equal split)
-    hs = [choose_holding(cfg, plan, b, shape, budget.usable) for b in range(len(plan))]
+    return _held(cfg, plan, shape, none, shard_rows, boundaries=cuts)
+
+
+def _no_fit(cfg: ModelConfig, shape: StepShape, budget: Budget) -> Recommendation:
+    """The recommendation where nothing fits (``blocks`` None), with full training's peak and the shape's settings
+    (the start of every recommendation)."""
+    full = visit_memory(cfg, None, None, shape)
+    settings = {k: v for k, v in (("bcd.recompute", shape.recompute), ("train.offload", shape.offload))
+                if v != "auto"}
+    return Recommendation(None, [], budget, full.peak, full.peak <= budget.usable, settings=settings,
+                          optim=shape.optim)
+
+
+def _held(cfg: ModelConfig, plan: Plan, shape: StepShape, none: Recommendation, shard_rows: int,
+          **fields) -> Recommendation:
+    """``none`` made the recommendation of ``plan``: every visit as :func:`choose_holding` holds it and the pinned
+    host memory the largest streaming visit (or its pre-inference prefix) needs."""
+    usable = none.budget.usable
+    hs = [choose_holding(cfg, plan, b, shape, usable) for b in range(len(plan))]
     host = max([h.estimate.host_bytes for h in hs] + [
-        _prefix_host_bytes(cfg, plan, b, shape, budget.usable, shard_rows)
+        _prefix_host_bytes(cfg, plan, b, shape, usable, shard_rows)
         for b in range(len(plan)) if shape.preinfer and any(h.streamed for h in hs)])
-    return Recommendation(m, hs, budget, full.peak, full.peak <= budget.usable, host, settings=settings,
-                          boundaries=cuts, optim=shape.optim)
+    return replace(none, blocks=len(plan.blocks), holdings=hs, host_bytes=host, **fields)
 
 
 def recommend_rows(cfg: ModelConfig, shape: StepShape, budget: Budget, shard_rows: int = 256) -> Recommendation:
@@ -436,10 +451,7 @@ def recommend_rows(cfg: ModelConfig, shape: StepShape, budget: Budget, shard_row
     cut by fit without them (:func:`fit_boundaries`), then the fewest row blocks (:data:`VOCAB_SPLITS`) whose every
     visit fits too. For a model whose embedding or head keeps the block that owns it from fitting at all: a row
     visit holds its matrix frozen and trains a slice of its rows. ``blocks`` None when nothing fits."""
-    full = visit_memory(cfg, None, None, shape)
-    settings = {k: v for k, v in (("bcd.recompute", shape.recompute), ("train.offload", shape.offload))
-                if v != "auto"}
-    none = Recommendation(None, [], budget, full.peak, full.peak <= budget.usable, settings=settings)
+    none = _no_fit(cfg, shape, budget)
     if not model_plan(cfg, 1, freeze=shape.freeze, vocab_blocks=2).rows:
         return none  # nothing to split: the vocabulary matrices frozen (bcd.freeze)
     cuts = fit_boundaries(cfg, shape, budget.usable, vocab_blocks=2)
@@ -451,13 +463,8 @@ def recommend_rows(cfg: ModelConfig, shape: StepShape, budget: Budget, shard_row
             break
     else:
         return none
-    hs = [choose_holding(cfg, plan, b, shape, budget.usable) for b in range(len(plan))]
-    host = max([h.estimate.host_bytes for h in hs] + [
-        _prefix_host_bytes(cfg, plan, b, shape, budget.usable, shard_rows)
-        for b in range(len(plan)) if shape.preinfer and any(h.streamed for h in hs)])
-    return Recommendation(len(cuts) + 1, hs, budget, full.peak, full.peak <= budget.usable, host,
-                          settings={**settings, "bcd.vocab_blocks": k}, boundaries=cuts or None, optim=shape.optim,
-                          vocab_blocks=k)
+    return _held(cfg, plan, shape, none, shard_rows, settings={**none.settings, "bcd.vocab_blocks": k},
+                 boundaries=cuts or None, vocab_blocks=k)
 
 
 LIGHTER = {"fp32": "adamw8bit", "bf16": "adamw8bit-bf16"}

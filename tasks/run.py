@@ -112,13 +112,12 @@ def initial_block(mcfg, plan, b: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 @task(name="commit", **retrying())
-def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: dict,
-                 fence: dict[str, int] | None = None, suffix_files: dict[int, dict] | None = None,
-                 stored: int | None = None) -> RunState:
-    """Publish version ``record.version`` = the version before it with ``record.block`` (``stored``: the stored
-    block a row block's visit commits, ``Plan.stored``) replaced by ``block_file`` (and, ``bcd.expand``, the suffix
-    blocks by ``suffix_files``), then create the run's next state with the record (the commit point, docs/DESIGN.md
-    §2.5).
+def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, files: dict[int, dict],
+                 fence: dict[str, int] | None = None) -> RunState:
+    """Publish version ``record.version`` = the version before it with the stored blocks in ``files`` replaced by
+    their new files (``TrainResult.files``: the visit's own block, or the one a row block's matrix lives in, and,
+    ``bcd.expand``, the suffix blocks it changed), then create the run's next state with the record (the commit
+    point, docs/DESIGN.md §2.5).
 
     ``fence``: the lease epochs this visit holds (``run``, ``visit c{c}-b{b}``); a state fenced by a later holder
     means this process lost its lease, and it changes nothing (LeaseLost). A retry that finds its own record
@@ -134,8 +133,7 @@ def commit_visit(cfg: RunConfig, run_id: str, record: VisitRecord, block_file: d
         raise runs.RunStateError(f"visit c{record.cycle}-b{record.block} was trained on version {record.version - 1}, "
                                  f"but run {run_id!r} is at version {state.version}: another process committed")
     failpoints.hit("commit-checked")  # the window a paused process sits in: the state create below fences it
-    checkpoints.commit_version(store, run_id, record.version - 1, record.version,
-                               {**(suffix_files or {}), record.block if stored is None else stored: block_file})
+    checkpoints.commit_version(store, run_id, record.version - 1, record.version, files)
     state = runs.append_visit(store, run_id, record, fence, base=state,
                               drop=tuple(k for k in fence if k.startswith("visit ")))
     failpoints.hit("after-commit")  # committed; the visit's working objects not yet dropped (flows/visit.visit)

@@ -81,8 +81,8 @@ def test_a_commit_whose_reply_was_lost_is_retried_successfully(tiny_cfg):
     cfg = tiny_cfg()
     store, entry = _run(cfg)
     rec = _record(1)
-    first = commit_visit.fn(cfg, "r", rec, entry, {"run": 0, "visit c0-b0": 0})
-    again = commit_visit.fn(cfg, "r", rec, entry, {"run": 0, "visit c0-b0": 0})  # the retry of the same task
+    first = commit_visit.fn(cfg, "r", rec, {0: entry}, {"run": 0, "visit c0-b0": 0})
+    again = commit_visit.fn(cfg, "r", rec, {0: entry}, {"run": 0, "visit c0-b0": 0})  # the retry of the same task
     assert again == first == runs.read_state(store, "r") and first.version == 1 and first.fence == {"run": 0}
 
 
@@ -92,7 +92,7 @@ def test_a_commit_after_a_takeover_writes_nothing(tiny_cfg):
     runs.fence(store, "r", {"run": 1})
     before = runs.read_state(store, "r")
     with pytest.raises(LeaseLost, match="taken over"):
-        commit_visit.fn(cfg, "r", _record(1), entry, {"run": 0})
+        commit_visit.fn(cfg, "r", _record(1), {0: entry}, {"run": 0})
     assert runs.read_state(store, "r") == before and not store.exists("runs/r/versions/1.json")
 
 
