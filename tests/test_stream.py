@@ -97,6 +97,9 @@ def test_a_streamed_visit_commits_the_resident_block_bitwise(tiny_cfg, block, ex
 @pytest.mark.parametrize("block,extra", [
     (0, ["bcd.recompute=off"]), (0, ["bcd.recompute=on"]), (0, ["bcd.recompute=off", "bcd.expand=lora"]),
     (0, ["bcd.recompute=on", "bcd.expand=lora", "model.name=tiny-llama"]), (1, ["bcd.recompute=off", "bcd.expand=lora"]),
+    # a row block (bcd.vocab_blocks): the embedding's first rows, every layer frozen on the gradient path, streamed
+    (3, ["bcd.recompute=off", "bcd.vocab_blocks=2", "model.name=tiny-llama"]),
+    (3, ["bcd.recompute=on", "bcd.vocab_blocks=2", "model.name=tiny-llama"]),
 ])
 def test_a_visit_streamed_on_an_indexed_device_commits_the_resident_block_bitwise(tiny_cfg, block, extra):
     """The product path (the train task, the Resident holding, train.offload=stream) on ``train.device=cpu:0``, the
