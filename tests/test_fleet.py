@@ -212,8 +212,10 @@ def test_visits_on_two_workers_equal_one_process(fleet, s3_bucket, reference):
     done = [r for c in range(2) for b in range(3) for r in fleet.visit_runs("f1", c, b)]
     assert len(done) == 6 and all(r.state.is_completed() for r in done)
     assert {r.name for r in done} == {f"f1/c{c}-b{b}" for c in range(2) for b in range(3)}
-    assert all("submitting flow run" in fleet.log(w).lower() or "submitted flow run" in fleet.log(w).lower()
-               for w in ("w0", "w1")), "both workers took visits"
+    # every visit was taken by a worker of the pool (which of the two is the pool's choice: visits run one at a
+    # time, so one worker may take all six; asserting both took some failed CI once)
+    submitted = " ".join(fleet.log(w) for w in ("w0", "w1"))
+    assert all(f"submitting flow run '{r.id}'" in submitted for r in done), "every visit submitted by a worker"
 
 
 def test_kill9_of_a_visit_is_resubmitted_and_resumes_from_its_checkpoint(fleet, s3_bucket, reference):
