@@ -285,8 +285,13 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     v.train_s = max(v.train_compute_s, v.read_s)
     state = OPTIMIZERS[cfg.optim.name].state
     v.checkpoint_bytes = bf.trainable * (STORED_BYTES + 4 * state)  # what trains (fp32) and its state
-    # every checkpoint.every_steps steps or every_seconds seconds, whichever comes first
-    v.checkpoints = max(steps // cfg.checkpoint.every_steps, int(v.train_s // cfg.checkpoint.every_seconds))
+    # every checkpoint.every_steps steps or every_seconds seconds, whichever comes first, but at most
+    # checkpoint.max_share of the time: n writes of W seconds each with n x W <= share x (train_s + n x W)
+    ck = cfg.checkpoint
+    v.checkpoints = max(steps // ck.every_steps, int(v.train_s // ck.every_seconds))
+    write_s = v.checkpoint_bytes / wr
+    if ck.max_share < 1 and write_s > 0:
+        v.checkpoints = min(v.checkpoints, int(ck.max_share * v.train_s / (write_s * (1 - ck.max_share))))
     v.checkpoint_s = v.checkpoints * v.checkpoint_bytes / wr
     suffix = [o for o in figs.blocks if o.block > bf.block and not o.row] if b.expand != "off" and not bf.row else []
     v.block_bytes = sum(o.params * STORED_BYTES for o in [bf, *suffix])

@@ -117,7 +117,7 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
               on_window: Callable[[int, list[float]], None] | None = None,
               should_stop: Callable[[], bool] | None = None, state: LoopState | None = None,
               checkpoint: Callable[[LoopState, str], None] | None = None, ckpt_steps: int = 0,
-              ckpt_seconds: float = 0.0, clock: Callable[[], float] | None = None,
+              ckpt_seconds: float = 0.0, ckpt_share: float = 1.0, clock: Callable[[], float] | None = None,
               progress: Callable[[int, int, float | None], None] | None = None, global_step: int = 0,
               extra: list[torch.nn.Parameter] | None = None) -> LoopResult:
     """Train ``params`` with ``optimizer`` on ``batches`` until the stop rule fires.
@@ -130,7 +130,11 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
     checkpoint (``batches`` must then start at batch ``state.steps``); ``checkpoint(state, why)`` is called
     every ``ckpt_steps`` steps (``why="steps"``) or ``ckpt_seconds`` seconds (``"seconds"``), and when
     ``should_stop()`` turns true (``"signal"``: SIGTERM or Ctrl-C), after which the loop ends with
-    ``stopped_by="interrupted"``. ``clock`` replaces ``time.perf_counter`` (processes of one distributed visit
+    ``stopped_by="interrupted"``. ``ckpt_share`` below 1 holds the checkpoints by steps or seconds back so that
+    writing them takes at most that share of the loop's time: after a checkpoint that took W seconds, the next
+    waits until W x (1 - share) / share seconds of training have passed, W timed with the step after it on
+    ``clock`` (so every process of a distributed visit holds back the same checkpoints; a signal's checkpoint is
+    never held back). ``clock`` replaces ``time.perf_counter`` (processes of one distributed visit
     share rank 0's, so they checkpoint by seconds at the same step). Sharded (DTensor) gradient norms are
     gathered whole. ``progress(step, tokens, loss)`` is called once before the first step (the starting point,
     ``loss`` None) and after every step, with the last synced window's mean loss, or before the first window the
@@ -158,6 +162,8 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
 
     it: Iterator = iter(batches)
     t0 = last_ckpt = clock()
+    held_until = t0  # by ckpt_share: no checkpoint by steps or seconds before this clock reading
+    ckpt_at = None  # the clock when the last checkpoint began, until the next step times its write
     window_loss: float | None = None
     if progress:
         progress(res.steps, res.tokens, None)
@@ -193,15 +199,21 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             progress(res.steps, res.tokens, window_loss if window_loss is not None else pending[-1])
         interrupted = bool(should_stop and should_stop())
         now = clock()
+        if ckpt_at is not None:  # the write and the step after it, on a clock every process of a visit agrees on
+            held_until, ckpt_at = now + (now - ckpt_at) * (1 - ckpt_share) / ckpt_share, None
         why = "signal" if interrupted else None
         if res.steps < stop.max_steps and not why:  # the last step's state is the visit's result, not a checkpoint
             why = ("steps" if ckpt_steps and res.steps % ckpt_steps == 0 else
                    "seconds" if ckpt_seconds and now - last_ckpt >= ckpt_seconds else None)
+            if why and now < held_until:
+                why = None
         if checkpoint and why:
             st.steps, st.tokens, st.losses, st.seconds = res.steps, res.tokens, list(res.losses), before + now - t0
             st.pending = synced() if pending else []  # never checkpoint a diverged step
             checkpoint(st, why)
             last_ckpt = now
+            if ckpt_share < 1:
+                ckpt_at = now
         if interrupted:
             res.stopped_by = "interrupted"
             break

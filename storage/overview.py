@@ -7,7 +7,8 @@ A run's status is what its objects say (docs/DESIGN.md §5, I7): ``done`` (state
 lease is held by a live process: the lease names the owner), ``interrupted`` (neither: the process died or was
 stopped; ``bcdflow resume`` continues it), ``new`` (config written, no state yet). The visit in training is the
 one whose visit lease is held, or failing that the one with a mid-visit checkpoint; how far it is comes from that
-checkpoint's pointer (storage/trainckpt.py), so it moves every ``checkpoint.every_steps`` steps.
+checkpoint's pointer (storage/trainckpt.py), so it moves every ``checkpoint.every_steps`` steps (or less often:
+``checkpoint.max_share``).
 :func:`visit_spent` reads what an interrupted visit had spent (core/spend.earlier_attempts); :func:`previous_owner`
 names the process a lease was taken over from. Nothing here imports torch: ``runs`` and ``status`` answer at once.
 """

@@ -567,7 +567,8 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
             res = run_steps(held.loss, params, prefetched(ranges, held.fetch(read, rows), device), opt, spec,
                             cfg.stop_rule(spec_in.min_rate), on_window=on_window, should_stop=held.should_stop,
                             state=state, checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
-                            ckpt_seconds=cfg.checkpoint.every_seconds, clock=held.clock, progress=progress,
+                            ckpt_seconds=cfg.checkpoint.every_seconds,
+                            ckpt_share=cfg.checkpoint.max_share, clock=held.clock, progress=progress,
                             global_step=spec_in.global_step, extra=None if adapters is None else [p for _, p in adapters.named()])
     finally:
         if progress is not None:

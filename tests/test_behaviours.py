@@ -194,7 +194,7 @@ def test_a_corrupt_mid_visit_checkpoint_is_skipped_and_the_run_ends_bitwise(pref
 
     store = str(tmp_path / "store")
     env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "BCDFLOW_FAILPOINTS": "train-checkpoint:2"}
-    args = ["train", *_sets("checkpoint.every_steps=2"), "--run-id", "c"]
+    args = ["train", *_sets("checkpoint.every_steps=2", "checkpoint.max_share=1"), "--run-id", "c"]
     assert subprocess.run([BCDFLOW, *args, "--store", store], env=env, capture_output=True,
                           timeout=300).returncode == -9
     ck = tmp_path / "store" / "runs" / "c" / "visits" / "c0-b0" / "train-ckpt"

@@ -330,7 +330,7 @@ def test_a_manifest_or_record_naming_a_file_outside_the_run_is_damage_naming_it(
 
 # -- 6. a corrupt mid-visit checkpoint: on from the last intact point, bitwise ------------------------------------
 
-LONG = ("bcd.max_steps=40", "checkpoint.every_steps=10", "checkpoint.every_seconds=1000", "bcd.window=10")
+LONG = ("bcd.max_steps=40", "checkpoint.every_steps=10", "checkpoint.max_share=1", "checkpoint.every_seconds=1000", "bcd.window=10")
 
 
 @pytest.mark.parametrize("damage", ["latest", "both"])
@@ -383,7 +383,7 @@ def _modes(root) -> set[tuple[bool, int]]:
 def test_written_files_and_directories_honour_the_umask(tiny_cfg, tmp_path, monkeypatch, umask_027):
     """Everything bcdflow writes (the dataset, block files, activations, mid-visit checkpoints, an exported model)
     gets the umask's modes: block files and exports came out 0600 and 0700 (a library's temporary files)."""
-    cfg = tiny_cfg(*SGD, "bcd.max_steps=8", "checkpoint.every_steps=2")
+    cfg = tiny_cfg(*SGD, "bcd.max_steps=8", "checkpoint.every_steps=2", "checkpoint.max_share=1")
     ds = setup_visit(cfg, 1)
     monkeypatch.setattr(stop_signals, "requested", lambda: True)  # a SIGTERM at the first step: its checkpoint
     with pytest.raises(SystemExit):

@@ -20,7 +20,7 @@ from bcdflow.storage.store import Store
 from tests.helpers import TINY, assert_same, finished_weights
 
 BCDFLOW = os.path.join(os.path.dirname(sys.executable), "bcdflow")
-RESUME = ["checkpoint.every_steps=2", "tracking_uri=none"]
+RESUME = ["checkpoint.every_steps=2", "checkpoint.max_share=1", "tracking_uri=none"]
 
 
 def _sets(*extra: str) -> list[str]:
@@ -190,7 +190,7 @@ def _first_checkpoint(proc, store: Store, ckpt: str, tmp_path) -> int:
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_continues(prefect_api_url, tmp_path):
-    sets = _sets("bcd.blocks=2", "bcd.max_steps=300", "checkpoint.every_steps=50",
+    sets = _sets("bcd.blocks=2", "bcd.max_steps=300", "checkpoint.every_steps=50", "checkpoint.max_share=1",
                  "checkpoint.every_seconds=1000", "train.batch_size=16")
     store = str(tmp_path / "store")
     env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
@@ -220,7 +220,7 @@ def test_ctrl_c_checkpoints_and_exits_130_with_the_resume_line(tmp_path):
     """Ctrl-C in a terminal signals the whole process group, Prefect's temporary server included: the trainer
     checkpoints, bcdflow exits 130 with the line that resumes the run (and the temporary server, in its own
     session, lets the run report its state instead of being retried against for minutes)."""
-    sets = _sets("bcd.blocks=2", "bcd.max_steps=300", "checkpoint.every_steps=50",
+    sets = _sets("bcd.blocks=2", "bcd.max_steps=300", "checkpoint.every_steps=50", "checkpoint.max_share=1",
                  "checkpoint.every_seconds=1000", "train.batch_size=16")
     store = str(tmp_path / "store")
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # the embedded default: a temporary server
@@ -254,7 +254,7 @@ def test_s3_run_matches_local_bitwise(prefect_server, s3_server, s3_bucket, tmp_
 def test_s3_outage_fails_cleanly_then_resume_finishes(prefect_api_url, s3_server, s3_bucket, reference, tmp_path):
     url = f"{s3_bucket}/outage"
     store = Store(url, {"endpoint_url": s3_server.endpoint})
-    sets = _sets(f"s3.endpoint_url={s3_server.endpoint}", "checkpoint.every_steps=1")
+    sets = _sets(f"s3.endpoint_url={s3_server.endpoint}", "checkpoint.every_steps=1", "checkpoint.max_share=1")
     env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "BCDFLOW_RETRY_BACKOFF": "0.2"}
     proc = _start(["train", *sets, "--store", url, "--run-id", "o"], tmp_path, env)
     deadline = time.time() + 240

@@ -221,7 +221,7 @@ def test_a_bad_row_split_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys,
     assert not store.exists()
 
 
-ROWS = ["bcd.vocab_blocks=2", "model.name=tiny-llama", "checkpoint.every_steps=2"]
+ROWS = ["bcd.vocab_blocks=2", "model.name=tiny-llama", "checkpoint.every_steps=2", "checkpoint.max_share=1"]
 
 
 @pytest.fixture(scope="module")

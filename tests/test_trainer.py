@@ -157,6 +157,36 @@ def test_checkpoint_cadence_by_seconds(monkeypatch):
     assert saved == [(3, "seconds"), (6, "seconds"), (9, "seconds")]
 
 
+def _timed_run(share: float, stop_at: int | None = None) -> list[tuple[int, str]]:
+    """30 steps of 1 s each, a checkpoint due every step, each taking 9 s to write (on the loop's clock)."""
+    t = [0.0]
+    saved: list[tuple[int, str]] = []
+
+    def step(v):
+        t[0] += 1.0
+        return (w * 0).sum() + v
+
+    def checkpoint(st, why):
+        saved.append((st.steps, why))
+        t[0] += 9.0
+
+    w = torch.nn.Parameter(torch.zeros(1))
+    spec = OptimSpec("sgd", lr=0.0, grad_clip=0.0)
+    run_steps(step, [w], (torch.tensor(1.0) for _ in range(30)), make_optimizer([w], spec), spec,
+              StopRule(max_steps=30, window=5), checkpoint=checkpoint, ckpt_steps=1, ckpt_share=share,
+              clock=lambda: t[0], should_stop=(lambda: len(saved) and t[0] >= stop_at) if stop_at else None)
+    return saved
+
+
+def test_checkpoints_take_at_most_their_share_of_the_time():
+    """checkpoint.max_share: a write of 9 s, timed with the step after it (10 s), holds the next checkpoint back for
+    10 s of training at a share of 0.5: 9 s of every 20 go to checkpoints, not 9 of every 10."""
+    assert _timed_run(1.0) == [(s, "steps") for s in range(1, 30)]
+    assert _timed_run(0.5) == [(1, "steps"), (12, "steps"), (23, "steps")]
+    # a signal's checkpoint is never held back: SIGTERM at t >= 12 (step 3, within the hold) checkpoints there
+    assert _timed_run(0.5, stop_at=12) == [(1, "steps"), (3, "signal")]
+
+
 def _linear_run(state=None, stop_after=None, saved=None, start=0):
     """A small regression with AdamW, batches by index; stops (as on a signal) after ``stop_after`` steps."""
     torch.manual_seed(0)
