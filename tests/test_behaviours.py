@@ -216,6 +216,31 @@ def test_a_corrupt_mid_visit_checkpoint_is_skipped_and_the_run_ends_bitwise(pref
 
 
 @pytest.mark.slow
+def test_slow_checkpoint_writes_are_held_to_their_share_of_a_visit(prefect_server, tiny_cfg, monkeypatch):
+    """checkpoint.max_share through the engine: with a checkpoint due every step and each write taking 0.5 s, the
+    default share (0.1) holds the next one back for 4.5 s of training, longer than a tiny visit's 6 steps; at 1 every
+    step but the last checkpoints."""
+    import time
+
+    from bcdflow.tasks import engine
+
+    saved: list[tuple[str, int]] = []
+    real = engine.trainckpt.save
+
+    def slow(store, vkey, step, *a, **k):
+        saved.append((vkey.rsplit("/", 1)[-1], step))
+        time.sleep(0.5)
+        return real(store, vkey, step, *a, **k)
+
+    monkeypatch.setattr(engine.trainckpt, "save", slow)
+    _run(tiny_cfg, "held", "bcd.blocks=2", "bcd.budget=fixed", "checkpoint.every_steps=1")
+    assert saved == [("c0-b0", 1), ("c0-b1", 1)]
+    saved.clear()
+    _run(tiny_cfg, "every", "bcd.blocks=2", "bcd.budget=fixed", "checkpoint.every_steps=1", "checkpoint.max_share=1")
+    assert saved == [(f"c0-b{b}", s) for b in range(2) for s in range(1, 6)]
+
+
+@pytest.mark.slow
 def test_resume_with_a_changed_config_is_refused_naming_the_keys(prefect_server, tmp_path, capsys):
     store = str(tmp_path / "store")
     assert main(["train", *_sets(), "--store", store, "--run-id", "x"]) == 0
