@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.models.model_config import ModelConfig
+from bcdflow.models.rows import trained_rows
 # the loss over the vocabulary runs in row chunks whose fp32 logits take about this many bytes: never the
 # (B*T, V) logits and their gradient at once (gpt2-124m at 8x1024: 1.6 GB of fp32 logits -> 128 MB)
 LOSS_CHUNK_BYTES = 128 << 20
@@ -41,10 +42,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     under autocast, as F.linear would), softmax and the loss in fp32."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, rows: int, dtype: torch.dtype):
+    def forward(ctx, h, weight, targets, rows: int, dtype: torch.dtype, part=None, first: int = 0):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_p = part is not None and ctx.needs_input_grad[5]
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
+        # a row block's slice (models/rows.py): the gradient of its rows alone, in its own (master) dtype
+        grad_p = torch.zeros(part.shape, dtype=part.dtype, device=part.device) if need_p else None
+        last = first + part.size(0) if need_p else 0
         w = weight.to(dtype)  # (V, C); a no-op when the weight is already in the compute dtype
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
@@ -59,7 +64,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 norm = p.sum(dim=1)  # (n,)
                 nll = top.squeeze(1) + norm.log() - picked
                 total += nll.masked_fill(~valid, 0.0).sum()
-                if need_h or need_w:
+                if need_h or need_w or need_p:
                     p.div_(norm.unsqueeze(1))  # softmax
                     p.scatter_add_(1, safe, -valid.unsqueeze(1).to(p.dtype))  # minus the one-hot of the target
                     p.mul_(valid.unsqueeze(1))  # an ignored row has no gradient
@@ -68,28 +73,33 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                         grad_h[lo:lo + rows] = g @ w
                     if need_w:
                         grad_w += g.t() @ hc  # (V, C), accumulated in the weight's (fp32 master) dtype
+                    if need_p:
+                        grad_p += g[:, first:last].t() @ hc  # (last - first, C): the slice's rows only
                 del logits, p
-        ctx.grads = grad_h, grad_w
+        ctx.grads = grad_h, grad_w, grad_p
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.grads
+        grad_h, grad_w, grad_p = ctx.grads
         del ctx.grads  # the returned tensors are then the only references: autograd can reuse their memory
         return (grad_h * grad_out if grad_h is not None else None,
-                grad_w * grad_out if grad_w is not None else None, None, None, None)
+                grad_w * grad_out if grad_w is not None else None, None, None, None,
+                grad_p * grad_out if grad_p is not None else None, None)
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
-                          reduction: str = "mean") -> torch.Tensor:
+                          reduction: str = "mean", part: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Cross-entropy of ``h @ weight.T`` against ``targets`` (IGNORE_INDEX masked), ``rows`` rows at a time.
 
     ``h`` (N, C), ``weight`` (V, C), ``targets`` (N,). ``reduction="mean"`` divides by the count of trained
     (non-ignored) targets, as ``F.cross_entropy`` does; ``"sum"`` returns the sum (distributed visits scale it by
-    the global count)."""
+    the global count). ``part``: a row block's trained slice ``(rows, lo)`` of a frozen ``weight`` whose rows
+    [lo, lo + len(rows)) hold its values: only the slice gets a gradient, computed for its rows alone."""
     dtype = _compute_dtype(h)
-    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        total = _ChunkedHeadLoss.apply(h, weight, targets, rows, dtype)
+    sl, first = part if part is not None else (None, 0)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad or sl is not None):
+        total = _ChunkedHeadLoss.apply(h, weight, targets, rows, dtype, sl, first)
     else:
         total = _ChunkedHeadLoss.forward(_NoGradCtx(), h, weight, targets, rows, dtype)
     if reduction == "sum":
@@ -98,7 +108,7 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
 
 
 class _NoGradCtx:
-    needs_input_grad = (False, False, False, False, False)
+    needs_input_grad = (False, False, False, False, False, False, False)
 
 
 
@@ -196,9 +206,14 @@ class Decoder(nn.Module):
         (non-ignored) targets, or their sum. The head and the loss run over ``loss_chunk_rows`` rows at a time,
         so the (B*T, V) logits never exist (equal to ``F.cross_entropy(self.head(x), ...)`` to float rounding)."""
         h = self.ln_f(x)  # (B, T, C)
-        weight = self.wte.weight if self.cfg.tied else self.lm_head.weight  # (V, C)
+        module = self.wte if self.cfg.tied else self.lm_head
         rows = loss_chunk_rows(self.cfg.vocab_size, self.loss_chunk_rows)
-        return chunked_cross_entropy(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), rows, reduction)
+        if (held := trained_rows(module)) is not None:  # a row block: the frozen matrix and its trained slice
+            weight, part = held
+            return chunked_cross_entropy(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), rows, reduction,
+                                         part)
+        return chunked_cross_entropy(h.reshape(-1, h.size(-1)), module.weight, targets.reshape(-1), rows,
+                                     reduction)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = self.run_layers(self.embed(idx), *self.layer_range)

@@ -201,7 +201,8 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
         lo, hi = plan[block].layers
         trainable = plan[block].trainable(freeze, cfg.tied)
     # a row block (``bcd.vocab_blocks``, models/rows.py): its matrix held whole and frozen, its rows a slice (in the
-    # optimizer's master dtype) with the gradient and optimizer state; the matrix's whole gradient exists in backward only, in its stored dtype
+    # optimizer's master dtype) with the gradient and optimizer state; the loss and the lookup make the slice's
+    # gradient alone (models/rows.py), never the whole matrix's
     row_slice = None if full else plan[block].rows
     sliced = plan[block].params[0] if row_slice is not None else None
 
@@ -302,12 +303,11 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     grad_h = N * 4 * C  # the head's input gradient, computed in forward
     grad_w = opt_of.master * head_numel // shard if head_trainable else 0  # part of ``grads``: from the loss on
     w_copy = 2 * head_numel if head_trainable and precision == "bf16" and opt_of.master == 4 else 0
-    whole_grad = head_numel * (2 if low else 4) if row_slice else 0  # a row block's matrix gradient, in its dtype
-    if row_slice:  # the head's weight gradient is the whole matrix's, in its dtype, until backward slices it
-        grad_w, w_copy = (whole_grad if head_trainable else 0), 0
+    if row_slice:  # the loss makes the slice's gradient alone, from forward on; the frozen matrix is not copied
+        grad_w, w_copy = (grads if head_trainable else 0), 0
     chunk = rows * V * (6 if precision == "bf16" else 4) + rows * C * (2 if precision == "bf16" else 0)
-    if head_trainable:
-        chunk += head_numel * s  # one chunk's weight-gradient partial before it is added
+    if head_trainable:  # one chunk's weight-gradient partial before it is added (the slice's rows for a row block)
+        chunk += (train_numel if row_slice else head_numel) * s
     other_grads = grads - grad_w if not row_slice else grads  # the rest of the trainable gradients, made in backward
     persistent = weights + opt + inp
     saved = sum(a for _, a, _ in acts)
@@ -326,7 +326,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     running_act, running_grads = saved + ln_f, grad_w
     back_t = N * _layer_backward_temp(cfg, shape)
     at("backward head", running_act, grad_h, running_grads,
-       2 * N * 4 * C + (grad_w if row_slice and head_trainable else 0))  # a row block: scaled, then sliced
+       2 * N * 4 * C + (grad_w if row_slice and head_trainable else 0))  # a row block: the slice's, scaled
     if row_slice:
         running_grads = grads if head_trainable else 0  # the slice's gradient; the matrix's is freed
     running_act -= ln_f
@@ -341,8 +341,8 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
         running_grads += g
     if not from_acts and full or (not full and lo == 0):
         emb = head_numel * opt_of.master if cfg.tied and "wte.weight" in trainable else 0  # dense wte grad, added
-        if row_slice and sliced == "wte.weight":  # the dense gradient in the matrix's dtype, then its slice
-            emb = whole_grad + grads
+        if row_slice and sliced == "wte.weight":  # the slice's rows summed from its tokens' gradients (fp32 copies)
+            emb = grads + N * 4 * C
         at("backward embeddings", 0, 0, running_grads, emb + N * 4 * C)
     running_grads = grads if row_slice else max(running_grads, other_grads + grad_w)
     opt_temp = running_grads if opt_of.decay_temporary and weight_decay > 0 else 0

@@ -11,13 +11,16 @@ only (fp32 master weights, or the optimizer's bf16 ones), so gradient and optimi
     detach_rows(model, "wte.weight")                     # the plain matrix again, the slice written into it
 
 Mechanism: a ``torch.nn.utils.parametrize`` parametrization of the module's ``weight`` (torch's own way to compute a
-weight from others on every access, so the embedding lookup, the tied head and the untied head need no change). Its
-forward writes the slice into the frozen matrix's rows (outside autograd: ``.data``, a slice-sized copy, no version
-bump) and returns the matrix through :class:`_Rows`, whose backward hands the slice the rows [lo, hi) of the matrix's
-gradient: the same numbers, bitwise, as those rows of the whole matrix's gradient at the same weights. The matrix's
-full gradient still exists for a moment in backward (the embedding's dense backward, the head's weight gradient: one
-matrix in its stored dtype, counted by the planner, models/memory.py), but no full fp32 gradient stays, nor any
-optimizer state beyond the slice.
+weight from others on every access, so any read of the matrix sees the slice's current rows). Its forward writes the
+slice into the frozen matrix's rows (outside autograd: ``.data``, a slice-sized copy, no version bump) and returns
+the matrix through :class:`_Rows`, whose backward hands the slice the rows [lo, hi) of the matrix's gradient. The two
+reads that train take the slice's gradient for its rows alone, never the whole matrix's: the loss
+(models/base.py ``Decoder.loss`` asks :func:`trained_rows` and computes ``g[:, lo:hi].T @ h`` per loss chunk) and the
+embedding lookup (the module's ``forward`` is :func:`_embed_rows` while attached: the lookup of the frozen matrix,
+whose backward adds the gradients of the tokens in [lo, hi) into the slice). Both sum in the slice's own dtype (fp32
+master weights: fp32 sums, as a whole fp32 matrix's gradient is summed, where the matrix's stored bf16 would round
+every partial sum), no gradient of the whole matrix ever exists, and the head's weight-gradient matmul covers the
+slice's rows only. In fp32 the slice's gradient is bitwise those rows of the whole matrix's (on the CPU).
 """
 from __future__ import annotations
 
@@ -54,6 +57,44 @@ class RowSlice(nn.Module):
         return _Rows.apply(weight, self.rows, self.lo)
 
 
+class _EmbedRows(torch.autograd.Function):
+    """The lookup ``weight[idx]`` (in ``rows``' dtype) of a frozen matrix whose rows [lo, lo + n) hold the trainable
+    ``rows``: the gradient of ``rows`` is the sum, in ``rows``' dtype, of the output gradients of the tokens in
+    [lo, lo + n)."""
+
+    @staticmethod
+    def forward(ctx, idx, weight, rows, lo: int):
+        ctx.save_for_backward(idx)
+        ctx.lo, ctx.n, ctx.dtype = lo, rows.size(0), rows.dtype
+        # in the slice's dtype, as a trainable matrix's lookup is: its tokens' gradients then come back unrounded
+        return nn.functional.embedding(idx, weight).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        idx = idx.reshape(-1)
+        mine = (idx >= ctx.lo) & (idx < ctx.lo + ctx.n)
+        out = torch.zeros((ctx.n, grad.size(-1)), dtype=ctx.dtype, device=grad.device)
+        out.index_add_(0, idx[mine] - ctx.lo, grad.reshape(-1, grad.size(-1))[mine].to(ctx.dtype))
+        return None, None, out, None
+
+
+def _embed_rows(module: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    weight, (rows, lo) = trained_rows(module)
+    return _EmbedRows.apply(idx, weight, rows, lo)
+
+
+def trained_rows(module: nn.Module) -> tuple[torch.Tensor, tuple[nn.Parameter, int]] | None:
+    """A row block's frozen matrix of ``module`` (its slice's current rows written in) and ``(rows, lo)``, the
+    trainable slice and where it starts; None when ``module`` trains no row slice."""
+    if not parametrize.is_parametrized(module, "weight"):
+        return None
+    sl = module.parametrizations.weight[0]
+    weight = module.parametrizations.weight.original
+    weight.data[sl.lo:sl.lo + sl.rows.size(0)].copy_(sl.rows.data)
+    return weight, (sl.rows, sl.lo)
+
+
 def _module(model: nn.Module, name: str) -> nn.Module:
     if name not in VOCAB_MATRICES:
         raise ValueError(f"{name!r} is no vocabulary matrix ({', '.join(VOCAB_MATRICES)})")
@@ -71,6 +112,8 @@ def attach_rows(model: nn.Module, name: str, lo: int, hi: int, dtype: torch.dtyp
     weight.requires_grad_(False)
     rows = nn.Parameter(weight.detach()[lo:hi].to(dtype, copy=True))
     parametrize.register_parametrization(module, "weight", RowSlice(rows, lo), unsafe=True)
+    if isinstance(module, nn.Embedding):  # the lookup's gradient goes to the slice's rows alone
+        module.forward = lambda idx: _embed_rows(module, idx)
     return rows
 
 
@@ -82,3 +125,4 @@ def detach_rows(model: nn.Module, name: str) -> None:
         with torch.no_grad():
             slice_(module.parametrizations.weight.original)  # the rows written in once more
         parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+    module.__dict__.pop("forward", None)  # the class's own lookup again

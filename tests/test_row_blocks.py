@@ -84,24 +84,37 @@ def test_under_bf16_a_visit_commits_the_matrices_it_holds_frozen_as_stored(tiny_
     assert not torch.equal(before["h.0.attention.wq.weight"], after["h.0.attention.wq.weight"])  # block 0 trained
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("model,name", [("tiny", "wte.weight"), ("tiny-llama", "wte.weight"),
                                         ("tiny-llama", "lm_head.weight")])
-def test_the_slice_gradient_is_those_rows_of_the_whole_matrix_gradient(model, name):
+def test_the_slice_gradient_is_those_rows_of_the_whole_matrix_gradient(model, name, precision):
     """At the same weights, the first step's gradient of rows [lo, hi) trained as a slice equals, bitwise, those
-    rows of the gradient the matrix gets when it trains whole (a tied matrix's two uses summed alike)."""
+    rows of the gradient the matrix gets when it trains whole (a tied matrix's two uses summed alike). Under bf16
+    too, with the matrix held in bf16 as a row visit holds it: the slice's gradient is summed in fp32 (over loss
+    chunks, repeated tokens, a tied matrix's two uses), as a trainable fp32 matrix's is, never in the stored bf16."""
     torch.manual_seed(0)
     cfg = get_config(model, vocab_size=512)
     whole = build_model(cfg)
+    if precision == "bf16":  # weights a bf16 matrix holds exactly, so both models start equal
+        with torch.no_grad():
+            for p in whole.parameters():
+                p.copy_(p.bfloat16().float())
     part = build_model(cfg, init=False)
     part.load_state_dict(whole.state_dict())
     x = torch.randint(512, (4, 32))
     y = torch.randint(512, (4, 32))
     lo, hi = 100, 300
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     (_, w), = prepare_model(whole, {name}, 64, False)
-    visit_loss(whole, x, y, 0, False, hi=0).backward()
+    with bf16:
+        loss = visit_loss(whole, x, y, 0, False, hi=0)
+    loss.backward()
     assert prepare_model(part, set(), 64, False) == []
+    if precision == "bf16":
+        dict(part.named_parameters())[name].data = w.detach().bfloat16()
     rows = attach_rows(part, name, lo, hi)
-    loss = visit_loss(part, x, y, 0, False, hi=0)
+    with bf16:
+        loss = visit_loss(part, x, y, 0, False, hi=0)
     loss.backward()
     assert rows.grad is not None and rows.grad.shape == (hi - lo, cfg.d_model)
     assert torch.equal(rows.grad, w.grad[lo:hi])
@@ -109,8 +122,10 @@ def test_the_slice_gradient_is_those_rows_of_the_whole_matrix_gradient(model, na
     with torch.no_grad():
         rows.add_(1.0)
     detach_rows(part, name)
-    got = dict(part.named_parameters())[name]
-    assert torch.equal(got[lo:hi], w[lo:hi] + 1.0) and torch.equal(got[:lo], w[:lo]) and torch.equal(got[hi:], w[hi:])
+    got = dict(part.named_parameters())[name].float()
+    if precision == "fp32":
+        assert torch.equal(got[lo:hi], w[lo:hi] + 1.0)
+    assert torch.equal(got[:lo], w[:lo]) and torch.equal(got[hi:], w[hi:])
 
 
 def test_a_slice_outside_the_matrix_is_refused():
