@@ -379,10 +379,10 @@ class CheckpointSection(_Section):
     every_seconds: float = Field(300.0, gt=0, le=86400)
     """... and at least every S seconds (whichever comes first)."""
     max_share: float = Field(0.1, gt=0, le=1)
-    """... but writing them takes at most this share of a visit's time: after a checkpoint that took W seconds, the
-    next waits for W x (1 - share) / share seconds of training (a 2.7B-parameter block's 32 GB at 0.2 GB/s: 160 s to
-    write, so one every 24 min at 0.1, at most that much training lost to a kill -9). 1: the cadence above exactly.
-    A SIGTERM's checkpoint is never held back."""
+    """... but writing them takes at most this share of a visit's time: after a checkpoint that took W seconds, one
+    that falls due waits (postponed, not dropped) for W x (1 - share) / share seconds of training (a 2.7B-parameter
+    block's 32 GB at 0.2 GB/s: 160 s to write, so one every 24 min at 0.1, at most that much training lost to a
+    kill -9). 1: the cadence above exactly. A SIGTERM's checkpoint is never held back."""
 
 
 class SpendSection(_Section):

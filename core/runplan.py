@@ -290,8 +290,8 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     ck = cfg.checkpoint
     v.checkpoints = max(steps // ck.every_steps, int(v.train_s // ck.every_seconds))
     write_s = v.checkpoint_bytes / wr
-    if ck.max_share < 1 and write_s > 0:
-        v.checkpoints = min(v.checkpoints, int(ck.max_share * v.train_s / (write_s * (1 - ck.max_share))))
+    if ck.max_share < 1 and write_s > 0 and v.checkpoints:  # the first due is never held back
+        v.checkpoints = min(v.checkpoints, max(1, int(ck.max_share * v.train_s / (write_s * (1 - ck.max_share)))))
     v.checkpoint_s = v.checkpoints * v.checkpoint_bytes / wr
     suffix = [o for o in figs.blocks if o.block > bf.block and not o.row] if b.expand != "off" and not bf.row else []
     v.block_bytes = sum(o.params * STORED_BYTES for o in [bf, *suffix])

@@ -17,12 +17,15 @@ the matrix through :class:`_Rows`, whose backward hands the slice the rows [lo, 
 reads that train take the slice's gradient for its rows alone, never the whole matrix's: the loss
 (models/base.py ``Decoder.loss`` asks :func:`trained_rows` and computes ``g[:, lo:hi].T @ h`` per loss chunk) and the
 embedding lookup (the module's ``forward`` is :func:`_embed_rows` while attached: the lookup of the frozen matrix,
-whose backward adds the gradients of the tokens in [lo, hi) into the slice). Both sum in the slice's own dtype (fp32
+the slice's tokens reading the slice's own rows, whose backward sums the gradients of the tokens in [lo, hi) into the
+slice through the embedding's own backward). Both sum in the slice's own dtype (fp32
 master weights: fp32 sums, as a whole fp32 matrix's gradient is summed, where the matrix's stored bf16 would round
 every partial sum), no gradient of the whole matrix ever exists, and the head's weight-gradient matmul covers the
 slice's rows only. In fp32 the slice's gradient is bitwise those rows of the whole matrix's (on the CPU).
 """
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -64,19 +67,25 @@ class _EmbedRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, idx, weight, rows, lo: int):
-        ctx.save_for_backward(idx)
-        ctx.lo, ctx.n, ctx.dtype = lo, rows.size(0), rows.dtype
-        # in the slice's dtype, as a trainable matrix's lookup is: its tokens' gradients then come back unrounded
-        return nn.functional.embedding(idx, weight).to(rows.dtype)
+        n = rows.size(0)
+        mine = (idx >= lo) & (idx < lo + n)
+        local = torch.where(mine, idx - lo, n)  # the slice's row of each token, n for the others
+        ctx.save_for_backward(local)
+        ctx.n, ctx.dtype = n, rows.dtype
+        # in the slice's dtype, as a trainable matrix's lookup is (its gradients then come back unrounded), and the
+        # slice's tokens read its rows as they are, not as the held matrix rounds them (bf16)
+        out = nn.functional.embedding(idx, weight).to(rows.dtype)
+        if weight.dtype != rows.dtype:
+            out = torch.where(mine.unsqueeze(-1), nn.functional.embedding(local.clamp(max=n - 1), rows), out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        (idx,) = ctx.saved_tensors
-        idx = idx.reshape(-1)
-        mine = (idx >= ctx.lo) & (idx < ctx.lo + ctx.n)
-        out = torch.zeros((ctx.n, grad.size(-1)), dtype=ctx.dtype, device=grad.device)
-        out.index_add_(0, idx[mine] - ctx.lo, grad.reshape(-1, grad.size(-1))[mine].to(ctx.dtype))
-        return None, None, out, None
+        (local,) = ctx.saved_tensors
+        # the embedding's own backward over n + 1 rows (the last gathers every other token, dropped): the slice's
+        # rows summed in its dtype, in the order a whole matrix's are, with no host sync (no boolean indexing)
+        out = torch.ops.aten.embedding_dense_backward(grad.to(ctx.dtype), local, ctx.n + 1, -1, False)
+        return None, None, out[:ctx.n], None
 
 
 def _embed_rows(module: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
@@ -113,7 +122,7 @@ def attach_rows(model: nn.Module, name: str, lo: int, hi: int, dtype: torch.dtyp
     rows = nn.Parameter(weight.detach()[lo:hi].to(dtype, copy=True))
     parametrize.register_parametrization(module, "weight", RowSlice(rows, lo), unsafe=True)
     if isinstance(module, nn.Embedding):  # the lookup's gradient goes to the slice's rows alone
-        module.forward = lambda idx: _embed_rows(module, idx)
+        module.forward = types.MethodType(_embed_rows, module)  # bound: a deep copy binds to the copy
     return rows
 
 

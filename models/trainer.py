@@ -83,6 +83,7 @@ class LoopState:
     losses: list[float] = field(default_factory=list)
     pending: list[float] = field(default_factory=list)  # losses of the still-open window
     seconds: float = 0.0  # the loop's seconds up to this state, over every attempt (a resumed visit's figures)
+    write_s: float = 0.0  # the last checkpoint's write, seconds: a resumed loop holds the next back as it would have
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -131,12 +132,13 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
     every ``ckpt_steps`` steps (``why="steps"``) or ``ckpt_seconds`` seconds (``"seconds"``), and when
     ``should_stop()`` turns true (``"signal"``: SIGTERM or Ctrl-C), after which the loop ends with
     ``stopped_by="interrupted"``. ``ckpt_share`` below 1 holds the checkpoints by steps or seconds back so that
-    writing them takes at most that share of the loop's time: after a checkpoint that took W seconds, the next
-    waits until W x (1 - share) / share seconds of training have passed, W timed with the step after it on
-    ``clock`` (so every process of a distributed visit holds back the same checkpoints; a signal's checkpoint is
-    never held back). ``clock`` replaces ``time.perf_counter`` (processes of one distributed visit
-    share rank 0's, so they checkpoint by seconds at the same step). Sharded (DTensor) gradient norms are
-    gathered whole. ``progress(step, tokens, loss)`` is called once before the first step (the starting point,
+    writing them takes at most that share of the loop's time: after a checkpoint that took W seconds, one that
+    falls due is written once W x (1 - share) / share seconds of training have passed (postponed, not dropped). W is
+    the clock from the checkpoint to the next step's end less the step before it, on ``clock`` (so every process of
+    a distributed visit holds back the same checkpoints), and is kept in the state (a resumed loop holds as the
+    interrupted one would have); a signal's checkpoint is never held back. ``clock`` replaces ``time.perf_counter``
+    (processes of one distributed visit share rank 0's, so they checkpoint by seconds at the same step). Sharded
+    (DTensor) gradient norms are gathered whole. ``progress(step, tokens, loss)`` is called once before the first step (the starting point,
     ``loss`` None) and after every step, with the last synced window's mean loss, or before the first window the
     last step's loss as a 0-dim tensor: a live display, which must throttle itself (reading that tensor syncs a GPU,
     so it reads it only when it draws).
@@ -161,9 +163,15 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
         return losses.tolist()
 
     it: Iterator = iter(batches)
-    t0 = last_ckpt = clock()
-    held_until = t0  # by ckpt_share: no checkpoint by steps or seconds before this clock reading
-    ckpt_at = None  # the clock when the last checkpoint began, until the next step times its write
+    t0 = last_ckpt = prev_now = clock()
+
+    def hold(write_s: float) -> float:
+        return write_s * (1 - ckpt_share) / ckpt_share
+
+    write_s = st.write_s
+    held_until = t0 + hold(write_s)  # by ckpt_share: no checkpoint by steps or seconds before this clock reading
+    ckpt_at, step_before = None, 0.0  # when the last checkpoint began and the step before it took, until timed
+    owed = None  # a checkpoint that fell due while held back: written when the hold ends
     window_loss: float | None = None
     if progress:
         progress(res.steps, res.tokens, None)
@@ -199,21 +207,24 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             progress(res.steps, res.tokens, window_loss if window_loss is not None else pending[-1])
         interrupted = bool(should_stop and should_stop())
         now = clock()
-        if ckpt_at is not None:  # the write and the step after it, on a clock every process of a visit agrees on
-            held_until, ckpt_at = now + (now - ckpt_at) * (1 - ckpt_share) / ckpt_share, None
+        if ckpt_at is not None:  # the write: to this step's end less a step, on a clock every process agrees on
+            write_s = max(0.0, now - ckpt_at - step_before)
+            held_until, ckpt_at = now + hold(write_s), None
         why = "signal" if interrupted else None
         if res.steps < stop.max_steps and not why:  # the last step's state is the visit's result, not a checkpoint
             why = ("steps" if ckpt_steps and res.steps % ckpt_steps == 0 else
-                   "seconds" if ckpt_seconds and now - last_ckpt >= ckpt_seconds else None)
+                   "seconds" if ckpt_seconds and now - last_ckpt >= ckpt_seconds else owed)
             if why and now < held_until:
-                why = None
+                owed, why = why, None
         if checkpoint and why:
             st.steps, st.tokens, st.losses, st.seconds = res.steps, res.tokens, list(res.losses), before + now - t0
             st.pending = synced() if pending else []  # never checkpoint a diverged step
+            st.write_s = write_s
             checkpoint(st, why)
-            last_ckpt = now
+            last_ckpt, owed = now, None
             if ckpt_share < 1:
-                ckpt_at = now
+                ckpt_at, step_before = now, now - prev_now
+        prev_now = now
         if interrupted:
             res.stopped_by = "interrupted"
             break

@@ -90,8 +90,9 @@ def test_under_bf16_a_visit_commits_the_matrices_it_holds_frozen_as_stored(tiny_
 def test_the_slice_gradient_is_those_rows_of_the_whole_matrix_gradient(model, name, precision):
     """At the same weights, the first step's gradient of rows [lo, hi) trained as a slice equals, bitwise, those
     rows of the gradient the matrix gets when it trains whole (a tied matrix's two uses summed alike). Under bf16
-    too, with the matrix held in bf16 as a row visit holds it: the slice's gradient is summed in fp32 (over loss
-    chunks, repeated tokens, a tied matrix's two uses), as a trainable fp32 matrix's is, never in the stored bf16."""
+    too, with the matrix held in bf16 as a row visit holds it and the slice's rows off bf16's grid: the slice's
+    tokens look up its fp32 rows and its gradient is summed in fp32 (over loss chunks, repeated tokens, a tied
+    matrix's two uses), as a trainable fp32 matrix's are, never in the held bf16."""
     torch.manual_seed(0)
     cfg = get_config(model, vocab_size=512)
     whole = build_model(cfg)
@@ -106,6 +107,9 @@ def test_the_slice_gradient_is_those_rows_of_the_whole_matrix_gradient(model, na
     lo, hi = 100, 300
     bf16 = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     (_, w), = prepare_model(whole, {name}, 64, False)
+    if precision == "bf16":  # trained rows off bf16's grid, as after a step: the held matrix can only round them
+        with torch.no_grad():
+            w[lo:hi] += 1e-3 * torch.randn(hi - lo, cfg.d_model)
     with bf16:
         loss = visit_loss(whole, x, y, 0, False, hi=0)
     loss.backward()
@@ -113,6 +117,8 @@ def test_the_slice_gradient_is_those_rows_of_the_whole_matrix_gradient(model, na
     if precision == "bf16":
         dict(part.named_parameters())[name].data = w.detach().bfloat16()
     rows = attach_rows(part, name, lo, hi)
+    with torch.no_grad():
+        rows.copy_(w[lo:hi])  # the slice's own (fp32) values
     with bf16:
         loss = visit_loss(part, x, y, 0, False, hi=0)
     loss.backward()
@@ -126,6 +132,23 @@ def test_the_slice_gradient_is_those_rows_of_the_whole_matrix_gradient(model, na
     if precision == "fp32":
         assert torch.equal(got[lo:hi], w[lo:hi] + 1.0)
     assert torch.equal(got[:lo], w[:lo]) and torch.equal(got[hi:], w[hi:])
+
+
+def test_a_deep_copy_with_rows_attached_reads_and_trains_its_own_slice():
+    import copy
+
+    model = build_model(get_config("tiny", vocab_size=512))
+    attach_rows(model, "wte.weight", 0, 10)
+    twin = copy.deepcopy(model)
+    mine = twin.wte.parametrizations.weight[0].rows
+    with torch.no_grad():
+        mine.add_(1.0)
+    idx = torch.arange(5)[None]
+    assert torch.equal(twin.wte(idx), model.wte(idx) + 1.0)
+    twin.wte(idx).sum().backward()
+    assert mine.grad is not None and model.wte.parametrizations.weight[0].rows.grad is None
+    detach_rows(twin, "wte.weight")
+    assert type(twin.wte) is torch.nn.Embedding and "forward" not in vars(twin.wte)
 
 
 def test_a_slice_outside_the_matrix_is_refused():

@@ -157,8 +157,8 @@ def test_checkpoint_cadence_by_seconds(monkeypatch):
     assert saved == [(3, "seconds"), (6, "seconds"), (9, "seconds")]
 
 
-def _timed_run(share: float, stop_at: int | None = None) -> list[tuple[int, str]]:
-    """30 steps of 1 s each, a checkpoint due every step, each taking 9 s to write (on the loop's clock)."""
+def _timed_run(share: float, stop_at: int | None = None, every: int = 1, state=None) -> list[tuple[int, str]]:
+    """30 steps of 1 s each, a checkpoint due every ``every`` steps, each taking 9 s to write (the loop's clock)."""
     t = [0.0]
     saved: list[tuple[int, str]] = []
 
@@ -173,16 +173,20 @@ def _timed_run(share: float, stop_at: int | None = None) -> list[tuple[int, str]
     w = torch.nn.Parameter(torch.zeros(1))
     spec = OptimSpec("sgd", lr=0.0, grad_clip=0.0)
     run_steps(step, [w], (torch.tensor(1.0) for _ in range(30)), make_optimizer([w], spec), spec,
-              StopRule(max_steps=30, window=5), checkpoint=checkpoint, ckpt_steps=1, ckpt_share=share,
+              StopRule(max_steps=30, window=5), checkpoint=checkpoint, ckpt_steps=every, ckpt_share=share, state=state,
               clock=lambda: t[0], should_stop=(lambda: len(saved) and t[0] >= stop_at) if stop_at else None)
     return saved
 
 
 def test_checkpoints_take_at_most_their_share_of_the_time():
-    """checkpoint.max_share: a write of 9 s, timed with the step after it (10 s), holds the next checkpoint back for
-    10 s of training at a share of 0.5: 9 s of every 20 go to checkpoints, not 9 of every 10."""
+    """checkpoint.max_share: a write of 9 s (timed to the next step's end, less a step) holds the next checkpoint
+    back for 9 s of training at a share of 0.5: 9 s of every 19 go to checkpoints, not 9 of every 10."""
     assert _timed_run(1.0) == [(s, "steps") for s in range(1, 30)]
-    assert _timed_run(0.5) == [(1, "steps"), (12, "steps"), (23, "steps")]
+    assert _timed_run(0.5) == [(1, "steps"), (11, "steps"), (21, "steps")]
+    # one due while held is written when the hold ends (step 14), not dropped until the next multiple of 4 (16)
+    assert _timed_run(0.5, every=4) == [(4, "steps"), (14, "steps"), (24, "steps")]
+    # the hold survives a restart: a loop resumed from a state whose last write took 9 s waits 9 s before its first
+    assert _timed_run(0.5, state=LoopState(write_s=9.0))[0] == (9, "steps")
     # a signal's checkpoint is never held back: SIGTERM at t >= 12 (step 3, within the hold) checkpoints there
     assert _timed_run(0.5, stop_at=12) == [(1, "steps"), (3, "signal")]
 
