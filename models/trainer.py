@@ -138,10 +138,10 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
     a distributed visit holds back the same checkpoints), and is kept in the state (a resumed loop holds as the
     interrupted one would have); a signal's checkpoint is never held back. ``clock`` replaces ``time.perf_counter``
     (processes of one distributed visit share rank 0's, so they checkpoint by seconds at the same step). Sharded
-    (DTensor) gradient norms are gathered whole. ``progress(step, tokens, loss)`` is called once before the first step (the starting point,
-    ``loss`` None) and after every step, with the last synced window's mean loss, or before the first window the
-    last step's loss as a 0-dim tensor: a live display, which must throttle itself (reading that tensor syncs a GPU,
-    so it reads it only when it draws).
+    (DTensor) gradient norms are gathered whole. ``progress(step, tokens, loss)`` is called once before the first
+    step (the starting point, ``loss`` None) and after every step, with the last synced window's mean loss, or before
+    the first window the last step's loss as a 0-dim tensor: a live display, which must throttle itself (reading
+    that tensor syncs a GPU, so it reads it only when it draws).
     ``global_step``: the run's steps before this loop's first (the learning-rate schedule's clock). ``extra``: more
     parameters ``optimizer`` trains (``bcd.expand``'s adapters), their gradients clipped apart from ``params``'.
     """

@@ -83,7 +83,8 @@ def test_masked_targets_and_a_ragged_batch_keep_the_global_mean(tiny_cfg):
     assert max_diff(block_of(one, 1, ref.block_file), block_of(one, 1, out.block_file)) <= 1e-6
 
 
-LONG = ("bcd.max_steps=120", "checkpoint.every_steps=20", "checkpoint.max_share=1", "checkpoint.every_seconds=1000", "bcd.window=20")
+LONG = ("bcd.max_steps=120", "checkpoint.every_steps=20", "checkpoint.max_share=1", "checkpoint.every_seconds=1000",
+        "bcd.window=20")
 
 
 def test_sigterm_to_one_process_checkpoints_once_and_resumes_on_one(tiny_cfg, tmp_path, monkeypatch):

@@ -120,7 +120,8 @@ def test_a_writer_frozen_in_its_commit_cannot_change_the_run_after_a_takeover(pr
     from bcdflow.flows.cli import main
 
     sets = []
-    for s in TINY + ["checkpoint.every_steps=2", "checkpoint.max_share=1", "tracking_uri=none", "fleet.lease_seconds=4"]:
+    for s in TINY + ["checkpoint.every_steps=2", "checkpoint.max_share=1", "tracking_uri=none",
+                     "fleet.lease_seconds=4"]:
         sets += ["--set", s]
     env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "BCDFLOW_RETRY_BACKOFF": "0.2"}
     ref = tmp_path / "ref"
@@ -388,7 +389,8 @@ def test_a_distributed_visit_whose_lease_is_not_renewed_is_stopped_at_once(tiny_
     monkeypatch.setenv("BCDFLOW_DIST_KEEP", "1")
     (tmp_path / "dist").mkdir()
     ttl = 3.0
-    cfg = tiny_cfg("bcd.max_steps=100000", "checkpoint.every_steps=5", "checkpoint.max_share=1", "train.gpus=2", "train.parallel=ddp")
+    cfg = tiny_cfg("bcd.max_steps=100000", "checkpoint.every_steps=5", "checkpoint.max_share=1", "train.gpus=2",
+                   "train.parallel=ddp")
     ds = new_run(cfg)
     store = Store(cfg.store)
     ckpt = "runs/r/visits/c0-b0/train-ckpt/ckpt.json"

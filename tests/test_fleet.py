@@ -36,8 +36,8 @@ POOL = "bcdflow-gpu"
 # (fixed visits: the adaptive budget may end c0-b1 before the step the tests interrupt it at). 80 steps, not 40: on
 # two cores shared by make test's four workers a 40-step visit could end before the test, slowed by its Prefect
 # server, had seen it running and signalled it (ProcessLookupError)
-LONG = [*TINY, "bcd.blocks=2", "bcd.max_steps=80", "bcd.budget=fixed", "checkpoint.every_steps=5", "checkpoint.max_share=1",
-        "checkpoint.every_seconds=1000", "tracking_uri=none"]
+LONG = [*TINY, "bcd.blocks=2", "bcd.max_steps=80", "bcd.budget=fixed", "checkpoint.every_steps=5",
+        "checkpoint.max_share=1", "checkpoint.every_seconds=1000", "tracking_uri=none"]
 FLEET = [f"fleet.visit_pool={POOL}", "fleet.poll_seconds=0.5", "fleet.lease_seconds=6",
          "fleet.reschedule_delay_s=3", "fleet.visit_retries=2"]
 

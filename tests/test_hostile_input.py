@@ -330,7 +330,8 @@ def test_a_manifest_or_record_naming_a_file_outside_the_run_is_damage_naming_it(
 
 # -- 6. a corrupt mid-visit checkpoint: on from the last intact point, bitwise ------------------------------------
 
-LONG = ("bcd.max_steps=40", "checkpoint.every_steps=10", "checkpoint.max_share=1", "checkpoint.every_seconds=1000", "bcd.window=10")
+LONG = ("bcd.max_steps=40", "checkpoint.every_steps=10", "checkpoint.max_share=1", "checkpoint.every_seconds=1000",
+        "bcd.window=10")
 
 
 @pytest.mark.parametrize("damage", ["latest", "both"])
