@@ -71,6 +71,17 @@ def _optimizer_class():
         def state_dict(self):  # torch's form: one flat dict of tensors per parameter (bitsandbytes nests its
             return torch.optim.Optimizer.state_dict(self)  # quantization state, which bcd.moments=keep cannot store)
 
+        def load_state_dict(self, state_dict, move_to_device=True):
+            # bitsandbytes casts every floating tensor it does not know to the parameter's dtype, the step count
+            # included: under bf16 master weights a kept step of 1001 came back as 1000 (bf16 holds integers
+            # exactly only to 256), shifting the bias correction and the rounding's seed. The step is an int here.
+            steps = {i: int(s["step"]) for i, s in state_dict["state"].items() if "step" in s}
+            super().load_state_dict(state_dict, move_to_device)
+            params = [p for g in self.param_groups for p in g["params"]]
+            for i, step in steps.items():
+                if i < len(params) and params[i] in self.state:
+                    self.state[params[i]]["step"] = step
+
         def _generator(self, device: torch.device, key: tuple) -> torch.Generator:
             g = self._gen.get(device)
             if g is None:
