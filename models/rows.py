@@ -110,16 +110,22 @@ def _module(model: nn.Module, name: str) -> nn.Module:
     return getattr(model, VOCAB_MATRICES[name])
 
 
-def attach_rows(model: nn.Module, name: str, lo: int, hi: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
+def attach_rows(model: nn.Module, name: str, lo: int, hi: int, dtype: torch.dtype = torch.float32,
+                init: torch.Tensor | None = None) -> nn.Parameter:
     """Make rows [lo, hi) of the vocabulary matrix ``name`` of ``model`` its only trainable part: returns the slice as
     a new leaf parameter (a copy of those rows in ``dtype``: fp32 master weights, or bf16 ones with
-    ``optim.name=adamw8bit-bf16``), every other row frozen where the matrix lives."""
+    ``optim.name=adamw8bit-bf16``), every other row frozen where the matrix lives. ``init``: the rows as stored
+    (``(hi - lo, C)``, any device), where the model holds the matrix rounded (bf16 under ``train.precision=bf16``):
+    the slice starts from them, not from the held matrix's rounding of them; None: the held matrix's rows."""
     module = _module(model, name)
     weight = module.weight
     if not 0 <= lo < hi <= weight.size(0):
         raise ValueError(f"rows [{lo}, {hi}) lie outside {name} ({weight.size(0)} rows)")
+    if init is not None and tuple(init.shape) != (hi - lo, *weight.shape[1:]):
+        raise ValueError(f"the stored rows of {name} have shape {tuple(init.shape)}, not {(hi - lo, *weight.shape[1:])}")
     weight.requires_grad_(False)
-    rows = nn.Parameter(weight.detach()[lo:hi].to(dtype, copy=True))
+    src = weight.detach()[lo:hi] if init is None else init.detach()
+    rows = nn.Parameter(src.to(weight.device, dtype, copy=True))
     parametrize.register_parametrization(module, "weight", RowSlice(rows, lo), unsafe=True)
     if isinstance(module, nn.Embedding):  # the lookup's gradient goes to the slice's rows alone
         module.forward = types.MethodType(_embed_rows, module)  # bound: a deep copy binds to the copy

@@ -399,10 +399,10 @@ class Resident:
                                    trainable=active, stream=vs.streamed,
                                    grad_from=vs.lo)  # bf16: frozen matrices in bf16 (I6)
         self.named = prepare_model(self.model, active, cfg.train.loss_chunk_rows, cfg.train.compile)
-        if vs.rows:
+        if vs.rows:  # the slice starts from the stored rows, never the held matrix's bf16 rounding of them
             name, lo, hi = vs.rows
             master = torch.bfloat16 if OPTIMIZERS[cfg.optim.name].master == 2 else torch.float32
-            self.named = [(name, attach_rows(self.model, name, lo, hi, master))]
+            self.named = [(name, attach_rows(self.model, name, lo, hi, master, stored_rows(ctx, vs)))]
         # a peer that wraps the model (optim.name=lora: adapters, the base frozen) trains what the wrapper adds
         wrap = OPTIMIZERS[cfg.optim.name].wrap
         self.named, self.unwrap = wrap(self.model, cfg.optim_spec()) if wrap else (self.named, None)
@@ -462,6 +462,16 @@ def as_stored(ctx: RunContext, vs: VisitLayout, tensors: dict[str, torch.Tensor]
                                                                             [vs.block], names=rounded)}
         tensors = {**tensors, **stored}
     return {n: t.float() if n in vs.active and t.dtype == torch.bfloat16 else t for n, t in tensors.items()}
+
+
+def stored_rows(ctx: RunContext, vs: VisitLayout) -> torch.Tensor:
+    """A row block's rows [lo, hi) of its matrix as the base version stores them (fp32), on the host: a copy of the
+    slice, the stored block file read one tensor at a time (never the whole block's tensors at once)."""
+    name, lo, hi = vs.rows
+    for _, t in checkpoints.iter_from_manifest(ctx.store, ctx.run_id, ctx.manifest(vs.version),
+                                               [ctx.plan.stored(vs.block)], names=[name]):
+        return t[lo:hi].clone()
+    raise checkpoints.CheckpointError(f"version {vs.version} of run {ctx.run_id!r} stores no {name}")
 
 
 def row_block_tensors(ctx: RunContext, vs: VisitLayout, rows: torch.Tensor) -> dict[str, torch.Tensor]:
