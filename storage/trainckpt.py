@@ -32,13 +32,24 @@ from .store import Store, sha256_bytes
 log = logging.getLogger(__name__)
 
 
+def _cuda(device) -> torch.device | None:
+    """The CUDA device whose RNG a checkpoint carries: the run's (``cuda:N``, ``cuda`` as its current index), never
+    whichever device happens to be current in this thread; None when the run is not on CUDA."""
+    d = torch.device(device) if device is not None else None
+    if d is None or d.type != "cuda":
+        return None
+    return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def save(store: Store, visit_key: str, step: int, params: dict[str, torch.Tensor], optim_state: dict,
-         meta: dict[str, Any]) -> dict:
-    """Write one checkpoint; returns the pointer written. ``meta`` must be JSON (loop state, cursor...)."""
+         meta: dict[str, Any], rng_device: str | torch.device | None = None) -> dict:
+    """Write one checkpoint; returns the pointer written. ``meta`` must be JSON (loop state, cursor...);
+    ``rng_device``: the run's device, whose CUDA RNG state the checkpoint carries beside the CPU's."""
     tensors = {f"param/{k}": v.detach().to("cpu").contiguous() for k, v in params.items()}
     tensors["rng/torch"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    cuda = _cuda(rng_device)
+    if cuda is not None:
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(cuda)
     pbytes = st_save(tensors)
     buf = io.BytesIO()
     torch.save(_to_cpu(optim_state), buf)
@@ -63,10 +74,12 @@ def save(store: Store, visit_key: str, step: int, params: dict[str, torch.Tensor
     return pointer
 
 
-def load(store: Store, visit_key: str, device: str | torch.device = "cpu", base_version: int | None = None):
+def load(store: Store, visit_key: str, device: str | torch.device = "cpu", base_version: int | None = None,
+         rng_device: str | torch.device | None = None):
     """(pointer entry, params, optimizer state) of the newest intact checkpoint of the visit (made on
     ``base_version`` when given), or None: none, or none intact. A damaged one is skipped for the one before it (or
-    the visit's start), said in one warning line; the torch RNG state is the chosen checkpoint's."""
+    the visit's start), said in one warning line; the torch RNG state is the chosen checkpoint's (the CUDA one on
+    ``rng_device``, the run's device)."""
     d = train_ckpt_key(visit_key)
     try:
         pointer = read_pointer(store, visit_key)
@@ -78,7 +91,7 @@ def load(store: Store, visit_key: str, device: str | torch.device = "cpu", base_
     damaged = []
     for entry in entries:
         try:
-            params, optim_state = _read(store, d, entry, device)
+            params, optim_state = _read(store, d, entry, device, rng_device)
         except TrainCheckpointError as e:
             damaged.append(str(e))
             continue
@@ -90,7 +103,7 @@ def load(store: Store, visit_key: str, device: str | torch.device = "cpu", base_
     return None
 
 
-def _read(store: Store, d: str, entry: dict, device) -> tuple[dict[str, torch.Tensor], dict]:
+def _read(store: Store, d: str, entry: dict, device, rng_device=None) -> tuple[dict[str, torch.Tensor], dict]:
     """One checkpoint's parameters and optimizer state, both files checked against the pointer's sha256 and
     loaded; the torch RNG state set from it. TrainCheckpointError naming the file otherwise."""
     data = {}
@@ -109,9 +122,9 @@ def _read(store: Store, d: str, entry: dict, device) -> tuple[dict[str, torch.Te
         raise TrainCheckpointError(f"checkpoint of step {entry['step']} in {store.url_of(d)} does not load "
                                    f"({type(e).__name__})") from None
     torch.set_rng_state(rng)
-    cuda_rng = tensors.pop("rng/cuda", None)
-    if cuda_rng is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(cuda_rng)
+    cuda_rng, cuda = tensors.pop("rng/cuda", None), _cuda(rng_device)
+    if cuda_rng is not None and cuda is not None:
+        torch.cuda.set_rng_state(cuda_rng, cuda)
     return {k.removeprefix("param/"): v.to(device) for k, v in tensors.items()}, optim_state
 
 

@@ -507,6 +507,35 @@ def run_visit(ctx: RunContext, spec: VisitSpec, hold: Callable[[RunContext, Visi
         held.close()  # its device slots and page-locked buffers go whatever ends the visit
 
 
+def _resume(ctx: RunContext, vs: VisitLayout, held: VisitHolding, opt, adapters, vkey: str,
+            base_lr: float) -> LoopState | None:
+    """Where the visit goes on from: its newest intact mid-visit checkpoint (unsharded: resumable on any process
+    count; a damaged one is skipped for the one before it or the visit's start) loaded into the held parameters,
+    the adapters and ``opt``, and its loop state returned; else, with ``bcd.moments=keep``, the block's kept moments
+    loaded into ``opt`` (None). The loaded tensors are this function's alone: what was copied into the parameters
+    (and, under bitsandbytes, the optimizer's deep copy) is freed when it returns, so a resumed visit never holds a
+    second copy of its block and state on the device for its whole loop (a tightly planned card would run out)."""
+    names = [n for n, _ in held.named]
+    ck = trainckpt.load(ctx.store, vkey, held.ckpt_device, base_version=vs.version, rng_device=ctx.device)
+    if ck is not None:  # resume mid-visit
+        pointer, saved, opt_state = ck
+        del ck
+        held.set_params({n: saved[n] for n in names})
+        if adapters is not None:
+            adapters.load(saved)
+        del saved
+        held.load_optim(opt, opt_state)
+        del opt_state
+        for g in opt.param_groups:  # a continued run may have lowered optim.lr (after a divergence)
+            g["lr"] = base_lr * g.get("lr_ratio", 1.0)
+        return LoopState.from_dict(pointer["meta"]["loop"])
+    if vs.spec.moments is not None:  # bcd.moments=keep: where the block's last visit left its optimizer
+        saved = checkpoints.load_file(ctx.store, vs.run_id, vs.spec.moments,
+                                      f"the optimizer moments of block {vs.block}", held.ckpt_device)
+        held.load_optim(opt, optimizer_state(saved, names, opt.state_dict()["param_groups"]))
+    return None
+
+
 def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list, *, track: TrackTarget | None,
                 progress) -> TrainResult:
     """The body of :func:`run_visit` once its model is held."""
@@ -535,22 +564,7 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
     if adapters is not None:
         opt.add_param_group(adapter_group(cfg, spec, adapters))
     vkey = ctx.visit_key(vs.cycle, block)
-    state = None
-    # unsharded: resumable on any process count; a damaged one is skipped for the one before it or the visit's start
-    ck = trainckpt.load(ctx.store, vkey, held.ckpt_device, base_version=vs.version)
-    if ck is not None:  # resume mid-visit
-        pointer, saved, opt_state = ck
-        held.set_params({n: saved[n] for n in names})
-        if adapters is not None:
-            adapters.load(saved)
-        held.load_optim(opt, opt_state)
-        for g in opt.param_groups:  # a continued run may have lowered optim.lr (after a divergence)
-            g["lr"] = spec.base_lr * g.get("lr_ratio", 1.0)
-        state = LoopState.from_dict(pointer["meta"]["loop"])
-    elif spec_in.moments is not None:  # bcd.moments=keep: where the block's last visit left its optimizer
-        saved = checkpoints.load_file(ctx.store, vs.run_id, spec_in.moments, f"the optimizer moments of block {block}",
-                                      held.ckpt_device)
-        held.load_optim(opt, optimizer_state(saved, names, opt.state_dict()["param_groups"]))
+    state = _resume(ctx, vs, held, opt, adapters, vkey, spec.base_lr)
 
     def checkpoint(st: LoopState, why: str) -> None:
         # a holder whose lease could have expired writes nothing more: the next holder of the visit keeps its
@@ -563,7 +577,7 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
             trainckpt.save(ctx.store, vkey, st.steps, tensors, opt_state,
                            {"loop": st.to_dict(), "base_version": vs.version, "why": why,
                             **({"gpus": held.world} if held.world > 1 else {}),
-                            **({"spent": spent_at(spec_in.clock)} if spec_in.clock else {})})
+                            **({"spent": spent_at(spec_in.clock)} if spec_in.clock else {})}, rng_device=ctx.device)
             failpoints.hit("train-checkpoint")
         held.barrier()
 

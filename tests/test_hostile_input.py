@@ -367,6 +367,70 @@ def test_a_corrupt_checkpoint_resumes_from_the_last_intact_point_bitwise(tiny_cf
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("sets", [(), ("optim.name=adamw8bit-bf16", "train.precision=bf16")],
+                         ids=["adamw", "adamw8bit-bf16"])
+def test_a_resumed_visit_holds_no_copy_of_its_checkpoint_while_it_trains(tiny_cfg, monkeypatch, sets):
+    """Issue 43: a resumed visit kept the checkpoint's tensors (loaded onto its device) bound for its whole loop, a
+    second copy of the block, and of its optimizer state where the optimizer copies what it loads (bitsandbytes deep-
+    copies), which no plan counts: a preempted visit on a tightly planned card could run out after resume. Once the
+    loop starts, no loaded tensor is alive but those the optimizer holds as its own state."""
+    import gc
+    import weakref
+
+    import bcdflow.tasks.engine as engine
+
+    cfg = tiny_cfg(*LONG, *sets)
+    ds = setup_visit(cfg, 1)
+    polls = itertools.count(1)
+    monkeypatch.setattr(stop_signals, "requested", lambda: next(polls) >= 15)  # a SIGTERM during step 15
+    with pytest.raises(SystemExit):
+        train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 1, 0))
+    monkeypatch.undo()
+    loaded, real_load, real_run, leaked = [], trainckpt.load, engine.run_steps, []
+
+    def load(*a, **k):
+        ck = real_load(*a, **k)
+        if ck is not None:
+            _, params, opt_state = ck
+            loaded.extend(weakref.ref(t) for t in params.values())
+            loaded.extend(weakref.ref(t) for st in opt_state["state"].values() for t in st.values()
+                          if isinstance(t, torch.Tensor))
+        return ck
+
+    def run_steps(loss, params, batches, opt, *a, **k):
+        gc.collect()
+        own = {id(t) for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)}
+        leaked.append([tuple(t.shape) for r in loaded if (t := r()) is not None and id(t) not in own])
+        return real_run(loss, params, batches, opt, *a, **k)
+
+    monkeypatch.setattr(trainckpt, "load", load)
+    monkeypatch.setattr(engine, "run_steps", run_steps)
+    resumed = train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 1, 0))
+    assert resumed.resumed_at == 15 and resumed.steps == 40 and len(loaded) > 2
+    assert leaked == [[]]
+
+
+def test_a_checkpoint_carries_the_cuda_rng_of_the_runs_device_by_index(tmp_path, monkeypatch):
+    """The CUDA RNG a mid-visit checkpoint saves and restores is the run's device's (``cuda:1`` on a box whose
+    current device is 0), never the current one's, and ``cuda`` without an index is the current index (torch names
+    devices so). torch's CUDA RNG calls are recorded, not run: this machine has no GPU (tests/test_gpu.py runs it
+    on one). A run on the CPU carries none."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda device="cuda": calls.append(("get", str(device))) or torch.zeros(16, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": calls.append(("set", str(device))))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    store, vkey = Store(str(tmp_path / "store")), layout.visit_key("r", 0, 1)
+    meta = {"base_version": 0, "loop": {}}
+    trainckpt.save(store, vkey, 1, {"w": torch.zeros(2)}, {}, meta, rng_device="cuda:1")
+    assert trainckpt.load(store, vkey, rng_device=torch.device("cuda", 1)) is not None
+    trainckpt.save(store, vkey, 2, {"w": torch.zeros(2)}, {}, meta, rng_device="cuda")
+    assert trainckpt.load(store, vkey, rng_device="cuda") is not None
+    assert calls == [("get", "cuda:1"), ("set", "cuda:1"), ("get", "cuda:0"), ("set", "cuda:0")]
+    trainckpt.save(store, vkey, 3, {"w": torch.zeros(2)}, {}, meta, rng_device="cpu")
+    assert trainckpt.load(store, vkey, rng_device="cpu") is not None and len(calls) == 4
+
+
 # -- 7. files and directories as the umask says; an interrupted export's leftovers cleaned ------------------------
 
 @pytest.fixture
