@@ -94,11 +94,15 @@ def cap_fraction(memory_gb: float, total: int) -> float:
 def cap_allocator(cfg: RunConfig, device: torch.device) -> None:
     """``train.memory_gb`` on CUDA: cap this process's caching allocator at that card (:func:`cap_fraction`), so an
     allocation past it fails as it would on the card planned for instead of borrowing the bigger GPU's memory. The cap
-    is the process's, so it is set for every run (the whole GPU without the key): a worker that served a capped run
-    does not keep the cap for the next."""
+    is the process's, so it is set for every visit (the whole GPU without the key: tasks/engine.run_visit, every
+    process of a distributed visit on its own device): a worker that served a capped run does not keep the cap for
+    the next, and one whose context outlived a visit gets it again. The allocator's cache is emptied first, so the
+    visit starts under the cap with nothing an earlier visit cached counted against it."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         frac = 1.0 if cfg.train.memory_gb is None else cap_fraction(cfg.train.memory_gb, total)
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(frac, device)
 
 

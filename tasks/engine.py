@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.core import failpoints, stop_signals
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext
+from bcdflow.core.context import RunContext, cap_allocator
 from bcdflow.core.rules import VisitSpec, batch_ranges, visit_rows
 from bcdflow.core.spend import spent_at
 from bcdflow.models.errors import Diverged
@@ -500,6 +500,7 @@ def run_visit(ctx: RunContext, spec: VisitSpec, hold: Callable[[RunContext, Visi
     # new version's validation loss is this model's on them, so the visit needs no reload of the whole model
     val = visit_val_batches(cfg, ctx, vs) if cfg.bcd.eval_every or vs.exact else []
     ctx.release_prefix()  # before the visit's model loads: the two are never held at once
+    cap_allocator(cfg, ctx.device)  # each visit, each process on its own device: train.memory_gb, the cache emptied
     held = hold(ctx, vs)
     try:
         return _train_held(ctx, vs, held, val, track=track, progress=progress)
