@@ -31,7 +31,7 @@ from bcdflow.models.base import Decoder
 from bcdflow.models.build import materialize, param_sizes
 from bcdflow.models.model_config import ModelConfig, get_config
 from bcdflow.models.holding import Holding, choose_holding, fit_holding, no_grad_holding
-from bcdflow.models.memory import (CONTEXT_BYTES, GB, Budget, NoGradPass, device_budget, load_bytes, no_grad_memory,
+from bcdflow.models.memory import (CONTEXT_BYTES, GB, Budget, NoGradPass, device_budget, host_phases, no_grad_memory,
                                    reading_bytes, stage_bytes)
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.stream import LayerStream, host_buffer
@@ -230,9 +230,10 @@ def check_model_size(cfg: RunConfig) -> None:
 def check_plan_fits(cfg: RunConfig) -> None:
     """Refuse, before anything is written, a run whose visits cannot fit the device even held the leanest way it
     allows (recompute and every frozen layer streamed, as the settings permit), naming the figures; and a host whose
-    available memory cannot hold a visit's host peak: its streamed layers' flat buffers (pinned as allocated), the
-    largest block file it reads while loading (``models/memory.load_bytes``) and, on CUDA, its page-locked batch
-    slots (``stage_bytes``); pre-inference's the same with its output buffers. The device fit is not checked on the
+    available memory cannot hold a visit's host peak: its streamed layers' flat buffers (pinned as allocated) and, on
+    CUDA, its page-locked batch slots (``stage_bytes``), held all visit, with the largest of its phases beside them
+    (``models/memory.host_phases``: loading, a mid-visit checkpoint written or resumed, the commit); pre-inference's
+    the same with its output buffers. The device fit is not checked on the
     CPU without ``train.memory_gb``."""
     if cfg.train.gpus > 1:
         return  # several processes: data parallel or sharded (tasks/train_dist.choose_parallel)
@@ -250,17 +251,20 @@ def check_plan_fits(cfg: RunConfig) -> None:
                            "blocks (bcdflow plan-memory recommends a count), train.offload=auto, "
                            "bcd.recompute=auto, a smaller train.batch_size or train.gpus=N")
     cuda = resolve_device(cfg.train.device).type == "cuda"
-    # a visit's host peak: its streamed layers' page-locked buffers, the largest block file it reads while loading
-    # (one at a time), and on CUDA its two page-locked batch slots
+    # a visit's host peak: its streamed layers' page-locked buffers and on CUDA its two page-locked batch slots,
+    # held for the whole visit, and the largest of what it takes in phases beside them: the largest block file it
+    # reads while loading (one at a time), a mid-visit checkpoint written or read back, its commit
     need, what = 0, ""
+    words = {"load": "to read its largest block file", "checkpoint": "to write or resume a mid-visit checkpoint",
+             "commit": "to commit its block file"}
     for b, h in enumerate(holds):
-        parts = (h.estimate.host_bytes, load_bytes(mcfg, plan, b, shape),
-                 stage_bytes(mcfg, plan, b, shape) if cuda else 0)
+        phases = host_phases(mcfg, plan, b, shape, h.estimate)
+        phase = max(phases, key=phases.get)
+        parts = (h.estimate.host_bytes, phases[phase], stage_bytes(mcfg, plan, b, shape) if cuda else 0)
         if sum(parts) > need:
             need = sum(parts)
             what = (f"block {b}'s visit: {parts[0] / 1e9:.1f} GB of streamed layers (pinned, as allocated), "
-                    f"{parts[1] / 1e9:.1f} GB to read its largest block file, {parts[2] / 1e9:.2f} GB of batch "
-                    "slots")
+                    f"{parts[1] / 1e9:.1f} GB {words[phase]}, {parts[2] / 1e9:.2f} GB of batch slots")
     if cfg.bcd.preinfer:  # pre-inference: its prefix's streamed layers and the shards' page-locked output buffers
         passes = cfg.step_shape(no_grad=True)
         workers = cfg.bcd.preinfer_workers or (2 if cuda else 1)

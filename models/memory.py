@@ -379,6 +379,27 @@ def load_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, store
     return reading_bytes(cfg, plan, owners, stored_bytes)
 
 
+def host_phases(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, est: Estimate) -> dict[str, int]:
+    """Host bytes block ``block``'s visit takes beside its pinned buffers (streamed layers, batch slots), by the
+    phase it takes them in; its host peak is the pinned bytes plus the largest:
+
+    - ``load``: loading its part (:func:`load_bytes`);
+    - ``checkpoint``: a mid-visit checkpoint written, or read back on resume (storage/trainckpt): what trains (its
+      weights, as many bytes as their gradients: ``est.grads_total``) and its optimizer state (``est.optim``), once
+      as host tensors and once as the serialized bytes made from them or read into them;
+    - ``commit``: its block file made (storage/checkpoints.save_block streams to a file: the block's tensors on the
+      host once); a row block's reads the stored block holding its matrix (the file's bytes and its tensors), copies
+      the matrix and writes its rows in (engine.row_block_tensors)."""
+    stored = plan.stored(block)
+    if plan[block].rows is not None:
+        (name,) = plan[block].params
+        commit = 2 * file_bytes(cfg, plan, [stored]) + 4 * _numel(model_shapes(cfg)[name])
+    else:
+        commit = file_bytes(cfg, plan, [stored])
+    return {"load": load_bytes(cfg, plan, block, shape), "checkpoint": 2 * (est.grads_total + est.optim),
+            "commit": commit}
+
+
 def reading_bytes(cfg: ModelConfig, plan: Plan, blocks: Collection[int], stored_bytes: int = 4) -> int:
     """Host bytes reading ``blocks`` one file at a time takes at its peak: the largest file and the largest tensor's
     conversion (4 bytes a parameter); 0 for none."""

@@ -70,3 +70,32 @@ def test_a_checkpoint_restores_the_cuda_rng_of_the_runs_device(tmp_path):
         want = torch.rand(4, device="cuda:0")
         assert trainckpt.load(store, vkey, rng_device=name) is not None
         assert torch.equal(torch.rand(4, device="cuda:0"), want), name
+
+
+def test_the_host_check_counts_a_mid_visit_checkpoint_beside_the_pinned_buffers(monkeypatch):
+    """The host peak of a visit is its pinned buffers plus the largest of what it takes in phases: loading a block
+    file, a mid-visit checkpoint (written or resumed: the block's weights and AdamW state, as tensors and as bytes,
+    24 bytes a trained parameter), a commit. Only loading was counted: a host between the two figures was let run
+    and ran out at the first checkpoint. Refused now, naming the checkpoint."""
+    from types import SimpleNamespace
+
+    from bcdflow.core import context
+    from bcdflow.core.config import load_config
+    from bcdflow.errors import BadInput
+    from bcdflow.models.memory import host_phases
+
+    cfg = load_config(sets=["model.name=G-1.6B", "bcd.blocks=4", "data.seq_len=32", "data.vocab_size=32000",
+                            "train.offload=off", "tracking_uri=none"])
+    mcfg = context.model_config(cfg)
+    plan = context.block_plan(cfg, mcfg)
+    phases = [host_phases(mcfg, plan, b, cfg.step_shape(), context.fit_holding(mcfg, plan, b, cfg.step_shape(),
+                                                                                None).estimate)
+              for b in range(len(plan))]
+    load, ckpt = max(p["load"] for p in phases), max(p["checkpoint"] for p in phases)
+    assert ckpt > 2 * load  # 24 bytes a trained parameter against one 4-byte file
+    monkeypatch.setattr(context.psutil, "virtual_memory", lambda: SimpleNamespace(available=(load + ckpt) // 2))
+    with pytest.raises(BadInput, match=r"^train\.offload: .* to write or resume a mid-visit checkpoint") as e:
+        context.check_plan_fits(cfg)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(context.psutil, "virtual_memory", lambda: SimpleNamespace(available=ckpt + 1))
+    context.check_plan_fits(cfg)
