@@ -252,7 +252,11 @@ class Lease:
 
     def acquire(self) -> "Lease":
         """Take the lease. Held by another process: watch it for up to its ttl (polling); a renewal seen means the
-        holder lives (LeaseHeld at once), none for a whole ttl means it is gone (take it)."""
+        holder lives (LeaseHeld at once), none for a whole ttl means it is gone (take it). A lease folder reached
+        through a symbolic link is refused first (UnsafeName naming it): its object would be written outside the
+        store (docs/DESIGN.md §5)."""
+        self.store.check_confined(lease_key(self.key), act="writes no lease through a link; nothing was written (make "
+                                                           "it a plain folder or remove it)")
         cur = self.current()
         first = None
         while not self._free(cur):

@@ -264,10 +264,11 @@ class Store:
         when = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
         return when.timestamp() if hasattr(when, "timestamp") else None if when is None else float(when)
 
-    def check_confined(self, *parts: str) -> None:
+    def check_confined(self, *parts: str, act: str = "deletes nothing through a link; nothing was removed") -> None:
         """UnsafeName unless the object at this key is reached from the store's root without a symbolic link (a local
         store; an object store has none): what bcdflow deletes, it deletes inside the store as it resolves the key,
-        never through a link that leads elsewhere (docs/DESIGN.md §5). Nothing is removed when this raises."""
+        never through a link that leads elsewhere (docs/DESIGN.md §5). Nothing is removed when this raises. ``act``:
+        what the line says bcdflow does not do (a lease's writes say so: ``Lease.acquire``)."""
         if not self.is_local:
             return
         key = _key(parts)
@@ -276,8 +277,7 @@ class Store:
             at = os.path.join(at, seg)
             if os.path.islink(at):
                 rel = "/".join(key.split("/")[:i + 1])
-                raise UnsafeName(f"{self.url_of(rel)} is a symbolic link (to {os.readlink(at)}): bcdflow deletes "
-                                 "nothing through a link; nothing was removed")
+                raise UnsafeName(f"{self.url_of(rel)} is a symbolic link (to {os.readlink(at)}): bcdflow {act}")
             if not os.path.lexists(at):
                 return
 

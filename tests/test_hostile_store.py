@@ -146,6 +146,22 @@ def test_prune_and_rm_delete_nothing_through_a_link_nor_what_bcdflow_did_not_wri
     assert _tree(store.parent) == before
 
 
+def test_a_lease_folder_that_is_a_link_is_never_written_through(store, capsys):
+    """``lease/`` a link to a folder outside the store: prune wrote its lease object there (and exited 0), rm wrote it
+    there before refusing. Now both refuse before taking the lease: one line naming the link, exit 1, nothing written
+    inside or outside the store."""
+    outside = store.parent / "outside"
+    (outside / "lease").mkdir()
+    if (store / "runs/r/lease").exists():
+        shutil.rmtree(store / "runs/r/lease")
+    (store / "runs/r/lease").symlink_to(outside / "lease")
+    before = _tree(store.parent)
+    for args in (["prune", "r", "--keep", "1"], ["rm", "r"]):
+        _refused(capsys, [*args, "--store", str(store)], "runs/r/lease is a symbolic link (to ", code=1)
+        assert _tree(store.parent) == before, args
+    assert os.listdir(outside / "lease") == []
+
+
 def test_dry_run_lists_exactly_what_prune_removes(store, capsys):
     """One function makes the list: the keys ``--dry-run`` prints are the files the prune then removes, no more."""
     (store / "runs/r/blocks" / f".tmp-{'ab' * 16}.safetensors").write_bytes(b"a dead writer's half file")
