@@ -28,7 +28,8 @@ from bcdflow.models.model_config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelC
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import layer_bounds
-from bcdflow.models.specs import PCIE_GBS, OptimSpec, StepShape, StopRule
+from bcdflow.models.specs import (CARD_RATES, PCIE_GBS, OptimSpec, StepShape, StopRule, card_rates, pcie_gbs_for,
+                                  tflops_for)
 from bcdflow.storage import layout, runs
 from bcdflow.storage.backends import backend_of
 from bcdflow.storage.store import check_url
@@ -329,14 +330,16 @@ class TrainSection(_Section):
     ``train.gpus`` > 1 or ``train.compile``)."""
     stream_window: int = Field(2, ge=1)
     """Device slots for streamed layers (the one computing and the ones copied in ahead of it)."""
-    pcie_gbs: float = Field(PCIE_GBS, gt=0)
-    """Host-to-device bandwidth the planner's time model assumes, GB/s (PCIe 4.0 x16 in practice)."""
+    pcie_gbs: float | None = Field(None, gt=0)
+    """Host-to-device bandwidth the planner's time model assumes, GB/s; None = ``spend.train_device``'s host link in
+    practice (models/specs.CARD_RATES: PCIe 4.0 x16 25, PCIe 5.0 50); ``make gpu-check`` measures it."""
     store_gbs: float = Field(0.2, gt=0)
     """The store's bandwidth the planner assumes, GB/s, both ways (``bcd.preinfer=auto``, ``bcdflow plan``'s default;
     0.2: a rented box's ~1.6 Gbit/s)."""
     tflops: float | None = Field(None, gt=0)
-    """Matmul throughput the planner's time model assumes, TFLOP/s; None = by ``precision`` (fp32 40, bf16 80: about
-    half an RTX 4090's dense peak in each; models/holding.TFLOPS)."""
+    """Matmul throughput the planner's time model assumes, TFLOP/s, at ``precision``; None = ``spend.train_device``'s
+    (models/specs.CARD_RATES: about half its dense peak, e.g. an RTX 4090 fp32 40, bf16 80; an A100 9.75, 156);
+    ``make gpu-check`` measures a matmul's."""
     compile: bool = False
     """torch.compile each layer of the visit (CUDA graphs are left to ``mode=reduce-overhead`` users: batches of a
     visit are not all the same shape)."""
@@ -396,7 +399,8 @@ class SpendSection(_Section):
     """GPUs billed for pre-inference; None = what the run uses (``fleet.dask_workers`` on a local Dask cluster,
     else the training box's ``train.gpus``)."""
     train_device: str = DEFAULT_KIND
-    """Device kind of block training."""
+    """Device kind of block training; the planner's time model takes its rates (models/specs.CARD_RATES) unless
+    ``train.tflops`` and ``train.pcie_gbs`` say otherwise."""
     train_gpus: int | None = Field(None, ge=1)
     """GPUs billed for training; None = ``train.gpus``."""
     eval_device: str = DEFAULT_KIND
@@ -551,6 +555,9 @@ class RunConfig(_Section):
                    if OPTIMIZERS[self.optim.name].peer else None)
             if why:
                 raise ValueError(f"bcd.vocab_blocks: row blocks are not for {why}; set bcd.vocab_blocks=1")
+        t, kind = self.train, self.spend.train_device
+        if kind not in CARD_RATES and (t.tflops is None or t.pcie_gbs is None):
+            card_rates(kind)  # raises: spend.train_device, the known kinds, what to set
         if not self.model.from_hf:  # a registry model is data: check against it now (a checkpoint's: core/hf_import.py)
             check_model(self, get_config(self.model.name, **self.model.overrides(), vocab_size=self.data.vocab_size))
         return self
@@ -579,15 +586,16 @@ class RunConfig(_Section):
         """One training step of a visit as the planner sees it (models/memory.py, models/holding.py). Several
         processes (``train.gpus``) or ``train.compile`` stream nothing; ``no_grad``: a no-grad pass's (pre-inference,
         an evaluation), held by one process as ``train.offload`` says whatever the visit's processes; ``preinfer``: a
-        visit's own choice (``bcd.preinfer=auto``, which is otherwise planned as on)."""
-        t, b = self.train, self.bcd
+        visit's own choice (``bcd.preinfer=auto``, which is otherwise planned as on). The time model's rates are
+        ``spend.train_device``'s (models/specs.CARD_RATES), ``train.tflops`` and ``train.pcie_gbs`` where set."""
+        t, b, kind = self.train, self.bcd, self.spend.train_device
         one = t.gpus == 1 and not t.compile
         return StepShape(t.batch_size, self.data.seq_len, t.precision, self.optim.name, self.optim.weight_decay,
                          t.loss_chunk_rows, recompute=b.recompute,
                          preinfer=(b.preinfer is not False) if preinfer is None else preinfer, freeze=tuple(b.freeze),
                          offload=t.offload if one or no_grad else "off", window=t.stream_window,
                          expand_rank=b.expand_rank if b.expand != "off" else 0, gpus=t.gpus,
-                         pcie_gbs=t.pcie_gbs, tflops=t.tflops)
+                         pcie_gbs=pcie_gbs_for(t.pcie_gbs, kind), tflops=tflops_for(t.precision, t.tflops, kind))
 
     def storage_options(self) -> dict:
         """fsspec options for the store URL: its backend's, from the section named as the backend
@@ -629,6 +637,11 @@ def with_former_defaults(stored: dict) -> dict:
     for sec, keys in FORMER_DEFAULTS.items():
         if isinstance(out.get(sec), dict):
             out[sec] = {**keys, **out[sec]}
+    # the time model's rates were an RTX 4090's whatever the kind: a run priced as a kind with none planned with those
+    t, sp = out.get("train"), out.get("spend")
+    if isinstance(t, dict) and isinstance(sp, dict) and sp.get("train_device", DEFAULT_KIND) not in CARD_RATES:
+        out["train"] = {**t, "tflops": t.get("tflops") or tflops_for(str(t.get("precision", "fp32"))),
+                        "pcie_gbs": t.get("pcie_gbs") or PCIE_GBS}
     return out
 
 

@@ -16,6 +16,8 @@ What it counts, and from where (so the figures are the product's, not a second m
   group: whole chunk objects of both arrays (hidden at ``bcd.act_dtype``, int32 targets), the last chunk stored whole.
   Written once by pre-inference; read back once per epoch over the rows (``epochs = steps x batch / rows``; the
   reader fetches whole chunk objects, each once while batches walk through it).
+- rates: TFLOP/s by card kind (``spend.train_device``, and ``spend.preinfer_device`` for pre-inference on GPUs of its
+  own: :func:`train_tflops`, :func:`preinfer_tflops`; ``models/specs.CARD_RATES``), ``train.tflops`` over the kind's.
 - pre-inference time: the prefix's forward FLOPs over the rows on ``preinfer_gpus`` GPUs at ``preinfer_tflops``,
   overlapped with the writes at ``write_gbs`` (two shard tasks a GPU: one computes while the other writes), after
   each GPU loads the prefix's block files at ``read_gbs``.
@@ -43,7 +45,7 @@ from bcdflow.core.rules import visit_row_count
 from bcdflow.core.spend import catalog, gpus_used
 from bcdflow.errors import BadInput
 from bcdflow.models.optimizers import OPTIMIZERS
-from bcdflow.models.specs import tflops_for
+from bcdflow.models.specs import CARD_RATES, tflops_for
 from bcdflow.storage.act_layout import group_layout
 
 GB = 1e9
@@ -137,9 +139,9 @@ class Rates:
     preinfer_gpus: int
     """GPUs computing pre-inference."""
     preinfer_tflops: float
-    """One pre-inference GPU's forward throughput, TFLOP/s."""
+    """One pre-inference GPU's forward throughput, TFLOP/s (:func:`preinfer_tflops`)."""
     train_tflops: float
-    """The training card's forward throughput (evaluation), TFLOP/s."""
+    """The training card's forward throughput (evaluation), TFLOP/s (:func:`train_tflops`)."""
     preinfer_elsewhere: bool = False
     """Pre-inference runs on GPUs of its own (a Dask fleet of cheap GPUs): the training box waits, billed."""
     measured: dict | None = None
@@ -152,13 +154,33 @@ class Rates:
         return self
 
 
+def train_tflops(cfg: RunConfig) -> float:
+    """The training card's TFLOP/s at ``train.precision``: ``train.tflops``, else ``spend.train_device``'s
+    (models/specs.CARD_RATES; the step times of ``cfg.step_shape()`` use the same)."""
+    return tflops_for(cfg.train.precision, cfg.train.tflops, cfg.spend.train_device)
+
+
+def preinfer_tflops(cfg: RunConfig, elsewhere: bool) -> float:
+    """One pre-inference GPU's TFLOP/s: on GPUs of its own (``elsewhere``: a Dask fleet, ``bcdflow plan
+    --preinfer-gpus``), ``spend.preinfer_device``'s (models/specs.CARD_RATES); on the training box, or a kind the
+    rates do not know (priced only: ``bcdflow plan --preinfer-tflops`` states it), the training card's
+    (:func:`train_tflops`). The box computes its own pre-inference whatever kind ``spend.preinfer_device`` prices it
+    as (the default kind unless set)."""
+    kind = cfg.spend.preinfer_device
+    if not elsewhere or kind == cfg.spend.train_device or kind not in CARD_RATES:
+        return train_tflops(cfg)
+    return tflops_for(cfg.train.precision, None, kind)
+
+
 def default_rates(cfg: RunConfig) -> Rates:
     """The rates a run's own ``bcd.preinfer=auto`` plans with: ``train.store_gbs`` both ways, the GPUs pre-inference
-    uses (``core/spend.gpus_used``, a Dask fleet's beside the box) at the training card's TFLOP/s."""
-    tf = tflops_for(cfg.train.precision, cfg.train.tflops)
+    uses (``core/spend.gpus_used``, a Dask fleet's beside the box) at :func:`preinfer_tflops`, evaluation at the
+    training card's."""
+    elsewhere = cfg.fleet.preinfer == "dask"
     return Rates(write_gbs=cfg.train.store_gbs, read_gbs=cfg.train.store_gbs,
-                 preinfer_gpus=cfg.spend.preinfer_gpus or gpus_used(cfg)["preinfer"], preinfer_tflops=tf,
-                 train_tflops=tf, preinfer_elsewhere=cfg.fleet.preinfer == "dask")
+                 preinfer_gpus=cfg.spend.preinfer_gpus or gpus_used(cfg)["preinfer"],
+                 preinfer_tflops=preinfer_tflops(cfg, elsewhere), train_tflops=train_tflops(cfg),
+                 preinfer_elsewhere=elsewhere)
 
 
 @dataclass

@@ -25,6 +25,9 @@ from bcdflow.storage.runs import VisitRecord
 
 # paper §4.4.2: rental prices per GPU-hour
 DEFAULT_PRICES: dict[str, float] = {"rtx4090": 0.29, "a800": 0.69, "a100": 1.20}
+"""USD per GPU-hour by device kind, the paper's. Each kind has the planner's time-model rates too
+(models/specs.CARD_RATES, which knows more kinds: h100, h200, l40s, ...; those are priced by the run, ``spend.prices``,
+since rental prices move and the paper gives none)."""
 DEFAULT_KIND = "rtx4090"
 """The device kind every stage is priced as unless ``spend.*_device`` says otherwise (a CPU trial too)."""
 STAGES = ("preinfer", "train", "eval")

@@ -41,9 +41,12 @@ def add_parser(sub, common) -> None:
                     help="cheap GPUs computing pre-inference beside the training box (priced as "
                          "spend.preinfer_device; default: the training box itself, or fleet.dask_workers)")
     sp.add_argument("--preinfer-tflops", type=float, default=None,
-                    help="one pre-inference GPU's forward TFLOP/s (default: the training card's)")
-    sp.add_argument("--tflops", type=float, default=None, help="the training card's TFLOP/s (default: train.tflops)")
-    sp.add_argument("--pcie-gbs", type=float, default=None, help="host-to-device GB/s (default: train.pcie_gbs)")
+                    help="one pre-inference GPU's forward TFLOP/s (default: with --preinfer-gpus or a Dask fleet, "
+                         "spend.preinfer_device's; else the training card's)")
+    sp.add_argument("--tflops", type=float, default=None,
+                    help="the training card's TFLOP/s (default: train.tflops, else spend.train_device's)")
+    sp.add_argument("--pcie-gbs", type=float, default=None,
+                    help="host-to-device GB/s (default: train.pcie_gbs, else spend.train_device's)")
     sp.add_argument("--probe", action="store_true",
                     help="measure the store's write and read GB/s with a few activation shards (written, read, removed)")
     sp.add_argument("--json", action="store_true", help="the plan (and plan-memory's tables) as JSON")
@@ -128,11 +131,10 @@ def build(cfg, args) -> dict:
     """The plan as a dict: the run's (core/runplan.RunPlan) and plan-memory's."""
     from bcdflow.core.context import block_plan, model_config
     from bcdflow.core.plan_figures import figures
-    from bcdflow.core.runplan import Rates, plan_run
+    from bcdflow.core.runplan import Rates, plan_run, preinfer_tflops, train_tflops
     from bcdflow.models.memory import device_budget
     from bcdflow.core.spend import gpus_used
     from bcdflow.flows.plan_memory import plan as memory_plan
-    from bcdflow.models.specs import tflops_for
 
     mcfg = model_config(cfg)
     ds = dataset_size(cfg, args.tokens)
@@ -140,12 +142,13 @@ def build(cfg, args) -> dict:
     store_gbs = args.store_gbs if args.store_gbs is not None else cfg.train.store_gbs
     write = args.write_gbs if args.write_gbs is not None else (measured["write_gbs"] if measured else store_gbs)
     read = args.read_gbs if args.read_gbs is not None else (measured["read_gbs"] if measured else store_gbs)
-    train_tf = tflops_for(cfg.train.precision, cfg.train.tflops)
+    train_tf = train_tflops(cfg)
     elsewhere = args.preinfer_gpus is not None or cfg.fleet.preinfer == "dask"
     pre_gpus = args.preinfer_gpus if args.preinfer_gpus is not None else (
         cfg.spend.preinfer_gpus or gpus_used(cfg)["preinfer"])
     rates = Rates(write_gbs=write, read_gbs=read, preinfer_gpus=pre_gpus,
-                  preinfer_tflops=args.preinfer_tflops if args.preinfer_tflops is not None else train_tf,
+                  preinfer_tflops=(args.preinfer_tflops if args.preinfer_tflops is not None
+                                   else preinfer_tflops(cfg, elsewhere)),
                   train_tflops=train_tf, preinfer_elsewhere=elsewhere, measured=measured).check()
     rates = Rates(**{**rates.__dict__, "preinfer_gpus": int(rates.preinfer_gpus)})
     budget = device_budget(args.gpu_gb * GB, gpus=cfg.train.gpus).usable

@@ -7,8 +7,8 @@ The budget is the card less the CUDA context and a stated reserve (workspaces, f
 the frozen layers that fit stay resident and only the rest stream, and recompute is used where it is the faster way
 to fit); the table says which layers the visit trains and which it holds, how many of those stay resident, the
 pinned host memory and bytes copied per step of what streams, and the predicted step time resident and as held
-(a per-phase pipeline of compute at ``train.tflops`` and copies at ``train.pcie_gbs``) with the tokens per step
-from which the copies hide.
+(a per-phase pipeline of compute at ``train.tflops`` and copies at ``train.pcie_gbs``, else ``spend.train_device``'s
+rates: models/specs.CARD_RATES) with the tokens per step from which the copies hide.
 
     bcdflow plan-memory --set model.name=L-6B --set train.batch_size=2 --set data.seq_len=1024 \\
         --set train.precision=bf16 --gpu-gb 24
@@ -31,9 +31,11 @@ def add_parser(sub, common) -> None:
     sp.add_argument("--gpu-gb", type=float, default=24.0,
                     help="the card's memory, GB (1e9 bytes; default 24); the context and a reserve come off it")
     sp.add_argument("--pcie-gbs", type=float, default=None,
-                    help="host-to-device bandwidth for streamed layers, GB/s (default: train.pcie_gbs, 25)")
+                    help="host-to-device bandwidth for streamed layers, GB/s (default: train.pcie_gbs, else "
+                         "spend.train_device's: 25 on an rtx4090)")
     sp.add_argument("--tflops", type=float, default=None,
-                    help="matmul throughput a step reaches, TFLOP/s (default: train.tflops, else 40 in fp32, 80 in bf16)")
+                    help="matmul throughput a step reaches, TFLOP/s (default: train.tflops, else spend.train_device's "
+                         "at the precision: 40 in fp32, 80 in bf16 on an rtx4090)")
     sp.add_argument("--json", action="store_true", help="the tables and the recommendation as JSON")
     sp.set_defaults(fn=cmd_plan_memory)
 
@@ -59,7 +61,6 @@ def plan(cfg, gpu_gb: float) -> dict:
     from bcdflow.models import model_plan
     from bcdflow.models.holding import choose_holding, recommend, recommend_state
     from bcdflow.models.memory import GB, device_budget, plan_visits, visit_memory
-    from bcdflow.models.specs import tflops_for
 
     mcfg = model_config(cfg)
     t, shape, split = cfg.train, cfg.step_shape(), cfg.bcd.split
@@ -84,7 +85,8 @@ def plan(cfg, gpu_gb: float) -> dict:
                       "line": budget.line()},
            "blocks": cfg.bcd.blocks, **({"boundaries": cfg.bcd.boundaries} if cfg.bcd.boundaries else {}),
            "full": dict(full.to_dict(), fits=full.peak <= budget.usable),
-           "pcie_gbs": t.pcie_gbs, "tflops": tflops_for(p, t.tflops), "stream_window": t.stream_window,
+           "pcie_gbs": shape.pcie_gbs, "tflops": shape.tflops, "stream_window": t.stream_window,
+           "card": cfg.spend.train_device,
            "recompute": cfg.bcd.recompute, "offload": shape.offload,
            "visits": visits(cfg.bcd.blocks, cfg.bcd.boundaries, cfg.bcd.vocab_blocks),
            "recommendation": {"blocks": rec.blocks, "host_bytes": rec.host_bytes, "worst_peak": rec.worst_peak,
@@ -127,6 +129,17 @@ def _plan_words(blocks: int, boundaries: list[int] | None) -> str:
     return f"bcd.boundaries=[{','.join(map(str, boundaries))}]" if boundaries else f"bcd.blocks={blocks}"
 
 
+def _rates_of(res: dict) -> str:
+    """Whose rates the time model used: the card kind's (``spend.train_device``), or those set over it."""
+    from bcdflow.models.specs import CARD_RATES
+
+    card = CARD_RATES.get(res["card"])
+    if card is None:
+        return "train.tflops, train.pcie_gbs"
+    given = [k for k, v in (("tflops", card.tflops(res["precision"])), ("pcie_gbs", card.pcie_gbs)) if res[k] != v]
+    return ", ".join(f"train.{k}" for k in given) + f", else {res['card']}'s" if given else f"{res['card']}'s rates"
+
+
 def table(res: dict) -> str:
     b = res["budget"]
     cap = b["usable"]
@@ -137,7 +150,8 @@ def table(res: dict) -> str:
              f"{res['stream_window']} stream slots): the layers it trains and holds, predicted GB of one training step "
              f"at its peak, how it holds its frozen layers, the pinned host GB and GB copied per step of those that "
              f"stream, the step's seconds all resident and as held (compute at {res['tflops']:g} TFLOP/s, copies at "
-             f"{res['pcie_gbs']:g} GB/s), the overhead, and the tokens per step from which the copies hide.", "",
+             f"{res['pcie_gbs']:g} GB/s: {_rates_of(res)}), the overhead, and the tokens per step from which the copies "
+             "hide.", "",
              f"{_plan_words(res['blocks'], res.get('boundaries'))} (this config):"]
     lines += _table(res["visits"], res["full"], cap)
     rec = res["recommendation"]

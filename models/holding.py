@@ -16,6 +16,8 @@ matrices, the forward again where recomputed; the head's input gradient is made 
 loss), and each copy the stream's slot plan makes (models/stream.SlotPlan) at ``pcie_gbs``, started when it is
 issued (the compute stream's work so far is done with the slot) and awaited by the layer that uses it. Two steps
 are simulated and the second is timed (the first fills the slots). The optimizer step is left out of both sides.
+Both rates are the shape's: a run's are its card kind's (``spend.train_device``, models/specs.CARD_RATES) or
+``train.tflops`` / ``train.pcie_gbs``, so the same visit times differently on a 4090 and an H100.
 """
 from __future__ import annotations
 
@@ -96,7 +98,7 @@ def step_time(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: Ste
               sizes: dict[int, int] | None = None) -> StepTime:
     """Predicted step time of a visit (``block`` None: full training), resident and with ``shape.streamed`` layers
     copied through ``shape.window`` slots (``sizes``: their flat bytes, ``Estimate.layer_sizes``); compute at
-    ``shape.tflops``, else the precision's (:func:`tflops_for`), copies at ``shape.pcie_gbs``."""
+    ``shape.tflops``, else the precision's on the default kind (:func:`tflops_for`), copies at ``shape.pcie_gbs``."""
     batch, seq, preinfer, freeze, window = shape.batch, shape.seq, shape.preinfer, shape.freeze, shape.window
     recompute, recompute_active = shape.recompute in ("on", "all"), shape.recompute == "all"
     streamed = shape.streamed or ()

@@ -5,27 +5,99 @@ config and the commands that only read a store import no torch):
     cfg.stop_rule(rate)     # StopRule: when a visit's step loop has converged (models/trainer.run_steps reads it)
     cfg.step_shape()        # StepShape: one training step as the planner sees it (models/memory.py, models/holding.py)
 
-and the time model's constants (:data:`PCIE_GBS`, :data:`TFLOPS`), which ``train.pcie_gbs`` and ``train.tflops``
-default to.
+and the time model's rates by card kind (:data:`CARD_RATES`; :data:`TFLOPS` and :data:`PCIE_GBS` are the default
+kind's), which ``spend.train_device`` chooses and ``train.tflops`` and ``train.pcie_gbs`` override.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from bcdflow.models.errors import ConfigError
 from bcdflow.models.optimizers import OPTIMIZERS
 
-PCIE_GBS = 25.0
-"""Host-to-device copy bandwidth a streamed layer gets, GB/s: PCIe 4.0 x16 in practice (an RTX 4090's bus)."""
-TFLOPS = {"fp32": 40.0, "bf16": 80.0}
-"""Matmul throughput a training step reaches, TFLOP/s, by ``train.precision``: about half an RTX 4090's dense peak
-in each (bf16 on tensor cores, 165; fp32 on the CUDA cores, 82.6: torch leaves TF32 off). ``train.tflops``
-overrides it; ``make gpu-check`` measures both on the card it runs on."""
+
+@dataclass(frozen=True)
+class CardRates:
+    """What the planner's time model assumes of one card kind: the dense matmul throughput a training step reaches,
+    TFLOP/s, by ``train.precision``, and the host-to-device copy bandwidth a streamed layer gets, GB/s."""
+    bf16: float
+    fp32: float
+    pcie_gbs: float
+
+    def tflops(self, precision: str) -> float:
+        """The throughput at ``precision`` (``bf16``; anything else computes in fp32)."""
+        return self.bf16 if precision == "bf16" else self.fp32
 
 
-def tflops_for(precision: str, tflops: float | None = None) -> float:
-    """The matmul throughput the time model uses: ``tflops`` where given, else :data:`TFLOPS` of the precision."""
-    return float(tflops) if tflops else TFLOPS.get(precision, TFLOPS["fp32"])
+DEFAULT_CARD = "rtx4090"
+"""The kind whose rates the time model uses where nothing names one (a bare ``StepShape``; ``core/spend.DEFAULT_KIND``
+is the same kind: a run priced by default is planned as one)."""
+CARD_RATES: dict[str, CardRates] = {
+    "rtx4090": CardRates(bf16=80.0, fp32=40.0, pcie_gbs=25.0),
+    "rtx3090": CardRates(bf16=35.0, fp32=17.5, pcie_gbs=25.0),
+    "a6000": CardRates(bf16=77.0, fp32=19.0, pcie_gbs=25.0),
+    "l40s": CardRates(bf16=181.0, fp32=46.0, pcie_gbs=25.0),
+    "a100": CardRates(bf16=156.0, fp32=9.75, pcie_gbs=25.0),
+    "a800": CardRates(bf16=156.0, fp32=9.75, pcie_gbs=25.0),
+    "h100": CardRates(bf16=495.0, fp32=33.5, pcie_gbs=50.0),
+    "h200": CardRates(bf16=495.0, fp32=33.5, pcie_gbs=50.0),
+}
+"""The time model's rates by card kind (the names ``spend.train_device`` and the price catalog use,
+``core/spend.DEFAULT_PRICES``; every priced kind has rates, and a kind here needs a price, ``spend.prices``, to be
+chosen). Throughput is about half the card's dense peak from its vendor's spec sheet (no sparsity), the share of
+peak a whole training step reaches (attention, norms, the optimizer, launches) and the time model's convention since
+its first rates: bf16 on the tensor cores with fp32 accumulation; fp32 on the CUDA cores, since torch leaves TF32 off
+(``torch.backends.cuda.matmul.allow_tf32`` is False by default and bcdflow never sets it). The copy bandwidth is the
+card's host link in practice: PCIe 4.0 x16 about 25 GB/s of its 32, PCIe 5.0 x16 about 50 of its 64.
+
+- ``rtx4090``: Ada whitepaper, bf16 165.2 (fp32 accumulate), fp32 82.6; PCIe 4.0. 80 / 40 / 25: the time model's
+  rates before they were by kind, so a default run plans as it did.
+- ``rtx3090``: Ampere GA102 whitepaper, bf16 71 (fp32 accumulate), fp32 35.6; PCIe 4.0.
+- ``a6000`` (RTX A6000): datasheet, tensor 309.7 with sparsity (154.8 dense), fp32 38.7; PCIe 4.0.
+- ``l40s``: datasheet, bf16 362 dense (733 with sparsity), fp32 91.6; PCIe 4.0.
+- ``a100`` (SXM4 or PCIe, 40 or 80 GB): datasheet, bf16 312 dense, fp32 19.5; the host link is PCIe 4.0 on both
+  boards (NVLink joins the GPUs, not the host).
+- ``a800``: the A100's export variant, the same compute and host link (only NVLink is slower: 400 GB/s).
+- ``h100`` (SXM5): datasheet, bf16 989 dense, fp32 67; PCIe 5.0. An H100 PCIe card is slower (bf16 756, fp32 51):
+  price it as a kind of its own with ``train.tflops`` and ``train.pcie_gbs``.
+- ``h200`` (SXM): the H100 SXM's compute (989, 67) with more and faster memory; PCIe 5.0.
+
+Measured rates. ``make gpu-check`` (benchmarks/gpu_check.py) measures on the card it runs on the host-to-device copy
+of a page-locked buffer (GB/s) and a bf16 and an fp32 matmul of a Llama-3-8B MLP's shape (TFLOP/s), prints them
+beside the rates assumed here, and times its measured visits with both (its "calibrated" rows). To plan a run with
+measured rates, put them in its config: ``train.pcie_gbs`` the copy's GB/s, ``train.tflops`` one figure at the run's
+``train.precision`` (e.g. ``--set train.tflops=400 --set train.pcie_gbs=52``). A matmul alone runs nearer the peak
+than a whole step (attention, norms and the optimizer are not in it), so a measured TFLOP/s predicts a step somewhat
+faster than it runs; the calibrated rows show by how much. Each override wins over its kind's rate; a kind not in
+this table (one priced only, ``spend.prices=[KIND=USD]``) needs both, else the config is refused naming
+``spend.train_device``.
+"""
+PCIE_GBS = CARD_RATES[DEFAULT_CARD].pcie_gbs
+"""Host-to-device copy bandwidth of the default kind, GB/s (PCIe 4.0 x16 in practice)."""
+TFLOPS = {"fp32": CARD_RATES[DEFAULT_CARD].fp32, "bf16": CARD_RATES[DEFAULT_CARD].bf16}
+"""Matmul throughput of the default kind by ``train.precision``, TFLOP/s (:data:`CARD_RATES`)."""
+
+
+def card_rates(kind: str) -> CardRates:
+    """:data:`CARD_RATES` of ``kind``; a kind with none is a ConfigError naming ``spend.train_device`` and the known
+    kinds (``RunConfig`` refuses such a config unless ``train.tflops`` and ``train.pcie_gbs`` are both set)."""
+    try:
+        return CARD_RATES[kind]
+    except KeyError:
+        raise ConfigError(f"spend.train_device: the time model has no rates for card kind {kind!r} (known: "
+                          f"{', '.join(CARD_RATES)}); set train.tflops and train.pcie_gbs (make gpu-check measures "
+                          "them) or use a known kind") from None
+
+
+def tflops_for(precision: str, tflops: float | None = None, kind: str = DEFAULT_CARD) -> float:
+    """The matmul throughput the time model uses: ``tflops`` where given, else ``kind``'s at ``precision``."""
+    return float(tflops) if tflops else card_rates(kind).tflops(precision)
+
+
+def pcie_gbs_for(pcie_gbs: float | None = None, kind: str = DEFAULT_CARD) -> float:
+    """The host-to-device bandwidth the time model uses: ``pcie_gbs`` where given, else ``kind``'s."""
+    return float(pcie_gbs) if pcie_gbs else card_rates(kind).pcie_gbs
 
 
 @dataclass(frozen=True)
@@ -61,8 +133,11 @@ class StepShape:
     parallel: str = "single"
     """``single`` (one process), ``ddp`` (the batch split over ``gpus`` replicas) or ``fsdp`` (sharded too)."""
     pcie_gbs: float = PCIE_GBS
+    """The time model's host-to-device bandwidth, GB/s (``RunConfig.step_shape``: ``spend.train_device``'s, or
+    ``train.pcie_gbs``)."""
     tflops: float | None = None
-    """The time model's matmul throughput (None: :data:`TFLOPS` of the precision)."""
+    """The time model's matmul throughput, TFLOP/s (``RunConfig.step_shape``: ``spend.train_device``'s at the
+    precision, or ``train.tflops``; None: :data:`TFLOPS` of the precision, the default kind's)."""
 
     @property
     def tokens(self) -> int:

@@ -192,3 +192,62 @@ def test_the_step_shape_is_the_runs():
     assert load_config(sets=["bcd.expand=off"]).step_shape().expand_rank == 0
     two = load_config(sets=["train.gpus=2"])  # several processes stream nothing; their no-grad passes may
     assert two.step_shape().offload == "off" and two.step_shape(no_grad=True).offload == "auto"
+
+
+def test_the_time_models_rates_are_the_training_cards_kind():
+    """``spend.train_device`` picks the planner's rates (models/specs.CARD_RATES) through ``RunConfig.step_shape``, so
+    recompute=auto, streaming and ``bcd.preinfer=auto`` weigh the card the run is priced as; ``train.tflops`` and
+    ``train.pcie_gbs`` each win over the kind's; the default kind plans as the time model always did (an RTX 4090's)."""
+    from bcdflow.models.specs import CARD_RATES, PCIE_GBS, TFLOPS
+
+    def shape(*sets):
+        return load_config(sets=list(sets)).step_shape()
+
+    d = shape()
+    assert (d.tflops, d.pcie_gbs) == (TFLOPS["fp32"], PCIE_GBS) == (40.0, 25.0)
+    assert RunConfig().train.pcie_gbs is None and RunConfig().train.tflops is None  # None: by kind
+    assert shape("train.precision=bf16").tflops == TFLOPS["bf16"] == 80.0
+    a100 = shape("spend.train_device=a100", "train.precision=bf16")
+    assert (a100.tflops, a100.pcie_gbs) == (CARD_RATES["a100"].bf16, 25.0) and a100.tflops >= 1.5 * 80
+    assert shape("spend.train_device=a100").tflops == CARD_RATES["a100"].fp32 < 40  # fp32 on CUDA cores, no TF32
+    h100 = shape("spend.prices=[h100=2.49]", "spend.train_device=h100", "train.precision=bf16")
+    assert h100.tflops > 3 * a100.tflops and h100.pcie_gbs == 50.0  # PCIe 5.0
+    over = shape("spend.train_device=a100", "train.precision=bf16", "train.tflops=123", "train.pcie_gbs=7")
+    assert (over.tflops, over.pcie_gbs) == (123.0, 7.0)
+    one = shape("spend.train_device=a100", "train.precision=bf16", "train.pcie_gbs=7")
+    assert (one.tflops, one.pcie_gbs) == (CARD_RATES["a100"].bf16, 7.0)
+
+
+def test_a_card_kind_without_rates_is_one_line_naming_spend_train_device(capsys):
+    """A kind priced but unknown to the time model (``spend.prices=[t4=0.35]``) is refused in one line naming
+    ``spend.train_device``, the known kinds and what to set (exit 2), unless both rates are given."""
+    from bcdflow.flows.cli import main
+    from bcdflow.models.specs import CARD_RATES
+
+    priced = ["spend.prices=[t4=0.35]", "spend.train_device=t4"]
+    for given in ([], ["train.tflops=30"], ["train.pcie_gbs=12"]):
+        with pytest.raises(ConfigError) as e:
+            load_config(sets=priced + given)
+        msg = str(e.value)
+        assert msg.startswith("spend.train_device:") and "\n" not in msg and "'t4'" in msg, msg
+        assert all(k in msg for k in CARD_RATES) and "train.tflops" in msg and "train.pcie_gbs" in msg, msg
+    s = load_config(sets=priced + ["train.tflops=30", "train.pcie_gbs=12"]).step_shape()
+    assert (s.tflops, s.pcie_gbs) == (30.0, 12.0)
+    assert main(["plan-memory", *[a for kv in priced for a in ("--set", kv)]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "spend.train_device:" in err[0] and "rtx4090" in err[0], err
+
+
+def test_a_run_stored_with_a_priced_only_kind_reads_back_with_the_rates_it_planned_with():
+    """Before the rates were by kind a run priced as any kind planned with an RTX 4090's; its stored config (rates
+    unset) still reads back, with those, and rates it stated stay its own."""
+    from bcdflow.core.config import stored_config
+
+    stored = RunConfig().model_dump(exclude={"store"})
+    stored["spend"].update(prices=["t4=0.35"], train_device="t4")
+    stored["train"].update(tflops=None, pcie_gbs=25.0)  # as such a run stored them
+    cfg = stored_config(stored, "config.json")
+    assert (cfg.train.tflops, cfg.train.pcie_gbs) == (40.0, 25.0)
+    stored["train"].update(tflops=30.0, pcie_gbs=12.0)
+    again = stored_config(stored, "config.json").train
+    assert (again.tflops, again.pcie_gbs) == (30.0, 12.0)

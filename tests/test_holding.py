@@ -265,3 +265,28 @@ def test_the_planner_recommends_the_lighter_state_where_it_halves_the_blocks():
     assert "optim.name=adamw8bit-bf16" in rec.line() and "fp32 AdamW needs bcd.blocks=8" in rec.hint
     assert all(h.estimate.peak <= budget.usable for h in rec.holdings)
     assert recommend_state(cfg, replace(BF16, optim="sgd"), budget).settings.get("optim.name") is None
+
+
+def test_plan_memory_times_a_visit_by_the_cards_kind(capsys):
+    """``plan-memory``'s step times are the card kind's (``spend.train_device``; models/specs.CARD_RATES): Llama-3-8B
+    at 2x1024 in bf16 on its own card, a 24 GB RTX 4090 and an 80 GB A100, at least 1.5x apart in every visit (a
+    4090's rates for every card made them one); the rates it used are in its output."""
+    import json
+
+    from bcdflow.flows.cli import main
+    from bcdflow.models.specs import CARD_RATES
+
+    def plan(kind: str, gpu_gb: str) -> dict:
+        sets = ["model.from_hf=benchmarks/shapes/llama-3-8b", "train.batch_size=2", "data.seq_len=1024",
+                "train.precision=bf16", "bcd.blocks=9", f"spend.train_device={kind}"]
+        assert main(["plan-memory", *[a for kv in sets for a in ("--set", kv)], "--gpu-gb", gpu_gb, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    rtx, a100 = plan("rtx4090", "24"), plan("a100", "80")
+    assert (rtx["tflops"], rtx["pcie_gbs"], rtx["card"]) == (80.0, 25.0, "rtx4090")
+    assert (a100["tflops"], a100["pcie_gbs"]) == (CARD_RATES["a100"].bf16, CARD_RATES["a100"].pcie_gbs)
+    assert all(v["fits"] for v in rtx["visits"] + a100["visits"])
+    ratios = [r["step_s"] / a["step_s"] for r, a in zip(rtx["visits"], a100["visits"])]
+    assert len(ratios) == 9 and min(ratios) >= 1.5, ratios
+    mean = [sum(v["step_s"] for v in p["visits"]) / 9 for p in (rtx, a100)]
+    assert mean[0] >= 1.5 * mean[1], mean

@@ -101,7 +101,7 @@ def test_rate_to_beat_is_the_other_blocks_last_rates():
 
 
 def test_stop_rule_precedence():
-    cfg = load_config(sets=["stop.target_val_loss=3.0", "spend.prices=[x=3600]", "spend.train_device=x",
+    cfg = load_config(sets=["stop.target_val_loss=3.0", "spend.prices=[a100=3600]", "spend.train_device=a100",
                             "spend.budget_usd=5"])
     # cycle 0: best 4.0; cycle 1 (complete): no better than 4.0; spent 6 > budget
     sp = cfg.spend
@@ -142,8 +142,8 @@ def test_every_stop_reason_is_said_in_words_where_it_is_defined():
     from bcdflow.core import rules
     from bcdflow.models import trainer
 
-    cfg = load_config(sets=["stop.target_val_loss=3.0", "stop.patience_cycles=1", "spend.prices=[x=3600]",
-                            "spend.train_device=x", "spend.budget_usd=5"])
+    cfg = load_config(sets=["stop.target_val_loss=3.0", "stop.patience_cycles=1", "spend.prices=[a100=3600]",
+                            "spend.train_device=a100", "spend.budget_usd=5"])
     sp = cfg.spend
     given = {stop_reason(cfg, [_v(sp, 0, 0, val=2.0)], 1)[0],  # each rule the run has, made to hold
              stop_reason(cfg, [_v(sp, 0, 0, val=4.0), _v(sp, 1, 0, val=4.0)], 1)[0],
@@ -166,7 +166,7 @@ def test_what_trains_a_stopped_run_further_is_keyed_by_the_rules_own_reasons():
     the reasons its rules give (flows/cli.py spelled the reasons again in a table of its own)."""
     from bcdflow.core.rules import FURTHER
 
-    cfg = load_config(sets=["stop.target_val_loss=3.0", "spend.prices=[x=3600]", "spend.train_device=x",
+    cfg = load_config(sets=["stop.target_val_loss=3.0", "spend.prices=[a100=3600]", "spend.train_device=a100",
                             "spend.budget_usd=5"])
     sp = cfg.spend
     stale = [_v(sp, 0, 0, train=1, val=4.0), _v(sp, 0, 1, train=1, val=4.2),

@@ -252,3 +252,25 @@ def test_status_shows_a_running_visits_activation_bytes_beside_the_plans(tiny_cf
         assert "activations in the store" in status_table(status_dict(store, "r"))
     finally:
         lease.release()
+
+
+def test_the_plans_rates_are_the_card_kinds():
+    """``bcdflow plan`` and ``bcd.preinfer=auto`` plan the training card at ``spend.train_device``'s TFLOP/s
+    (``train.tflops`` wins), pre-inference on the box at the box's, on GPUs of its own (a Dask fleet) at
+    ``spend.preinfer_device``'s, or the box's where that kind has no rates (priced only)."""
+    from bcdflow.core.runplan import default_rates
+    from bcdflow.models.specs import CARD_RATES
+
+    base = ["train.precision=bf16", "spend.prices=[rtx3090=0.13, t4=0.35]"]
+    r = default_rates(_cfg(*base))
+    assert r.train_tflops == r.preinfer_tflops == 80.0  # the default kind, as before
+    a100 = default_rates(_cfg(*base, "spend.train_device=a100"))
+    assert a100.train_tflops == a100.preinfer_tflops == CARD_RATES["a100"].bf16
+    fleet = default_rates(_cfg(*base, "spend.train_device=a100", "fleet.preinfer=dask",
+                               "spend.preinfer_device=rtx3090"))
+    assert fleet.preinfer_elsewhere and fleet.preinfer_tflops == CARD_RATES["rtx3090"].bf16
+    assert fleet.train_tflops == CARD_RATES["a100"].bf16
+    given = default_rates(_cfg(*base, "spend.train_device=a100", "train.tflops=200"))
+    assert given.train_tflops == given.preinfer_tflops == 200
+    unknown = default_rates(_cfg(*base, "fleet.preinfer=dask", "spend.preinfer_device=t4"))
+    assert unknown.preinfer_tflops == unknown.train_tflops == 80.0

@@ -68,7 +68,7 @@ def test_unset_gpu_counts_bill_what_the_run_uses():
 
 
 def test_budget_predicts_from_the_same_block_else_the_last_visit():
-    sp = load_config(sets=["spend.prices=[x=3600]", "spend.train_device=x", "spend.budget_usd=10"]).spend
+    sp = load_config(sets=["spend.prices=[a100=3600]", "spend.train_device=a100", "spend.budget_usd=10"]).spend
     # $1 per train-second: visits of block 0 cost 3, block 1 costs 1
     visits = [_v(sp, 0, 0, train=3), _v(sp, 0, 1, train=1)]
     assert spend.predicted_cost(visits, 0) == pytest.approx(3)
@@ -84,7 +84,7 @@ def test_budget_predicts_from_the_same_block_else_the_last_visit():
 
 
 def test_curve_is_cumulative_and_costs_intermediate_points_pro_rata():
-    sp = load_config(sets=["spend.prices=[x=3600]", "spend.train_device=x"]).spend
+    sp = load_config(sets=["spend.prices=[a100=3600]", "spend.train_device=a100"]).spend
     visits = [_v(sp, 0, 0, train=10, steps=10, step_end=10, tokens=100, seconds=12, val=4.0),
               _v(sp, 1, 0, train=20, steps=20, step_end=30, tokens=200, seconds=22, val=3.0,
                  val_points=[[15, 3.5], [30, 2.9]])]
@@ -186,3 +186,11 @@ def test_budget_stops_cleanly_and_resume_with_more_budget_finishes(tiny_cfg, pre
     assert cum == pytest.approx(list(itertools.accumulate([x.spend_usd for x in visits])))
     assert math.isclose(out["spend_usd"], cum[-1])
 
+
+def test_every_priced_kind_has_the_time_models_rates():
+    """A kind of the price catalog is one the planner can time (models/specs.CARD_RATES), the default kind included;
+    the rates know more kinds than the paper priced (an H100 is priced by the run)."""
+    from bcdflow.models.specs import CARD_RATES, DEFAULT_CARD
+
+    assert set(spend.DEFAULT_PRICES) <= set(CARD_RATES) and spend.DEFAULT_KIND == DEFAULT_CARD
+    assert {"h100", "h200"} <= set(CARD_RATES) - set(spend.DEFAULT_PRICES)
