@@ -141,7 +141,8 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
     (DTensor) gradient norms are gathered whole. ``progress(step, tokens, loss)`` is called once before the first
     step (the starting point, ``loss`` None) and after every step, with the last synced window's mean loss, or before
     the first window the last step's loss as a 0-dim tensor: a live display, which must throttle itself (reading
-    that tensor syncs a GPU, so it reads it only when it draws).
+    that tensor syncs a GPU, so it reads it only when it draws); and once more when the loop ends, whatever ended it,
+    with ``final_loss`` (the visit's ``train_loss``).
     ``global_step``: the run's steps before this loop's first (the learning-rate schedule's clock). ``extra``: more
     parameters ``optimizer`` trains (``bcd.expand``'s adapters), their gradients clipped apart from ``params``'.
     """
@@ -230,6 +231,8 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             break
     if pending and res.stopped_by != "interrupted":
         res.losses.extend(synced())
+    if progress:  # the loop's last figures whatever ended it (a stop verdict breaks before the call above): its
+        progress(res.steps, res.tokens, res.final_loss if res.losses else None)  # train_loss, as the visit records it
     res.seconds = before + clock() - t0
     return res
 

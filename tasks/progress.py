@@ -17,7 +17,9 @@ Where it shows:
 - **the Prefect UI**: with ``artifact=True``, a progress artifact of the visit's flow run, moved every 10 s from a
   background thread (one update in flight at most; a failure is logged once and never stops training), at a whole
   percent; ``finish`` gives it the stage's real end (a visit that stopped early at 29 of 60 steps is done, at 100%,
-  with the steps it took and why it stopped in words), never the last throttled update.
+  with the steps it took and why it stopped in words), never the last throttled update, and in log mode writes the
+  same as the stage's last log line. Its loss is the loop's ``final_loss`` (``run_steps`` reports it when the loop
+  ends, whatever ended it): the visit's ``train_loss``, as the visits table and MLflow show it.
 
 ``BCDFLOW_PROGRESS=bar|log|off`` overrides the choice of the first two. Per step the cost is one clock read and a
 comparison. The loss is the last window's mean, already on the host; before the first window it is the last step's
@@ -176,7 +178,8 @@ class Progress:
     def finish(self, done: int, why: str) -> str:
         """The stage ended for good after ``done`` of its ``total`` (a visit: its steps; ``why``: why it stopped, in
         words): the artifact goes to 100% with that as its description (created now where the loop never made one:
-        a visit trained by torchrun's processes). Returns the description. Call after :meth:`close`."""
+        a visit trained by torchrun's processes), and in log mode it is the last log line. Returns the description.
+        Call after :meth:`close`."""
         self.close()
         s = self._final or {}
         figures = [f"loss {s['loss']:.4f}"] if s.get("loss") is not None else []
@@ -186,6 +189,9 @@ class Progress:
             figures += [f"{hms(s['elapsed_s'])} elapsed", f"run ${s['spend_usd']:.4f}"]
         desc = f"{self.label}: done, {done} of {self.total} {self.unit} ({why})" + \
             (f"; {', '.join(figures)}" if figures else "")
+        if self.mode == "log":  # the log's last line: the stage's real end (the throttled lines may stop well short)
+            self.log.info("%s", desc)
+            self.lines += 1
         if self._artifact_on:
             if self._artifact_id is None:
                 self._artifact_id = self._guard(self._create, 100, desc)

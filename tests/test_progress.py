@@ -48,7 +48,7 @@ def test_progress_callback_fires_with_monotone_steps_and_a_time_left_estimate():
 
     res = _loop(spy, clock=clock)
     steps = [s for s, *_ in seen]
-    assert steps == list(range(0, 13))  # the starting point, then every step
+    assert steps == list(range(0, 13)) + [12]  # the starting point, every step, then the loop's end
     assert all(a <= b for a, b in zip(steps, steps[1:]))
     # a loss from the first step on: that step's own (a tensor, read only when drawn) until the first window is
     # synced, then the window's mean
@@ -59,7 +59,7 @@ def test_progress_callback_fires_with_monotone_steps_and_a_time_left_estimate():
     assert [t for _, t, *_ in seen][:3] == [0, 6, 12] and res.tokens == 72
     snap = seen[6][3]  # 6 steps in 3 s: 2 steps/s, 6 steps to go
     assert snap["left_s"] == pytest.approx(3.0) and snap["tokens_per_s"] == pytest.approx(12.0)
-    assert seen[-1][3]["left_s"] == 0
+    assert seen[-1][3]["left_s"] == 0 and seen[-1][2] == res.final_loss  # its end: the loop's final loss
     assert hms(snap["left_s"]) == "0:00:03"
 
 
@@ -165,6 +165,45 @@ def test_off_shows_nothing(monkeypatch, caplog):
     with caplog.at_level(logging.INFO):
         _loop(prog)
     assert prog.lines == 0 and prog._bar is None
+
+
+@pytest.mark.parametrize("ending", ["plateau", "max_steps", "interrupted"])
+def test_the_last_progress_is_the_loops_end_whatever_ended_it(ending):
+    """Issue 45: a visit stopped by its stop rule (the adaptive budget, a plateau) broke out of the loop before the
+    step's progress call, so the artifact and the live line kept the window before's loss (5.6349 against the
+    visit's 5.6169) and the log had no last line. Now the last call is at the loop's last step with its final loss
+    (the visit's train_loss), and ``finish`` writes the stage's last log line with that loss."""
+    clock = FakeClock()
+    log = logging.getLogger("test.progress.end")
+    stream = io.StringIO()
+    log.addHandler(logging.StreamHandler(stream))
+    log.setLevel(logging.INFO)
+    prog = Progress("c0-b1 train", 12, tty=False, log=log, every_s=1e9, clock=clock)
+    calls = []
+
+    def spy(step, tokens, loss):
+        prog(step, tokens, loss)
+        calls.append((step, None if loss is None else float(loss)))
+
+    w = torch.nn.Parameter(torch.ones(1))
+    spec = OptimSpec("sgd", lr=0.0, grad_clip=0.0)
+    values = iter([5.0 - 0.1 * i + (0.05 if i % 2 else 0.0) for i in range(12)])  # falling, uneven: each mean its own
+
+    def loss_fn(b):
+        clock.t += 0.5
+        return (w * 0).sum() + next(values)
+
+    stop = StopRule(max_steps=12, window=4, patience=2 if ending == "plateau" else 0, min_delta=10.0)
+    res = run_steps(loss_fn, [w], itertools.repeat(torch.zeros(1, 3, dtype=torch.long)), make_optimizer([w], spec),
+                    spec, stop, progress=spy, should_stop=(lambda: len(calls) > 6) if ending == "interrupted" else None)
+    assert res.stopped_by == ending and res.steps == {"plateau": 8, "max_steps": 12, "interrupted": 6}[ending]
+    assert calls[-1] == (res.steps, pytest.approx(res.final_loss))
+    if ending != "interrupted":
+        assert res.final_loss != pytest.approx(sum(res.losses[-4:]) / 4)  # not the last window's mean
+    prog.close()
+    desc = prog.finish(res.steps, f"stopped by {ending}")
+    assert f"loss {res.final_loss:.4f}" in desc
+    assert stream.getvalue().splitlines()[-1] == desc  # the log's last line: the stage's real end
 
 
 def test_counted_batches_carry_their_trained_tokens_and_the_loop_sums_them():
