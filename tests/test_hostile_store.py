@@ -397,6 +397,48 @@ def test_the_tracking_uri_environment_and_an_unreachable_server(tmp_path, capsys
     assert not (tmp_path / "store").exists()
 
 
+def test_a_tracking_uri_that_cannot_work_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """An unknown scheme, a folder (MLflow 3's refused file store), a SQLite path that is a folder, below a file, not a
+    database or not writable, and an HTTP server that answers but is not MLflow: each was found after the run was
+    created (or after minutes of MLflow's retries). Now each is one line naming ``tracking_uri``, exit 2, no store."""
+    import functools
+    import http.server
+    import threading
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "text.db").write_text("not a database, only text")
+    class Quiet(http.server.SimpleHTTPRequestHandler):  # a plain web server: files, and 404 for the rest
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path /
+                                                                                                          "folder")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cases = {"foo://x": "'foo://x' has a scheme MLflow does not track to ('foo'",
+             str(tmp_path / "folder"): "is a folder (MLflow's file store",
+             f"file://{tmp_path / 'folder'}": "is a folder (MLflow's file store",
+             f"sqlite:///{tmp_path / 'folder'}": "is a folder, not a SQLite file",
+             f"sqlite:///{tmp_path / 'afile' / 'mlflow.db'}": f"is below {tmp_path / 'afile'}, a file",
+             f"sqlite:///{tmp_path / 'text.db'}": "is not a SQLite database",
+             f"http://127.0.0.1:{server.server_address[1]}": "answers, but not as an MLflow tracking server (its REST "
+                                                             "API answered HTTP 404"}
+    if os.geteuid() != 0:  # root writes any file whatever its mode
+        (tmp_path / "ro.db").write_bytes(b"")
+        (tmp_path / "ro.db").chmod(0o444)
+        cases[f"sqlite:///{tmp_path / 'ro.db'}"] = "cannot be written"
+    try:
+        for uri, words in cases.items():
+            sets = [a for s in [*TINY, f"tracking_uri={uri}"] for a in ("--set", s)]
+            line = _refused(capsys, ["train", *sets, "--store", str(tmp_path / "store")], words, code=2)
+            assert line.startswith("bcdflow: error: tracking_uri: "), line
+            assert not (tmp_path / "store").exists(), uri
+    finally:
+        server.shutdown()
+    assert (tmp_path / "text.db").read_text() == "not a database, only text"
+
+
 def test_a_prefect_home_that_cannot_be_written_is_one_line_naming_the_variable(tmp_path):
     """Prefect's temporary server retried for minutes when its home could not be created."""
     (tmp_path / "afile").write_text("x")

@@ -213,21 +213,123 @@ class Tracker:
             self.client.set_terminated(run_id, status=status)
 
 
+# the tracking URI schemes MLflow itself serves (its tracking store registry; plugins add theirs by entry point)
+_SCHEMES = {"http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc"}
+
+
 def check_reachable(uri: str, setting: str = "tracking_uri") -> None:
-    """BadInput (exit 2, before anything is written) when ``uri`` is a tracking server (http/https) that does not
-    answer; ``setting`` names where the URI came from. Any HTTP answer will do; other backends (a SQLite file, a
-    folder) need no server."""
-    if not uri.startswith(("http://", "https://")):
+    """BadInput (exit 2, before anything is written, and before MLflow retries for minutes) when ``uri`` cannot work
+    as the run's tracking backend; ``setting`` names where the URI came from. Nothing is created or written here:
+    an unknown scheme (none of MLflow's, nor a plugin's); a folder or ``file:`` URI (MLflow 3's file store, refused
+    by MLflow unless ``MLFLOW_ALLOW_FILE_STORE`` is set); a SQLite path that is a folder, below a file, not a SQLite
+    database or not writable; an http(s) address that does not answer, or answers but not as an MLflow tracking
+    server (its REST API, asked for an experiment by name). Network databases (postgresql, ...) are left to MLflow."""
+    if not uri or uri.lower() == "none":
         return
-    import httpx
+    from urllib.parse import urlparse
 
     from bcdflow.errors import BadInput
 
+    shown = uri if len(uri) <= 200 else uri[:200] + "..."
+
+    def refuse(why: str) -> None:
+        raise BadInput(f"{setting}: {why}; set tracking_uri=sqlite:///PATH/mlflow.db, http(s)://SERVER, or none to "
+                       "train without tracking")
+
     try:
-        httpx.get(uri.rstrip("/") + "/health", timeout=5.0)
+        scheme = urlparse(uri).scheme.lower()
+    except ValueError as e:  # a malformed address (an unclosed IPv6 bracket)
+        refuse(f"{shown!r} is not a URI ({e})")
+    scheme = "" if len(scheme) == 1 else scheme.split("+", 1)[0]  # a Windows drive; a database's driver
+    if uri in ("databricks", "databricks-uc", "uc"):
+        return
+    if scheme in ("", "file"):
+        if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+            refuse(f"{shown!r} is a folder (MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE"
+                   "=true)")
+        _check_writable(uri.removeprefix("file://"), refuse, shown, folder=True)
+        return
+    if scheme not in _SCHEMES:
+        from importlib.metadata import entry_points
+
+        if scheme not in {e.name for e in entry_points(group="mlflow.tracking_store")}:
+            refuse(f"{shown!r} has a scheme MLflow does not track to ({scheme!r}; it knows "
+                   f"{', '.join(sorted(_SCHEMES))})")
+        return
+    if scheme == "sqlite":
+        path = uri.split("?", 1)[0][len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+        if path and path != ":memory:":
+            _check_sqlite(path, refuse, shown)
+        return
+    if scheme in ("http", "https"):
+        _check_server(uri, refuse, shown)
+
+
+def _check_writable(path: str, refuse, shown: str, folder: bool) -> str | None:
+    """``path`` (a SQLite file, or with ``folder`` a file store's folder) can be made or written: it is there and of
+    its kind (returned), or the nearest folder above it that is there can be written (None)."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path):
+        if os.path.isdir(path) != folder:
+            refuse(f"{shown!r} is {'a file, not a folder' if folder else 'a folder, not a SQLite file'}")
+        return path
+    at = os.path.dirname(path)
+    while not os.path.exists(at) and at != os.path.dirname(at):
+        at = os.path.dirname(at)
+    if not os.path.isdir(at):
+        refuse(f"{shown!r} is below {at}, a file")
+    if not os.access(at, os.W_OK | os.X_OK):
+        refuse(f"{shown!r} cannot be made: its folder {at} is not writable")
+    return None
+
+
+def _check_sqlite(path: str, refuse, shown: str) -> None:
+    """A SQLite tracking file: a folder or below a file is refused, and one that is there must be a SQLite database
+    this process can write (a write transaction begun and rolled back: nothing changes)."""
+    import sqlite3
+
+    if (found := _check_writable(path, refuse, shown, folder=False)) is None:
+        return
+    try:
+        con = sqlite3.connect(f"file:{found}?mode=rw", uri=True, timeout=5.0)
+    except sqlite3.Error as e:
+        refuse(f"{shown!r} cannot be opened for writing ({e})")
+    try:
+        con.execute("PRAGMA schema_version").fetchone()  # reads the header: a file that is no database says so
+        con.execute("BEGIN IMMEDIATE")  # takes the write lock, as MLflow's first write would
+        con.execute("ROLLBACK")
+    except sqlite3.OperationalError as e:
+        if "locked" not in str(e) and "busy" not in str(e):  # another writer now (an MLflow server): it is writable
+            refuse(f"{shown!r} cannot be written ({e})")
+    except sqlite3.DatabaseError as e:
+        refuse(f"{shown!r} is not a SQLite database ({e})")
+    finally:
+        con.close()
+
+
+def _check_server(uri: str, refuse, shown: str) -> None:
+    """An MLflow tracking server answers its REST API (a lookup of an experiment by name: JSON, found or not); any
+    other answer is another server. An answer that asks for credentials (401, 403) cannot be told apart: passed."""
+    import httpx
+
+    url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/get-by-name"
+    try:
+        r = httpx.get(url, params={"experiment_name": "bcdflow"}, timeout=5.0)
     except httpx.TransportError as e:
-        raise BadInput(f"{setting}: the MLflow tracking server {uri} does not answer ({type(e).__name__}): start it, "
-                       "or set tracking_uri=none to train without tracking") from None
+        refuse(f"the MLflow tracking server {shown} does not answer ({type(e).__name__}): start it")
+    except httpx.HTTPError as e:  # an address httpx cannot ask (a malformed host or port)
+        refuse(f"{shown!r} is not an address a tracking server answers on ({type(e).__name__})")
+    if r.status_code in (401, 403):
+        return
+    try:
+        body = r.json()
+        ok = isinstance(body, dict) and ("experiment" in body or "error_code" in body)
+    except ValueError:
+        ok = False
+    if not ok:
+        kind = r.headers.get("content-type", "").split(";")[0] or "no content type"
+        refuse(f"{shown} answers, but not as an MLflow tracking server (its REST API answered HTTP {r.status_code}, "
+               f"{kind})")
 
 
 @dataclass(frozen=True)
