@@ -259,6 +259,9 @@ class BcdSection(_Section):
         return v
 
 
+MIN_LR = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny: the smallest rate fp32 holds as a normal number
+
+
 class OptimSection(_Section):
     name: OptimName = "adamw"
     """The optimizer of the active block (paper §4.2.1; models/optimizers.py)."""
@@ -289,6 +292,16 @@ class OptimSection(_Section):
     the adapters' rank (None = 8)."""
     lisa_layers: int = Field(1, ge=1)
     """``lisa``: decoder layers sampled per period (gamma; LMFlow's 1)."""
+
+    @field_validator("lr")
+    @classmethod
+    def _lr(cls, v: float | None) -> float | None:
+        # the rate is applied in fp32: below its smallest normal number it is 0 or subnormal there (1e-310 trained
+        # nothing, or made a NaN on every attempt), so it is refused before anything is written
+        if v is not None and v < MIN_LR:
+            raise ValueError(f"{v:g} is below {MIN_LR:.4g}, the smallest normal fp32 number (a rate is applied in "
+                             "fp32, where a smaller one is 0 or subnormal); typical rates are 1e-5 to 1e-2")
+        return v
 
 
 class TrainSection(_Section):

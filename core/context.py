@@ -28,7 +28,7 @@ from bcdflow.core.config import RunConfig
 from bcdflow.errors import BadInput
 from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
-from bcdflow.models.build import materialize, param_sizes
+from bcdflow.models.build import materialize, param_shapes, param_sizes
 from bcdflow.models.model_config import ModelConfig, get_config
 from bcdflow.models.holding import Holding, choose_holding, fit_holding, no_grad_holding
 from bcdflow.models.memory import (CONTEXT_BYTES, GB, Budget, NoGradPass, device_budget, host_phases, no_grad_memory,
@@ -174,6 +174,12 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False, store: Store | None = No
     # (models/light.py): its package, one process, a device and precision it runs with
     OPTIMIZERS[cfg.optim.name].check(cfg.optim.name, cfg.n_blocks, cfg.train.gpus,
                                      resolve_device(cfg.train.device).type, cfg.train.precision)
+    if OPTIMIZERS[cfg.optim.name].peer:  # its settings against the model: LISA's layers, a rank (models/peers.py)
+        from bcdflow.models import peers
+
+        mcfg = model_config(cfg)
+        peers.check_model(cfg.optim.name, cfg.optim.rank, cfg.optim.lisa_layers, mcfg.n_layer,
+                          param_shapes(mcfg.replace(n_layer=1)))
     if not cfg.fleet.visit_pool:
         check_gpus(cfg)  # the device, and train.gpus against this machine
         check_model_size(cfg)  # before the plan's fit: a model no machine builds says so, not its host peak

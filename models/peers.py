@@ -64,6 +64,30 @@ def require(name: str) -> None:
                           f"pip install 'bcdflow[{EXTRA}]' (with -c constraints.txt)")
 
 
+RANKED = {"galore": "projects", "apollo": "projects", "lora": "adapts"}  # the peers that take optim.rank
+
+
+def check_model(name: str, rank: int | None, lisa_layers: int, n_layer: int,
+                shapes: dict[str, tuple[int, ...]]) -> None:
+    """A peer's settings against the model it trains, before a run writes anything (they were found by LISA's
+    constructor in the first visit, or by the allocator on every attempt): ``optim.lisa_layers`` at most the decoder
+    layers (``n_layer``); ``optim.rank`` at most the smallest dimension of the decoder layers' matrices it projects
+    (GaLore, APOLLO) or adapts (LoRA): past it the projection or the adapters are no longer low rank, and take more
+    memory than the matrix (``shapes``: parameter name -> shape, one decoder layer is enough)."""
+    if name == "lisa" and lisa_layers > n_layer:
+        raise ConfigError(f"optim.lisa_layers: {lisa_layers} sampled layers, but the model has {n_layer} (at most "
+                          f"{n_layer})")
+    if rank is None or name not in RANKED:
+        return
+    mats = {n: s for n, s in shapes.items() if layer_of(n) is not None and len(s) == 2}
+    if not mats:
+        return
+    smallest, shape = min(mats.items(), key=lambda kv: min(kv[1]))
+    if rank > min(shape):
+        raise ConfigError(f"optim.rank: {rank} is past the matrices {name} {RANKED[name]} (the smallest, {smallest}, "
+                          f"is {shape[0]} x {shape[1]}): at most {min(shape)}, a low rank is a fraction of it")
+
+
 def layer_of(name: str) -> int | None:
     """The decoder layer a parameter belongs to (``h.{i}.*``), or None (embeddings, final norm, head)."""
     m = _LAYER.match(name)

@@ -74,6 +74,7 @@ BAD = [
     (["train", "--set", "checkpoint.every_seconds=1e12"], "checkpoint.every_seconds: Input should be less than or"),
     (["train", "--set", "fleet.poll_seconds=inf"], "fleet.poll_seconds: Input should be"),
     (["train", "--set", "fleet.reschedule_delay_s=1e300"], "fleet.reschedule_delay_s: Input should be less than"),
+    (["train", "--set", "optim.lr=1e-310"], "optim.lr: 1e-310 is below 1.175e-38, the smallest normal fp32 number"),
 ]
 
 
@@ -88,6 +89,27 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, args,
     assert line.startswith("bcdflow: error: ") and message in line, line
     assert "resume" not in line
     assert not store.exists()
+
+
+PEER_PAST_MODEL = {  # a peer's setting past the model: found by LISA's constructor or the allocator, in the run
+    "lisa layers past the model's": (["optim.name=lisa", "optim.lisa_layers=99"],
+                                     "optim.lisa_layers: 99 sampled layers, but the model has"),
+    "a LoRA rank past its matrices": (["optim.name=lora", "optim.rank=1000000"],
+                                      "optim.rank: 1000000 is past the matrices lora adapts"),
+    "a GaLore rank past its matrices": (["optim.name=galore", "optim.rank=65"],
+                                        "optim.rank: 65 is past the matrices galore projects"),
+}
+
+
+@pytest.mark.parametrize("sets,message", PEER_PAST_MODEL.values(), ids=PEER_PAST_MODEL.keys())
+def test_a_peer_setting_past_the_model_is_refused_before_the_run_is_made(tmp_path, capsys, sets, message):
+    """A baseline peer whose ``optim.lisa_layers`` or ``optim.rank`` the model cannot take: one line naming the key,
+    exit 2, nothing written (it was found in the first visit, after the run was created, or as memory on every
+    attempt)."""
+    assert main(["baseline", *_sets(*sets), "--store", str(tmp_path / "s")]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("bcdflow: error: ") and message in line, line
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
