@@ -146,13 +146,17 @@ STOP_WORDS = {
     BUDGET: "the next visit's predicted spend would exceed what is left of spend.budget_usd",
     CYCLES: "every planned cycle (bcd.cycles) is done",
 }
+# a baseline (mode "full") is one visit of up to train.steps steps: it has no cycles of its own to speak of
+BASELINE_STOP_WORDS = {CYCLES: "its one visit is done (train.steps steps, or fewer where train.patience found a "
+                                       "plateau)"}
 FURTHER = {TARGET: "--set stop.target_val_loss=<lower>", NO_IMPROVEMENT: "--set stop.patience_cycles=<more, or 0>",
            BUDGET: "--set spend.budget_usd=<more>", CYCLES: "--set bcd.cycles=<more>"}
 
 
-def stop_words(reason: str) -> str:
-    """A run's stop ``reason`` said in words (an unknown one as it is)."""
-    return STOP_WORDS.get(reason, reason)
+def stop_words(reason: str, mode: str = "bcd") -> str:
+    """A run's stop ``reason`` said in words (an unknown one as it is); ``mode``: the run's, a baseline ("full") says
+    its own keys."""
+    return (mode == "full" and BASELINE_STOP_WORDS.get(reason)) or STOP_WORDS.get(reason, reason)
 
 
 def stale_cycles(visits: list[VisitRecord], n_blocks: int, min_delta: float = 0.0) -> int:
@@ -187,6 +191,9 @@ def stop_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int,
     return None
 
 
-def end_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int) -> tuple[str, str]:
-    """Why a run whose loop ended stopped: a rule of :func:`stop_reason`, else every cycle was done."""
-    return stop_reason(cfg, visits, n_blocks) or (CYCLES, f"{cfg.bcd.cycles} cycle(s) done")
+def end_reason(cfg: RunConfig, visits: list[VisitRecord], n_blocks: int, mode: str = "bcd") -> tuple[str, str]:
+    """Why a run whose loop ended stopped: a rule of :func:`stop_reason`, else every cycle was done (a baseline,
+    ``mode`` "full": its steps of ``train.steps``, which its config carries as ``bcd.max_steps``)."""
+    done = f"{sum(v.steps for v in visits)} of train.steps={cfg.bcd.max_steps} steps trained" if mode == "full" else \
+        f"{cfg.bcd.cycles} cycle(s) done"
+    return stop_reason(cfg, visits, n_blocks) or (CYCLES, done)

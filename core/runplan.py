@@ -59,6 +59,27 @@ HEADER_BYTES = 256
 """A safetensors header's bytes per tensor (models/memory.file_bytes)."""
 
 
+def duration_text(s: float) -> str:
+    """Seconds for a person: hours from 0.01 h (``1.25 h``), else seconds, a sub-second one with a digit (``0.3s``,
+    ``<0.1s``), so a small run's plan does not read ``0s`` everywhere; nothing at all is ``0s``."""
+    if s >= 36:
+        return f"{s / 3600:,.2f} h"
+    return "0s" if s <= 0 else "<0.1s" if s < 0.05 else f"{s:.1f}s" if s < 9.95 else f"{s:.0f}s"
+
+
+def small_text(x: float, digits: int = 2) -> str:
+    """A positive figure below 0.01 with two significant digits, in fixed point (``0.00031``, not ``3.1e-04``)."""
+    return f"{x:.{max(digits, 1 - math.floor(math.log10(x)))}f}"
+
+
+def usd_text(x: float) -> str:
+    """Dollars for a person: cents from a cent on (``$1,234.50``), else two significant digits (``$0.00031``) or
+    ``<$0.000001``, so a small run's plan does not read ``$0.00`` everywhere; nothing at all is ``$0.00``."""
+    if x >= 0.01 or x <= 0:
+        return f"${max(x, 0.0):,.2f}"
+    return "<$0.000001" if x < 1e-6 else f"${small_text(x)}"
+
+
 class PlanInputError(BadInput):
     """A dataset size, rate or price that is not a positive finite number."""
 
@@ -348,8 +369,8 @@ def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Da
     on, off = _visit(cfg, figs, bf, ds, rates, True), _visit(cfg, figs, bf, ds, rates, False)
 
     def words(a: VisitPlan, b: VisitPlan) -> str:
-        return (f"pre-inference {on.wall_s / 3600:.2f} h ${on.gpu_usd:.2f} (writes {on.written / GB:.1f} GB), "
-                f"prefix on the card {off.wall_s / 3600:.2f} h ${off.gpu_usd:.2f}")
+        return (f"pre-inference {duration_text(on.wall_s)} {usd_text(on.gpu_usd)} (writes {on.written / GB:.1f} GB), "
+                f"prefix on the card {duration_text(off.wall_s)} {usd_text(off.gpu_usd)}")
 
     if setting == "auto":
         tie = abs(on.wall_s - off.wall_s) <= TIE * max(on.wall_s, off.wall_s)

@@ -44,10 +44,10 @@ def visit_table(visits: list[VisitRecord]) -> list[dict]:
             for v in visits]
 
 
-def stop_legend(visits: list[VisitRecord]) -> str:
+def stop_legend(visits: list[VisitRecord], mode: str = "bcd") -> str:
     """What each "stopped by" of the table means, in words (a sentence does not fit a table cell)."""
     reasons = dict.fromkeys(v.stopped_by for v in visits)
-    return "; ".join(f"**{r}**: {stop_words(r)}" for r in reasons)
+    return "; ".join(f"**{r}**: {stop_words(r, mode)}" for r in reasons)
 
 
 def _publish(fn, *args, **kwargs):
@@ -79,8 +79,8 @@ class RunArtifacts:
     place. Keys are ``{run-id}-{store}-{what}`` with a short hash of the store's URL: a run id is unique within
     its store, not across the stores that share one Prefect server."""
 
-    def __init__(self, run_id: str, store_url: str, total_visits: int):
-        self.run_id, self.total = run_id, max(total_visits, 1)
+    def __init__(self, run_id: str, store_url: str, total_visits: int, mode: str = "bcd"):
+        self.run_id, self.total, self.mode = run_id, max(total_visits, 1), mode
         self.scope = hashlib.sha256(store_url.encode()).hexdigest()[:6]
 
     def key(self, what: str) -> str:
@@ -98,9 +98,9 @@ class RunArtifacts:
 
         desc = f"Visits of run `{self.run_id}`: {len(visits)} committed, ${sum(v.spend_usd for v in visits):.4f} spent"
         if stop_reason:
-            desc += f"; the run stopped ({stop_reason}): {run_stop_words(stop_reason)}"
+            desc += f"; the run stopped ({stop_reason}): {run_stop_words(stop_reason, self.mode)}"
         if visits:
-            desc += f". A visit stopped by {stop_legend(visits)}."
+            desc += f". A visit stopped by {stop_legend(visits, self.mode)}."
         table, key = visit_table(visits), self.key("visits")
         _publish(_upsert, key, TableArtifact(table=table).format(), desc,
                  lambda d: create_table_artifact(table, key=key, description=d))

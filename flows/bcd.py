@@ -95,7 +95,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
         state = note_state(cfg, run_id, run_fence, mlflow_run_id=parent)
         tracker.dataset(parent, **training_dataset(cfg.data, ctx.dataset))
     visits = list(state.visits)
-    art = artifacts.RunArtifacts(run_id, store.url, cfg.bcd.cycles * n_blocks)
+    art = artifacts.RunArtifacts(run_id, store.url, cfg.bcd.cycles * n_blocks, mode)
     art.link(tracker.run_url(parent), f"MLflow run of {run_id}")
     art.progress(len(visits))
     done = state.done_visits
@@ -125,7 +125,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
                                              "cycle_cum_spend_usd": rec.cum_spend_usd}, rec.step_end)
             if stop:
                 break
-        stop = stop or end_reason(cfg, visits, n_blocks)
+        stop = stop or end_reason(cfg, visits, n_blocks, mode)
     except BaseException:
         tracker.end(parent, "FAILED")
         raise
@@ -137,7 +137,8 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
     tracker.summary(parent, {"stop_reason": reason, "stop_detail": detail, "version": version, "total_steps": steps,
                              "wall_seconds": wall, "spend_usd": total_usd, "gpu_hours": gpu_hours,
                              "val_loss": visits[-1].val_loss if visits else None},
-                    f"Run `{run_id}` ({mode}) stopped ({reason}): {stop_words(reason)} ({detail}). Version {version} "
+                    f"Run `{run_id}` ({mode}) stopped ({reason}): {stop_words(reason, mode)} ({detail}). "
+                    f"Version {version} "
                     f"after {len(visits)} visits: {steps} steps, val loss "
                     f"{visits[-1].val_loss if visits else float('nan'):.4f}, ${total_usd:.4f}, {gpu_hours:.4f} GPU-h "
                     f"(this session {wall:.0f} s). Each visit is a child run; each committed version a logged model "
@@ -148,13 +149,13 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
         except Exception as e:  # the trained model is safe in the store (`bcdflow export`)
             log.warning("figures/model not logged to MLflow: %s: %s", type(e).__name__, e)
     tracker.end(parent)
-    art.progress(len(visits), note=f"the run stopped ({reason}): {stop_words(reason)} ({detail})", finished=True)
+    art.progress(len(visits), note=f"the run stopped ({reason}): {stop_words(reason, mode)} ({detail})", finished=True)
     art.visits(visits, stop_reason=reason)
     summary = {"run_id": run_id, "version": version, "steps": steps, "mlflow_run_id": parent,
                "val_loss": visits[-1].val_loss if visits else None, "spend_usd": total_usd,
                "stop_reason": reason}
     log.info("run %s done, stopped by %s: %s (%s); version %d, val loss %s, $%.4f", run_id, reason,
-             stop_words(reason), detail, version,
+             stop_words(reason, mode), detail, version,
              "-" if summary["val_loss"] is None else f"{summary['val_loss']:.4f}", total_usd)
     return summary
 

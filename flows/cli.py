@@ -390,6 +390,8 @@ def cmd_demo(args) -> int:
 
         link = Tracker(uri, cfg.experiment).run_url(out["summary"]["mlflow_run_id"])
     print(f"  MLflow UI:  mlflow ui --backend-store-uri {uri}   (then open {link})")
+    print("              (the link opens the model-training view; MLflow's home is its GenAI view, where the run looks "
+          "empty: switch the GenAI / Model training toggle at the top left)")
     print("  Prefect UI: prefect server start   (then open http://127.0.0.1:4200; the demo's flow runs are in "
           f"{os.environ.get('PREFECT_HOME', '~/.prefect')}/prefect.db)")
     print(next_steps(run_id, cfg.store))

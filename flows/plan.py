@@ -175,7 +175,23 @@ def _gb(b: float) -> str:
 
 
 def _h(s: float) -> str:
-    return f"{s / 3600:.2f}" if s >= 36 else f"{s:.0f}s"
+    """Hours in a table's column (its head says so), seconds below 0.01 h: ``0.3s``, ``<0.1s`` (not ``0s``)."""
+    from bcdflow.core.runplan import duration_text
+
+    return f"{s / 3600:.2f}" if s >= 36 else duration_text(s)
+
+
+def _usd(x: float) -> str:
+    """Dollars, sub-cent ones with two significant digits (``$0.00031``, not ``$0.00``)."""
+    from bcdflow.core.runplan import usd_text
+
+    return usd_text(x)
+
+
+def _gpu_h(h: float) -> str:
+    from bcdflow.core.runplan import small_text
+
+    return f"{h:,.1f}" if h >= 0.05 or h <= 0 else small_text(h)
 
 
 def table(res: dict) -> str:
@@ -204,17 +220,18 @@ def table(res: dict) -> str:
                      f"{'yes' if v['preinfer'] else 'no':<4}{_gb(v['written']):>12}{_gb(v['read']):>12}"
                      f"{_gb(v['checkpoints'] * v['checkpoint_bytes']):>12}"
                      f"{_h(v['preinfer_s']):>9}{_h(io):>8}{_h(v['train_s']):>8}{_h(v['eval_s']):>7}"
-                     f"{_h(v['wall_s']):>8}{v['gpu_usd']:>10,.2f}  {'yes' if v['fits'] else 'NO'}")
+                     f"{_h(v['wall_s']):>8}{_usd(v['gpu_usd']).replace('$', ''):>10}  {'yes' if v['fits'] else 'NO'}")
     lines.append("")
     lines += [f"  b{v['block']}: " + (f"trains {v['trains']} (a row block); " if v.get("trains") else "") + v["why"]
               for v in res["visits"]]
     for name, t in (("one cycle", res["cycle"]), (f"the run ({res['cycles']} cycles)", res["run"])):
-        hours = ", ".join(f"{h:,.1f} {k}" for k, h in t["gpu_hours"].items())
-        lines += ["", f"{name}: {t['wall_s'] / 3600:,.2f} h wall; GPU-hours {hours}; activations written "
+        hours = ", ".join(f"{_gpu_h(h)} {k}" for k, h in t["gpu_hours"].items())
+        wall = f"{t['wall_s'] / 3600:,.2f} h" if t["wall_s"] >= 36 else _h(t["wall_s"])
+        lines += ["", f"{name}: {wall} wall; GPU-hours {hours}; activations written "
                       f"{_gb(t['written'])}, read {_gb(t['read'])}; store written {_gb(t['store_written'])}, "
                       f"peak {_gb(t['store_peak'])}",
-                  f"  ${t['usd']:,.2f} = GPUs ${t['gpu_usd']:,.2f} + storage ${t['storage_usd']:,.2f} + requests "
-                  f"${t['request_usd']:,.2f} + egress ${t['egress_usd']:,.2f}"]
+                  f"  {_usd(t['usd'])} = GPUs {_usd(t['gpu_usd'])} + storage {_usd(t['storage_usd'])} + requests "
+                  f"{_usd(t['request_usd'])} + egress {_usd(t['egress_usd'])}"]
     lines += ["", f"store peak: token dataset {_gb(res['dataset_bytes'])} + versions (version 0: "
                   f"{_gb(res['model_bytes'])}, each visit adds its block files) + one visit's activations and two "
                   "mid-visit checkpoints"]

@@ -6,6 +6,9 @@ running anything and without importing Prefect or torch.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 from bcdflow.core.spend import DEFAULT_KIND, priced_as
 from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows.store_admin import cli_store
@@ -53,10 +56,48 @@ def run_overview(store, run_id: str, record: dict | None = None, cfg=None) -> di
     if record is None and store.exists(layout.config_key(run_id)):
         record, cfg = stored_run(store, run_id)
     if cfg is None:
-        return overview.overview(store, run_id)
+        return {**overview.overview(store, run_id), "mlflow_url": None}
     plan = record.get("plan") or {}  # the visits of a cycle: the stored blocks and any row blocks (bcd.vocab_blocks)
     per_cycle = len(plan.get("blocks") or ()) + len(plan.get("rows") or ()) or cfg.n_blocks
-    return overview.overview(store, run_id, cfg.bcd.cycles * per_cycle, cfg.bcd.max_steps, record.get("mode"))
+    row = overview.overview(store, run_id, cfg.bcd.cycles * per_cycle, cfg.bcd.max_steps, record.get("mode"))
+    return {**row, "mlflow_url": mlflow_url(cfg, row["mlflow_run_id"])}
+
+
+def mlflow_url(cfg, mlflow_run_id: str | None) -> str | None:
+    """The run's page in MLflow's model-training view (tracking/tracker.run_link: MLflow 3 opens its GenAI view
+    otherwise), None without an MLflow run. Read without MLflow and without a request: a SQLite backend's
+    experiment from its file, read-only; a server's run by MLflow's direct route."""
+    from bcdflow.tracking.tracker import run_link
+
+    uri = cfg.resolved_tracking_uri()
+    if not mlflow_run_id or not uri or uri.lower() == "none":
+        return None
+    try:
+        return run_link(uri, _experiment_of(uri, mlflow_run_id), mlflow_run_id)
+    except LookupError:  # its SQLite backend is gone or never had the run (another machine's, a moved store)
+        return None
+
+
+def _experiment_of(uri: str, mlflow_run_id: str) -> str | None:
+    """The experiment of an MLflow run in a SQLite backend (``runs.experiment_id``), None where it cannot say.
+    A SQLite file without the run (or no file) has no page to link: :class:`LookupError`."""
+    import sqlite3
+    from pathlib import Path
+
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri.removeprefix("sqlite:///")
+    if not os.path.isfile(path):
+        raise LookupError(path)
+    try:
+        with contextlib.closing(sqlite3.connect(f"{Path(path).absolute().as_uri()}?mode=ro", uri=True,
+                                                timeout=1)) as db:
+            row = db.execute("SELECT experiment_id FROM runs WHERE run_uuid = ?", (mlflow_run_id,)).fetchone()
+    except sqlite3.Error:  # another schema, a locked or damaged file: the direct route still finds the run
+        return None
+    if row is None:
+        raise LookupError(mlflow_run_id)
+    return str(row[0])
 
 
 def overviews(store) -> list[dict]:
@@ -75,7 +116,8 @@ def overviews(store) -> list[dict]:
             rows.append({"run_id": r, "mode": None, "status": "damaged", "stop_reason": None, "version": None,
                          "visits_done": None, "visits_planned": None, "val_loss": None, "spend_usd": None,
                          "changed": store.modified(layout.state_key(r)) or store.modified(layout.config_key(r)),
-                         "lease_owner": None, "training": None, "damage": str(e)})
+                         "lease_owner": None, "training": None, "mlflow_run_id": None, "mlflow_url": None,
+                         "damage": str(e)})
     return sorted(rows, key=lambda o: o["changed"] or 0, reverse=True)
 
 
@@ -94,8 +136,15 @@ def status_dict(store, run_id: str) -> dict:
             "blocks": (record.get("plan") or {}).get("blocks") or [],
             "visits": [v.model_dump(include=keep) for v in state.visits],
             "priced_as": f"{gpus}×{kind}", "default_price_kind": kind == DEFAULT_KIND,
+            "mlflow_url": live["mlflow_url"], "mlflow_ui": mlflow_ui_command(cfg) if live["mlflow_url"] else None,
             "live": {k: live[k] for k in ("status", "visits_done", "visits_planned", "spend_usd", "changed",
                                           "lease_owner", "training")}}
+
+
+def mlflow_ui_command(cfg) -> str | None:
+    """What serves a file/SQLite backend's UI (a tracking server serves its own: None)."""
+    uri = cfg.resolved_tracking_uri()
+    return None if uri.startswith(("http://", "https://")) else f"mlflow ui --backend-store-uri {uri}"
 
 
 def planned_acts(store, record: dict, cfg, block: int) -> int | None:
@@ -141,10 +190,14 @@ def status_table(st: dict) -> str:
         lines.append(f"  no process holds the run: continue it with bcdflow resume {st['run_id']}")
     note = " (the default price kind: set spend.train_device to the GPU you rent)" if st["default_price_kind"] else ""
     lines.append(f"  spend ${live.get('spend_usd', 0.0):.4f}, priced as {st['priced_as']}{note}")
-    lines.append(f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'train':>8} {'val':>8} {'secs':>7} "
-                 f"{'lost s':>7} {'spend $':>9}")
+    if st.get("mlflow_url"):
+        serve = f" (served by {st['mlflow_ui']})" if st.get("mlflow_ui") else ""
+        lines.append(f"  MLflow: {st['mlflow_url']}{serve}")
+    # why each visit stopped: its step cap, a plateau, the adaptive budget (the visits table's legend says it in words)
+    lines.append(f"{'cycle':>5} {'block':>5} {'ver':>4} {'steps':>6} {'stopped by':<11} {'train':>8} {'val':>8} "
+                 f"{'secs':>7} {'lost s':>7} {'spend $':>9}")
     for v in st["visits"]:
-        lines.append(f"{v['cycle']:>5} {v['block']:>5} {v['version']:>4} {v['steps']:>6} "
+        lines.append(f"{v['cycle']:>5} {v['block']:>5} {v['version']:>4} {v['steps']:>6} {v['stopped_by']:<11} "
                      f"{v['train_loss']:>8.4f} {v['val_loss']:>8.4f} {v['seconds']:>7.1f} {v['lost_seconds']:>7.1f} "
                      f"{v['spend_usd']:>9.4f}")
     return "\n".join(lines)
@@ -172,6 +225,10 @@ def runs_table(rows: list[dict]) -> str:
         lines.append(f"{o['run_id']:<24} {o['mode']:<4} {status:<16} {o['version']:>4} {visits:>7} {val:>9} "
                      f"{o['spend_usd']:>9.4f}  {ago(o['changed'])}")
     lines += [f"{o['run_id']}: damaged: {o['damage']}" for o in rows if o.get("damage")]
+    links = [o for o in rows if o.get("mlflow_url")]
+    if links:  # MLflow 3 opens its GenAI view unless the link says the training view: these do
+        lines += ["", "in MLflow (the model-training view; `bcdflow status RUN` says what serves it):"]
+        lines += [f"  {o['run_id']:<24} {o['mlflow_url']}" for o in links]
     return "\n".join(lines)
 
 

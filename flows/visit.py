@@ -185,7 +185,7 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     # what the committed state hands the visit: its global step, the budget's bar, the block's kept moments, the clock
     tr = train_block(ctx, visit_spec(cfg, state, cycle, block, earlier.clock(preinfer_s, since)), track=track,
                      progress=live)
-    why = f"stopped by {tr.stopped_by}: {stop_words(tr.stopped_by)}"
+    why = f"stopped by {tr.stopped_by}: {stop_words(tr.stopped_by, state.mode)}"  # a baseline's: train.steps
     live.finish(tr.steps, why)  # its artifact's last word: the visit's real end, not the last throttled update
     if tr.val_loss is None:  # the visit could not validate the new version itself: the whole model, from the store
         ev = evaluate_version(ctx, version, tr.files(block))

@@ -40,13 +40,20 @@ STOP_WORDS = {
               "(bcd.budget=adaptive): the steps go to the block that lowers the loss",
     "interrupted": "interrupted (SIGTERM or Ctrl-C) after writing a checkpoint; a resume continues it",
 }
+# ... and a baseline's (mode "full"): its one visit's cap and plateau rule are its train.* keys (flows/bcd.full_config)
+BASELINE_STOP_WORDS = {
+    "max_steps": "reached its step cap (train.steps)",
+    "plateau": "its loss stopped falling (a plateau by train.patience: less than bcd.min_delta per window, even at its "
+               "noise's optimistic end)",
+}
 FINAL_LOSS_STEPS = 10
 """A loop's ``final_loss`` is the mean of its last this-many step losses (a visit's ``train_loss``)."""
 
 
-def stop_words(stopped_by: str) -> str:
-    """``stopped_by`` said in words (an unknown reason, from a newer bcdflow, as it is)."""
-    return STOP_WORDS.get(stopped_by, stopped_by)
+def stop_words(stopped_by: str, mode: str = "bcd") -> str:
+    """``stopped_by`` said in words (an unknown reason, from a newer bcdflow, as it is); ``mode``: the run's, a
+    baseline ("full") says its own keys."""
+    return (mode == "full" and BASELINE_STOP_WORDS.get(stopped_by)) or STOP_WORDS.get(stopped_by, stopped_by)
 
 
 # -- the builders of models/optimizers.OPTIMIZERS' entries (the registry names them; torch lives here) -------------

@@ -102,7 +102,7 @@ def overview(store: Store, run_id: str, planned: int | None = None, max_steps: i
             "visits_done": len(visits), "visits_planned": planned or None,
             "val_loss": visits[-1].val_loss if visits else None, "spend_usd": state.spend_usd if state else 0.0,
             "changed": max(changed) if changed else None, "lease_owner": owner.get("owner") if owner else None,
-            "training": training}
+            "training": training, "mlflow_run_id": state.mlflow_run_id if state else None}
 
 
 def ago(t: float | None, now: float | None = None) -> str:

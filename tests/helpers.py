@@ -168,3 +168,29 @@ class Spy:
 
         monkeypatch.setattr(RunContext, "load_part", load_part)
         monkeypatch.setattr(engine_mod, "make_optimizer", make_optimizer)
+
+
+class run_log:
+    """``with run_log() as lines:`` the messages the Prefect run loggers write meanwhile, at INFO (they do not
+    propagate, and conftest.py sets them to WARNING): a flow's log as the UI shows it."""
+
+    def __enter__(self) -> list[str]:
+        import logging
+
+        lines: list[str] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                lines.append(record.getMessage())
+
+        self.handler = Keep(logging.INFO)
+        self.levels = {lg: lg.level for lg in map(logging.getLogger, ("prefect.flow_runs", "prefect.task_runs"))}
+        for lg in self.levels:
+            lg.addHandler(self.handler)
+            lg.setLevel(logging.INFO)
+        return lines
+
+    def __exit__(self, *exc) -> None:
+        for lg, level in self.levels.items():
+            lg.removeHandler(self.handler)
+            lg.setLevel(level)

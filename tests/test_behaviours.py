@@ -18,7 +18,7 @@ from bcdflow.core.context import RunContext, open_store
 from bcdflow.flows.cli import main
 from bcdflow.storage import checkpoints, runs
 from bcdflow.storage.store import Store
-from tests.helpers import TINY
+from tests.helpers import TINY, run_log
 
 BCDFLOW = os.path.join(os.path.dirname(sys.executable), "bcdflow")
 
@@ -55,14 +55,21 @@ def test_the_baseline_trains_its_steps_unless_asked_to_stop(tiny_cfg, prefect_se
 
     # the visit plateau rule as strict as it gets (min_delta 100) does not stop the baseline ...
     cfg = tiny_cfg("train.steps=12", "bcd.patience=1", "bcd.min_delta=100")
-    full_train(config=cfg, run_id="full-steps")
+    with run_log() as lines:
+        full_train(config=cfg, run_id="full-steps")
     (v,) = runs.read_state(Store(cfg.store), "full-steps").visits
     assert (v.steps, v.stopped_by) == (12, "max_steps")
     # ... train.patience asks the baseline for it
     cfg = tiny_cfg("train.steps=12", "train.patience=1", "bcd.min_delta=100")
-    full_train(config=cfg, run_id="full-plateau")
+    with run_log() as more:
+        full_train(config=cfg, run_id="full-plateau")
     (v,) = runs.read_state(Store(cfg.store), "full-plateau").visits
     assert (v.steps, v.stopped_by) == (6, "plateau")
+    # issue 45: its log speaks of its own keys (train.steps, train.patience), not of bcd.max_steps and bcd.cycles
+    text = "\n".join(lines + more)
+    assert "step cap (train.steps)" in text and "a plateau by train.patience" in text
+    assert "12 of train.steps=12 steps trained" in text and "6 of train.steps=12 steps trained" in text
+    assert "bcd.max_steps" not in text and "bcd.cycles" not in text
 
 
 @pytest.mark.slow

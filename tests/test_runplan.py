@@ -274,3 +274,26 @@ def test_the_plans_rates_are_the_card_kinds():
     assert given.train_tflops == given.preinfer_tflops == 200
     unknown = default_rates(_cfg(*base, "fleet.preinfer=dask", "spend.preinfer_device=t4"))
     assert unknown.preinfer_tflops == unknown.train_tflops == 80.0
+
+
+def test_a_small_runs_plan_prints_its_seconds_and_cents_not_zeros(tmp_path, capsys):
+    """Issue 45: the demo's plan printed every time as ``0s`` and every price as ``$0.00``. Sub-second times and
+    sub-cent prices now keep a figure (``0.3s``, ``<0.1s``, ``$0.00027``); only nothing at all reads as zero."""
+    from bcdflow.core.runplan import duration_text, usd_text
+    from bcdflow.flows.cli import main
+
+    assert [duration_text(s) for s in (0, 0.01, 0.34, 9.96, 35, 36, 5400)] == \
+        ["0s", "<0.1s", "0.3s", "10s", "35s", "0.01 h", "1.50 h"]
+    assert [usd_text(x) for x in (0, 1e-7, 0.000271, 0.0049, 0.01, 1234.5)] == \
+        ["$0.00", "<$0.000001", "$0.00027", "$0.0049", "$0.01", "$1,234.50"]
+    sets = [x for s in [*TINY, f"store={tmp_path}/s", "tracking_uri=none"] for x in ("--set", s)]
+    assert main(["plan", *sets, "--tokens", "2e6"]) == 0
+    out = capsys.readouterr().out
+    visits = [ln.split() for ln in out.splitlines() if ln.startswith("b") and ln.split()[-1] in ("yes", "NO")]
+    assert len(visits) == 3
+    for v in visits:
+        train, wall, usd = v[-5], v[-3], v[-2]
+        assert train != "0s" and wall != "0s" and float(usd) > 0, v
+    totals = [ln for ln in out.splitlines() if ln.startswith("  $")]
+    assert len(totals) == 2 and not any(ln.startswith("  $0.00 ") for ln in totals), totals
+    assert "0.00 h wall" not in out

@@ -81,3 +81,44 @@ def test_runs_of_a_store_that_does_not_exist_or_is_empty(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["runs", "--store", str(tmp_path / "empty")]) == 0
     assert "no runs in store" in capsys.readouterr().out
+
+
+def test_status_says_why_each_visit_stopped_and_both_commands_give_the_mlflow_link(tmp_path, capsys, monkeypatch):
+    """Issue 45: ``bcdflow status`` had no "stopped by" column (60/30/30 steps looked arbitrary), and neither command
+    said where the run is in MLflow, whose first screen is its GenAI view: each run with an MLflow run now gets its
+    page in the model-training view (the experiment read from a SQLite backend's file, read-only)."""
+    import sqlite3
+
+    store_dir = tmp_path / "store"
+    store = Store(str(store_dir))
+    _run(store, "fin", 3, status="done")
+    state = runs.read_state(store, "fin")
+    visits = [v.model_copy(update={"stopped_by": why}) for v, why in zip(state.visits, ("max_steps", "budget",
+                                                                                        "plateau"))]
+    runs.write_state(store, state.model_copy(update={"visits": visits, "mlflow_run_id": "abc123", "seq": 1}))
+    _run(store, "nomlflow", 1)
+    with sqlite3.connect(store_dir / "mlflow.db") as db:  # the table and columns MLflow's SQLite schema has
+        db.execute("CREATE TABLE runs (run_uuid TEXT, experiment_id INTEGER)")
+        db.execute("INSERT INTO runs VALUES ('abc123', 7)")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("BCDFLOW_MLFLOW_UI", "http://ui:5000")
+    link = "http://ui:5000/#/experiments/7/runs/abc123?workflowType=machine_learning"
+    assert main(["status", "fin", "--store", str(store_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"  MLflow: {link} (served by mlflow ui --backend-store-uri sqlite:///{store_dir}/mlflow.db)" in out
+    head, *rows = [ln for ln in out.splitlines() if ln.lstrip().startswith(("cycle", "0 "))]
+    assert "stopped by" in head and [r.split()[4] for r in rows] == ["max_steps", "budget", "plateau"]
+    assert main(["status", "fin", "--store", str(store_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mlflow_url"] == link
+    assert main(["runs", "--store", str(store_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"  fin                      {link}" in out and "nomlflow " not in out.split("in MLflow")[1]
+    assert main(["status", "nomlflow", "--store", str(store_dir)]) == 0
+    assert "MLflow:" not in capsys.readouterr().out  # no MLflow run: no link
+    # a tracking server: its own address, MLflow's direct route to the run (no request made to find its experiment)
+    from bcdflow.flows.status import mlflow_url
+    from bcdflow.core.config import load_config
+
+    assert mlflow_url(load_config(sets=["tracking_uri=http://mlflow.lan:5000/"]), "abc123") == \
+        "http://mlflow.lan:5000/#/runs/abc123?workflowType=machine_learning"
+    assert mlflow_url(load_config(sets=["tracking_uri=none"]), "abc123") is None

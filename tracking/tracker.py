@@ -23,6 +23,21 @@ EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_develop
 TRAINING_VIEW = "workflowType=machine_learning"
 
 
+def ui_base(uri: str) -> str:
+    """Where the MLflow UI of tracking ``uri`` answers: the tracking server itself, or for a file/SQLite backend the
+    ``mlflow ui`` address in ``BCDFLOW_MLFLOW_UI`` (default http://127.0.0.1:5000)."""
+    base = uri if uri.startswith(("http://", "https://")) else \
+        os.environ.get("BCDFLOW_MLFLOW_UI", "http://127.0.0.1:5000")
+    return base.rstrip("/")
+
+
+def run_link(uri: str, experiment_id: str | None, run_id: str) -> str:
+    """Run ``run_id``'s page in the MLflow UI of ``uri``, in its model-training view. Without the experiment
+    (a reader that did not ask the server), MLflow's direct route ``#/runs/ID``, which finds it."""
+    where = f"experiments/{experiment_id}/runs/{run_id}" if experiment_id else f"runs/{run_id}"
+    return f"{ui_base(uri)}/#/{where}?{TRAINING_VIEW}"
+
+
 def _flat(d: dict, prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
     for k, v in d.items():
@@ -160,12 +175,7 @@ class Tracker:
         file/SQLite backend the ``mlflow ui`` address in ``BCDFLOW_MLFLOW_UI`` (default http://127.0.0.1:5000)."""
         if not self.enabled or run_id is None:
             return None
-        return f"{self._ui()}/#/experiments/{self.experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
-
-    def _ui(self) -> str:
-        base = self.uri if self.uri.startswith(("http://", "https://")) else \
-            os.environ.get("BCDFLOW_MLFLOW_UI", "http://127.0.0.1:5000")
-        return base.rstrip("/")
+        return run_link(self.uri, self.experiment_id, run_id)
 
     def dataset(self, run_id: str | None, name: str, digest: str, source_type: str, source: str,
                 profile: dict | None = None, context: str = "training") -> None:
