@@ -113,12 +113,64 @@ def shoot(chromium: str, url: str, path: str, size: tuple[int, int], wait_ms: in
 
 
 def latest_run(store) -> str:
-    from bcdflow.storage import overview
+    from bcdflow.flows.status import overviews
 
-    rows = overview.overviews(store)
+    rows = overviews(store)
     if not rows:
         raise SystemExit(f"no run in store {store.url}: run `make demo` first")
     return rows[0]["run_id"]
+
+
+def shot_list(store, run_id: str, prefect_api: str, mlflow_uri: str, prefect_ui: str | None = None,
+              mlflow_ui: str | None = None) -> list[tuple]:
+    """The pictures of run ``run_id`` as ``(file name, page URL, window size[, wait factor])``, without a browser:
+    the run's state from ``store``, its flow runs and artifacts from the Prefect API at ``prefect_api`` (``.../api``),
+    its MLflow experiment and last logged model from ``mlflow_uri`` (the store's ``sqlite:///.../mlflow.db``); pages
+    on the UIs at ``prefect_ui`` (default: the API's server) and ``mlflow_ui`` (default: ``mlflow ui``'s address).
+    ``tests/test_ui_shots.py`` runs this on a tiny run, so what ``make ui-shots`` calls stays where it is."""
+    from mlflow.tracking import MlflowClient
+
+    from bcdflow.flows.artifacts import RunArtifacts
+    from bcdflow.storage import runs
+    from bcdflow.tracking.tracker import TRAINING_VIEW
+
+    state = runs.read_state(store, run_id)
+    if state is None or not state.mlflow_run_id:
+        raise SystemExit(f"run {run_id!r} has no state or no MLflow run in {store.url}")
+    papi = prefect_api.rstrip("/")
+    pui = (prefect_ui or papi.removesuffix("/api")).rstrip("/")
+    mui = (mlflow_ui or "http://127.0.0.1:5000").rstrip("/")
+    client = MlflowClient(mlflow_uri)
+    exp = client.get_run(state.mlflow_run_id).info.experiment_id
+    ml = TRAINING_VIEW
+    shots = [
+        ("prefect-runs.png", f"{pui}/runs", (1400, 900)),
+        ("mlflow-runs.png", f"{mui}/#/experiments/{exp}/runs?{ml}", (1600, 800)),
+        ("mlflow-run.png", f"{mui}/#/experiments/{exp}/runs/{state.mlflow_run_id}?{ml}", (1400, 1100)),
+        ("mlflow-metrics.png", f"{mui}/#/experiments/{exp}/runs/{state.mlflow_run_id}/model-metrics?{ml}",
+         (1400, 1000), 3),  # 14 charts, each its own requests: three times the wait
+    ]
+    models = client.search_logged_models(experiment_ids=[exp], max_results=1,
+                                         order_by=[{"field_name": "creation_time", "ascending": False}])
+    if models:  # the last committed version's model: where it points, its metrics, its source run
+        shots.append(("mlflow-model.png", f"{mui}/#/experiments/{exp}/models/{models[0].model_id}?{ml}",
+                      (1400, 900)))
+    flow_runs = post(f"{papi}/flow_runs/filter", {"flow_runs": {"tags": {"all_": [f"run:{run_id}"]}},
+                                                  "sort": "START_TIME_ASC"})
+    if flow_runs:  # a visit that stopped before its step cap: its progress artifact at the visit's real end
+        early = next((v for v in state.visits if v.stopped_by != "max_steps"), state.visits[-1])
+        visit_fr = next((fr for fr in flow_runs if fr["name"].endswith(f"c{early.cycle}-b{early.block}")),
+                        flow_runs[-1])
+        progress = post(f"{papi}/artifacts/filter", {"artifacts": {
+            "flow_run_id": {"any_": [visit_fr["id"]]}, "type": {"any_": ["progress"]}}})
+        if progress:
+            shots.insert(1, ("prefect-visit-progress.png", f"{pui}/artifacts/artifact/{progress[0]['id']}",
+                             (1400, 520)))
+    table = post(f"{papi}/artifacts/filter", {"artifacts": {"key": {"any_": [
+        RunArtifacts(run_id, store.url, 1).key("visits")]}}, "sort": "CREATED_DESC", "limit": 1})
+    if table:
+        shots.insert(2, ("prefect-visits-table.png", f"{pui}/artifacts/artifact/{table[0]['id']}", (1700, 760)))
+    return shots
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,15 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="only the pictures whose name starts with this (prefect, mlflow-run, ...)")
     args = ap.parse_args(argv)
 
-    from bcdflow.flows.artifacts import RunArtifacts
-    from bcdflow.storage import runs
     from bcdflow.storage.store import Store
 
     store = Store(args.store)
     run_id = args.run_id or latest_run(store)
-    state = runs.read_state(store, run_id)
-    if state is None or not state.mlflow_run_id:
-        raise SystemExit(f"run {run_id!r} has no state or no MLflow run in {store.url}")
     db = os.path.join(os.path.abspath(args.store), "mlflow.db")
     os.makedirs(args.out, exist_ok=True)
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
@@ -159,36 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         papi, mui = f"http://127.0.0.1:{pport}", f"http://{MLFLOW_HOST}:{mport}"
         wait_for(f"{papi}/api/health")
         wait_for(f"{mui}/health")
-        flow_runs = post(f"{papi}/api/flow_runs/filter", {"flow_runs": {"tags": {"all_": [f"run:{run_id}"]}},
-                                                          "sort": "START_TIME_ASC"})
-        exp = get(f"{mui}/api/2.0/mlflow/runs/get?run_id={state.mlflow_run_id}")["run"]["info"]["experiment_id"]
-        ml = "workflowType=machine_learning"
-        shots = [
-            ("prefect-runs.png", f"{papi}/runs", (1400, 900)),
-            ("mlflow-runs.png", f"{mui}/#/experiments/{exp}/runs?{ml}", (1600, 800)),
-            ("mlflow-run.png", f"{mui}/#/experiments/{exp}/runs/{state.mlflow_run_id}?{ml}", (1400, 1100)),
-            ("mlflow-metrics.png", f"{mui}/#/experiments/{exp}/runs/{state.mlflow_run_id}/model-metrics?{ml}",
-             (1400, 1000), 3),  # 14 charts, each its own requests: three times the wait
-        ]
-        models = post(f"{mui}/api/2.0/mlflow/logged-models/search", {"experiment_ids": [exp], "max_results": 1,
-                                                                     "order_by": [{"field_name": "creation_time",
-                                                                                   "ascending": False}]})
-        if models.get("models"):  # the last committed version's model: where it points, its metrics, its source run
-            mid = models["models"][0]["info"]["model_id"]
-            shots.append(("mlflow-model.png", f"{mui}/#/experiments/{exp}/models/{mid}?{ml}", (1400, 900)))
-        if flow_runs:  # a visit that stopped before its step cap: its progress artifact at the visit's real end
-            early = next((v for v in state.visits if v.stopped_by != "max_steps"), state.visits[-1])
-            visit_fr = next((fr for fr in flow_runs if fr["name"].endswith(f"c{early.cycle}-b{early.block}")),
-                            flow_runs[-1])
-            progress = post(f"{papi}/api/artifacts/filter", {"artifacts": {
-                "flow_run_id": {"any_": [visit_fr["id"]]}, "type": {"any_": ["progress"]}}})
-            if progress:
-                shots.insert(1, ("prefect-visit-progress.png", f"{papi}/artifacts/artifact/{progress[0]['id']}",
-                                 (1400, 520)))
-        table = post(f"{papi}/api/artifacts/filter", {"artifacts": {"key": {"any_": [
-            RunArtifacts(run_id, store.url, 1).key("visits")]}}, "sort": "CREATED_DESC", "limit": 1})
-        if table:
-            shots.insert(2, ("prefect-visits-table.png", f"{papi}/artifacts/artifact/{table[0]['id']}", (1700, 760)))
+        shots = shot_list(store, run_id, f"{papi}/api", f"sqlite:///{db}", papi, mui)
         for name, url, size, *slow in shots:
             if args.only and not name.startswith(args.only):
                 continue
