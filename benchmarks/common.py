@@ -148,10 +148,11 @@ class Visit:
     fp32 storage for a side-by-side). The loss is the product's: ``models.visit_compute.visit_loss``. ``stream``: the frozen
     layers held stream from host memory as ``train.offload=stream`` streams them (models/stream.py). ``expand``:
     ``bcd.expand=lora`` adapters of that rank on the layers after ``hi`` (models/expand.py), trained beside the block.
+    ``sign``: ``bcd.expand=sign``, every weight after the block stepped by sign descent in its hook (models/suffix.py).
     """
 
     def __init__(self, name, cfg, master, device, args, layers, embed, trainable, batch, start=None, hi=None,
-                 recompute=False, stream=False, expand=0, rows=None):
+                 recompute=False, stream=False, expand=0, rows=None, sign=False):
         self.name, self.layers, self.embed, self.device, self.batch = name, layers, embed, device, batch
         self.start = layers[0] if start is None else start
         self.hi, self.recompute = hi, recompute
@@ -191,6 +192,14 @@ class Visit:
         if expand and hi is not None and hi < layers[1]:  # the engine's adapters and optimizer group
             self.adapters = SuffixAdapters(model, range(hi, layers[1]), expand, 0, device).attach(model)
             self.opt.add_param_group({"params": [p for _, p in self.adapters.named()], "weight_decay": 0.0})
+        self.suffix = None
+        if sign and hi is not None and hi < layers[1]:  # the engine's sign rule on the suffix (tasks/expand.py)
+            from bcdflow.models.memory import layer_of
+            from bcdflow.models.suffix import SignSuffix
+
+            moving = [n for n, _ in model.named_parameters() if n not in trainable and (
+                (layer_of(n) or -1) >= hi or n.startswith(("ln_f.", "lm_head.")))]
+            self.suffix = SignSuffix(model, moving, lambda: 1e-3, 0).attach()
         self.vs = VisitLayout(run_id="benchmark", spec=VisitSpec(0, 0, 0), lo=self.start, hi=hi, n_layer=layers[1],
                               from_acts=not embed, active=frozenset(trainable), recompute=recompute,
                               recompute_active=False, streamed=tuple(frozen) if stream else (), exact=False)
@@ -401,10 +410,10 @@ class Workload:
         return self._prefix[lo]
 
     def visit(self, name: str, blk, preinfer: bool = True, recompute: bool = False, stream: bool = False,
-              expand: int = 0) -> Visit:
+              expand: int = 0, sign: bool = False) -> Visit:
         """Block ``blk``'s visit as tasks/train.py runs it: with pre-inference, layers >= lo fed the prefix's
         hidden states; without, the whole model with the prefix under no_grad every step. ``expand``: the rank of
-        ``bcd.expand=lora`` adapters on the layers after it."""
+        ``bcd.expand=lora`` adapters on the layers after it; ``sign``: ``bcd.expand=sign`` on them."""
         (lo, hi), n = blk.layers, self.cfg.n_layer
         rows = (blk.params[0], *blk.rows) if blk.rows is not None else None
         if self.isolated:
@@ -414,9 +423,10 @@ class Workload:
         if blk.reads_activations(preinfer):
             return Visit(name, self.cfg, self.master, self.device, self.args, (lo, n), False, set(blk.params),
                          (self.hidden(lo), self.y), hi=hi, recompute=recompute, stream=stream, expand=expand,
-                         rows=rows)
+                         rows=rows, sign=sign)
         return Visit(name, self.cfg, self.master, self.device, self.args, (0, n), True, set(blk.params),
-                     (self.x, self.y), start=lo, hi=hi, recompute=recompute, stream=stream, expand=expand, rows=rows)
+                     (self.x, self.y), start=lo, hi=hi, recompute=recompute, stream=stream, expand=expand, rows=rows,
+                     sign=sign)
 
     def prefix(self, lo: int) -> Timed:
         """The pre-inference forward of the frozen prefix, layers [0, lo), over one batch (``tasks/preinfer.py``)."""

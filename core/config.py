@@ -215,18 +215,23 @@ class BcdSection(_Section):
     is faster (models/holding.choose_holding); ``all``: the active block's own layers too (long sequences:
     each layer keeps only its input, at the cost of a second forward of the block)."""
 
-    expand: Literal["off", "lora"] = "lora"
+    expand: Literal["off", "lora", "sign"] = "lora"
     """Landscape expansion, partial (BREAD): ``lora``: low-rank adapters on the linear maps of the frozen layers
     after the active block (its suffix) train beside it, on the gradients its backward computes anyway, and the
     visit's end merges them into those layers (in fp32, cast to each block's stored dtype): a visit then commits
     its block and the suffix blocks (docs/DESIGN.md I1). The prefix, and so the stored activations, stay exact.
     The default since it took 17-20% fewer steps to full training's loss on both corpora of the validity suite
-    (README). ``off``: a visit changes its block only (a run stored before ``lora`` was the default ran ``off``)."""
+    (README). ``sign``: the suffix's full weights move too, state-free (FRUGAL's idea): each step, as backward
+    produces each suffix weight's gradient, the weight takes a sign-descent step of ``bcd.expand_lr`` and the gradient
+    is dropped (no optimizer state, no gradient kept; bf16-held weights rounded stochastically; models/suffix.py);
+    one process, every suffix layer on the device (not with ``train.offload=stream``, ``train.gpus`` > 1 or
+    ``bcd.vocab_blocks`` > 1). ``off``: a visit changes its block only (a run stored before ``lora`` was the default
+    ran ``off``)."""
     expand_rank: int = Field(16, ge=1)
     """The adapters' rank (``bcd.expand=lora``): each adapted (out, in) matrix trains r × (out + in) numbers."""
     expand_lr: float | None = Field(None, gt=0)
-    """The adapters' learning rate (warmed up and decayed as the block's); None = the block's own (``optim.lr`` ×
-    its ``bcd.lr_scales`` entry)."""
+    """The adapters' learning rate, or the suffix's sign-descent step with ``sign`` (warmed up and decayed as the
+    block's); None = the block's own (``optim.lr`` × its ``bcd.lr_scales`` entry)."""
 
     @field_validator("preinfer", mode="before")
     @classmethod
@@ -561,6 +566,15 @@ class RunConfig(_Section):
         if self.bcd.expand != "off" and self.train.gpus > 1 and self.train.parallel == "fsdp":
             raise ValueError("bcd.expand: FSDP does not shard the adapters; set train.parallel=ddp (or auto, which "
                              "then takes ddp) or bcd.expand=off")
+        if self.bcd.expand == "sign":
+            why = ("train.offload=stream (a streamed suffix layer has no weight on the device to step; set "
+                   "train.offload=auto or off)" if self.train.offload == "stream" else
+                   "train.gpus > 1 (each process would step its own suffix)" if self.train.gpus > 1 else
+                   "bcd.vocab_blocks > 1 (a row block's visit has no suffix of its own)" if self.bcd.vocab_blocks > 1
+                   else None)
+            if why:
+                raise ValueError(f"bcd.expand: sign runs in one process with its suffix on the device, not with {why}"
+                                 "; or set bcd.expand=lora or off")
         if self.bcd.vocab_blocks > 1:
             why = ("train.gpus > 1 (a row block's visit runs in one process)" if self.train.gpus > 1 else
                    "bcd.order=greedy (its probe ranks stored blocks)" if self.bcd.order == "greedy" else
@@ -606,8 +620,9 @@ class RunConfig(_Section):
         return StepShape(t.batch_size, self.data.seq_len, t.precision, self.optim.name, self.optim.weight_decay,
                          t.loss_chunk_rows, recompute=b.recompute,
                          preinfer=(b.preinfer is not False) if preinfer is None else preinfer, freeze=tuple(b.freeze),
-                         offload=t.offload if one or no_grad else "off", window=t.stream_window,
-                         expand_rank=b.expand_rank if b.expand != "off" else 0, gpus=t.gpus,
+                         offload=t.offload if no_grad or one and b.expand != "sign" else "off",
+                         window=t.stream_window, expand_rank=b.expand_rank if b.expand == "lora" else 0,
+                         suffix="sign" if b.expand == "sign" else "off", gpus=t.gpus,
                          pcie_gbs=pcie_gbs_for(t.pcie_gbs, kind), tflops=tflops_for(t.precision, t.tflops, kind))
 
     def storage_options(self) -> dict:

@@ -50,24 +50,29 @@ class StepTime:
 
 
 def _events(cfg: ModelConfig, plan: Plan | None, block: int | None, seq: int, preinfer: bool,
-            trainable: set[str], recompute: bool, recompute_active: bool, shapes: dict) -> list[tuple]:
-    """One training step as (layer or None, in the backward, FLOPs per token), in execution order."""
+            trainable: set[str], recompute: bool, recompute_active: bool, shapes: dict,
+            moving: frozenset[str] = frozenset()) -> list[tuple]:
+    """One training step as (layer or None, in the backward, FLOPs per token), in execution order. ``moving``: the
+    suffix's parameters ``bcd.expand=sign`` steps (their weight gradients computed; the layers recompute as frozen
+    ones)."""
     n, C, V = cfg.n_layer, cfg.d_model, cfg.vocab_size
     lo, hi = (0, n) if block is None else plan[block].layers
     held_lo = lo if block is not None and plan[block].reads_activations(preinfer) else 0
     mats: dict[int, int] = {}
     train: dict[int, int] = {}
+    move: dict[int, int] = {}
     for k, shp in shapes.items():
         if (i := layer_of(k)) is not None and len(shp) >= 2:
             mats[i] = mats.get(i, 0) + math.prod(shp)
             train[i] = train.get(i, 0) + (math.prod(shp) if k in trainable else 0)
+            move[i] = move.get(i, 0) + (math.prod(shp) if k in moving else 0)
     attn = 2 * seq * C  # causal QK^T and AV per token
     head = "wte.weight" if cfg.tied else "lm_head.weight"
     out = [(i, False, 2 * mats.get(i, 0) + attn) for i in range(held_lo, n)]
-    out.append((None, False, 2 * V * C * (2 + (head in trainable))))  # logits, input gradient, weight gradient
+    out.append((None, False, 2 * V * C * (2 + (head in trainable or head in moving))))  # logits, input and weight grads
     for i in reversed(range(lo, n)):
         again = recompute_active if i < hi else recompute and not train.get(i)
-        out.append((i, True, 2 * mats.get(i, 0) + 2 * train.get(i, 0) + 2 * attn
+        out.append((i, True, 2 * mats.get(i, 0) + 2 * (train.get(i, 0) + move.get(i, 0)) + 2 * attn
                     + (2 * mats.get(i, 0) + attn if again else 0)))
     return out
 
@@ -105,7 +110,9 @@ def step_time(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: Ste
     shapes = model_shapes(cfg)
     trainable = set(shapes) if block is None else plan[block].trainable(freeze, cfg.tied)
     lo = 0 if block is None else plan[block].layers[0]
-    events = _events(cfg, plan, block, seq, preinfer, trainable, recompute, recompute_active, shapes)
+    moving = frozenset(plan.suffix(block, freeze, cfg.tied)) if block is not None and shape.suffix == "sign" else \
+        frozenset()
+    events = _events(cfg, plan, block, seq, preinfer, trainable, recompute, recompute_active, shapes, moving)
     N, rate, pcie = batch * seq, tflops_for(shape.precision, shape.tflops) * 1e12, shape.pcie_gbs * 1e9
     resident = sum(f for _, _, f in events) * N / rate
     if not streamed:

@@ -281,9 +281,19 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
         if (i := layer_of(k)) is not None:
             layer_train[i] += _numel(shapes[k])
             layer_grad[i] += opt_of.param_bytes(shapes[k])
+    # bcd.expand=sign: the suffix's weights get gradients (each made in its layer's backward, dropped in its hook, at
+    # the dtype the visit holds it), so a suffix layer keeps its linear maps' inputs as a trained one does
+    moving = (plan.suffix(block, freeze, cfg.tied) if shape.suffix == "sign" and not full and row_slice is None
+              else set())
+    move_grad: dict[int | None, int] = {}  # by layer (None: the head and final norm), the most one weight's gradient
+    for k in moving:  # and its update take at once: a chunk's sign (fp32), or its fp32 copy, sign and noise (bf16)
+        bf16 = wbytes(k) < 4 * _numel(shapes[k])
+        need = wbytes(k) + min(LIGHT_CHUNK, _numel(shapes[k])) * (12 if bf16 else 4)
+        move_grad[layer_of(k)] = max(move_grad.get(layer_of(k), 0), need)
     cast = 0  # bf16 autocast copies of trainable matrices, kept for backward
     for i in range(lo, n):
-        kind = "trainable" if layer_train[i] else ("recompute" if recompute and i >= hi else "frozen")
+        kind = "trainable" if layer_train[i] or i in move_grad and not recompute else (
+            "recompute" if recompute and i >= hi else "frozen")
         if layer_train[i] and recompute_active:
             kind = "recompute"
         a = N * layer_saved_bytes(cfg, shape, kind)
@@ -303,10 +313,13 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     grad_h = N * 4 * C  # the head's input gradient, computed in forward
     grad_w = opt_of.master * head_numel // shard if head_trainable else 0  # part of ``grads``: from the loss on
     w_copy = 2 * head_numel if head_trainable and precision == "bf16" and opt_of.master == 4 else 0
+    if head_name in moving:  # the loss makes the moving head's gradient from forward on, dropped in its backward
+        w_copy += wbytes(head_name)
     if row_slice:  # the loss makes the slice's gradient alone, from forward on; the frozen matrix is not copied
         grad_w, w_copy = (grads if head_trainable else 0), 0
     chunk = rows * V * (6 if precision == "bf16" else 4) + rows * C * (2 if precision == "bf16" else 0)
-    if head_trainable:  # one chunk's weight-gradient partial before it is added (the slice's rows for a row block)
+    if head_trainable or head_name in moving:  # one chunk's weight-gradient partial before it is added (the slice's
+        # rows for a row block)
         chunk += (train_numel if row_slice else head_numel) * s
     other_grads = grads - grad_w if not row_slice else grads  # the rest of the trainable gradients, made in backward
     persistent = weights + opt + inp
@@ -325,8 +338,8 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     at("forward", saved + ln_f, grad_h + chunk + w_copy, grad_w, 0)
     running_act, running_grads = saved + ln_f, grad_w
     back_t = N * _layer_backward_temp(cfg, shape)
-    at("backward head", running_act, grad_h, running_grads,
-       2 * N * 4 * C + (grad_w if row_slice and head_trainable else 0))  # a row block: the slice's, scaled
+    at("backward head", running_act, grad_h, running_grads,  # a row block: the slice's, scaled; a moving head: its
+       2 * N * 4 * C + (grad_w if row_slice and head_trainable else 0) + move_grad.get(None, 0))  # scaled and step
     if row_slice:
         running_grads = grads if head_trainable else 0  # the slice's gradient; the matrix's is freed
     running_act -= ln_f
@@ -336,7 +349,8 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
             redo += N * adapted[i][1] + 2 * adapted[i][0] * (precision == "bf16")
         if recompute_active and layer_train[i]:  # the layer's own activations, back for its backward
             redo = N * layer_saved_bytes(cfg, shape, "trainable")
-        at(f"backward layer {i}", running_act, 0, running_grads, back_t + redo)
+        at(f"backward layer {i}", running_act, 0, running_grads,
+           back_t + redo + move_grad.get(i, 0))
         running_act -= a
         running_grads += g
     if not from_acts and full or (not full and lo == 0):

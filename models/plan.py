@@ -84,6 +84,15 @@ class Plan:
         blk = self[b]
         return blk.index if blk.owner is None else blk.owner
 
+    def suffix(self, b: int, freeze: Sequence[str], tied: bool) -> set[str]:
+        """What ``bcd.expand=sign`` steps in block ``b``'s visit: every parameter the stored blocks after it train
+        (``bcd.freeze`` kept; a tied head is block 0's embedding, never a suffix's); none for a row block or the last
+        block."""
+        blk = self[b]
+        if blk.rows is not None or blk.layers[1] >= self.n_layer:
+            return set()
+        return {n for later in self.blocks[self.stored(b) + 1:] for n in later.trainable(freeze, tied)}
+
     def owner(self, name: str) -> int:
         for blk in self.blocks:
             if name in blk.params:

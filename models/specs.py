@@ -129,6 +129,9 @@ class StepShape:
     """The frozen layers that stream from host memory; None: as ``offload`` says (``stream``: all, else none)."""
     expand_rank: int = 0
     """``bcd.expand``'s adapter rank on the layers after the block (0: none)."""
+    suffix: str = "off"
+    """``bcd.expand=sign``: what the layers after the block (and an untied head) train, state-free (``sign``): their
+    weight gradients computed, one at a time, and dropped in their hooks (models/suffix.py); ``off``: frozen."""
     gpus: int = 1
     parallel: str = "single"
     """``single`` (one process), ``ddp`` (the batch split over ``gpus`` replicas) or ``fsdp`` (sharded too)."""

@@ -38,7 +38,7 @@ from bcdflow.models.visit_compute import autocast, prefix_hidden, visit_loss
 from bcdflow.storage import activations, checkpoints, trainckpt
 from bcdflow.storage.lease import check_leases, lost_lease
 from bcdflow.storage.tokens import TokenDataset
-from bcdflow.tasks.expand import adapter_group, merge, suffix_adapters
+from bcdflow.tasks.expand import adapter_group, merge, merge_suffix, suffix_adapters, suffix_rule
 from bcdflow.tracking.tracker import TrackTarget
 
 
@@ -311,7 +311,7 @@ def describe(ctx: RunContext, spec: VisitSpec, gpus: int = 1) -> VisitLayout:
     # a row block expands nothing: its commit is the file of the stored block holding its matrix, which may be a
     # suffix block too (the embedding's rows have every layer after them)
     rows = (blk.params[0], *blk.rows) if blk.rows is not None else None
-    expand = cfg.bcd.expand_rank if cfg.bcd.expand != "off" and hi < ctx.model_cfg.n_layer and not rows else 0
+    expand = cfg.bcd.expand_rank if cfg.bcd.expand == "lora" and hi < ctx.model_cfg.n_layer and not rows else 0
     recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp")
     return VisitLayout(
         run_id=ctx.run_id, spec=spec, lo=lo, hi=hi, n_layer=ctx.model_cfg.n_layer,
@@ -508,22 +508,23 @@ def run_visit(ctx: RunContext, spec: VisitSpec, hold: Callable[[RunContext, Visi
         held.close()  # its device slots and page-locked buffers go whatever ends the visit
 
 
-def _resume(ctx: RunContext, vs: VisitLayout, held: VisitHolding, opt, adapters, vkey: str,
+def _resume(ctx: RunContext, vs: VisitLayout, held: VisitHolding, opt, movers: list, vkey: str,
             base_lr: float) -> LoopState | None:
     """Where the visit goes on from: its newest intact mid-visit checkpoint (unsharded: resumable on any process
     count; a damaged one is skipped for the one before it or the visit's start) loaded into the held parameters,
-    the adapters and ``opt``, and its loop state returned; else, with ``bcd.moments=keep``, the block's kept moments
-    loaded into ``opt`` (None). The loaded tensors are this function's alone: what was copied into the parameters
-    (and, under bitsandbytes, the optimizer's deep copy) is freed when it returns, so a resumed visit never holds a
-    second copy of its block and state on the device for its whole loop (a tightly planned card would run out)."""
+    what trains beside it (``movers``: the adapters, the suffix's sign rule) and ``opt``, and its loop state
+    returned; else, with ``bcd.moments=keep``, the block's kept moments loaded into ``opt`` (None). The loaded
+    tensors are this function's alone: what was copied into the parameters (and, under bitsandbytes, the
+    optimizer's deep copy) is freed when it returns, so a resumed visit never holds a second copy of its block and
+    state on the device for its whole loop (a tightly planned card would run out)."""
     names = [n for n, _ in held.named]
     ck = trainckpt.load(ctx.store, vkey, held.ckpt_device, base_version=vs.version, rng_device=ctx.device)
     if ck is not None:  # resume mid-visit
         pointer, saved, opt_state = ck
         del ck
         held.set_params({n: saved[n] for n in names})
-        if adapters is not None:
-            adapters.load(saved)
+        for m in movers:
+            m.load(saved)
         del saved
         held.load_optim(opt, opt_state)
         del opt_state
@@ -565,15 +566,17 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
     if adapters is not None:
         opt.add_param_group(adapter_group(cfg, spec, adapters))
     vkey = ctx.visit_key(vs.cycle, block)
-    state = _resume(ctx, vs, held, opt, adapters, vkey, spec.base_lr)
+    suffix = suffix_rule(ctx, vs, held.model, opt, spec)  # bcd.expand=sign: the suffix's weights, state-free
+    movers = [m for m in (adapters, suffix) if m is not None]  # what trains beside the block, checkpointed with it
+    state = _resume(ctx, vs, held, opt, movers, vkey, spec.base_lr)
 
     def checkpoint(st: LoopState, why: str) -> None:
         # a holder whose lease could have expired writes nothing more: the next holder of the visit keeps its
         # checkpoint here too. On a lapsed lease (should_stop) this is where the loop ends, with LeaseLost.
         check_leases()
         tensors, opt_state = held.params(), held.optim_state(opt)  # collectives under FSDP
-        if adapters is not None:
-            tensors = {**tensors, **adapters.tensors()}
+        for m in movers:
+            tensors = {**tensors, **m.tensors()}
         if held.writer:
             trainckpt.save(ctx.store, vkey, st.steps, tensors, opt_state,
                            {"loop": st.to_dict(), "base_version": vs.version, "why": why,
@@ -620,8 +623,10 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
                 moments_file = checkpoints.save_block(ctx.store, vs.run_id, optimizer_tensors(opt_full, names))
             if adapters is not None:
                 suffix_files, suffix_norms = merge(ctx, vs, adapters)
-    if adapters is not None:
-        adapters.detach()
+            if suffix is not None:
+                suffix_files, suffix_norms = merge_suffix(ctx, vs, suffix)
+    for m in movers:
+        m.detach()
     return TrainResult(
         steps=res.steps, first_loss=res.losses[0] if res.losses else float("nan"), train_loss=res.final_loss,
         stopped_by=res.stopped_by, seconds=res.seconds, resumed_at=resumed_at, tokens=res.tokens, rows=len(rows),

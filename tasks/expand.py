@@ -6,18 +6,25 @@ adapts, the adapters' optimizer group, and the merge into the suffix blocks' fil
     opt.add_param_group(adapter_group(ctx.cfg, spec, adapters))
     files, norms = merge(ctx, vs, adapters)              # {block: manifest entry}, {block: norm of its update}
 
+    rule = suffix_rule(ctx, vs, model, opt, spec)        # bcd.expand=sign: the suffix's own weights, state-free
+    files, norms = merge_suffix(ctx, vs, rule)
+
 The merge reads each suffix block's tensors as stored in the visit's base version (not the device copies: under
 ``train.precision=bf16`` those are bf16 while the file may hold fp32), adds the adapters' updates in fp32, casts each
 back to its stored dtype and writes a new content-addressed file: copy-on-write, as the active block's.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import RunContext
+from bcdflow.models.errors import ConfigError
 from bcdflow.models.expand import SuffixAdapters, merged
+from bcdflow.models.suffix import SignSuffix
 from bcdflow.models.trainer import OptimSpec
 from bcdflow.storage import checkpoints
 
@@ -35,6 +42,46 @@ def suffix_adapters(ctx: RunContext, vs, model: torch.nn.Module) -> SuffixAdapte
         return None
     seed = int(np.random.SeedSequence([ctx.cfg.seed, vs.cycle, vs.block, 0xE4]).generate_state(1)[0])
     return SuffixAdapters(model, layers, vs.expand, seed, ctx.device).attach(model)
+
+
+def suffix_rule(ctx: RunContext, vs, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                spec: OptimSpec) -> SignSuffix | None:
+    """``bcd.expand=sign``: sign descent on every parameter the stored blocks after the visit's block train (their
+    ``bcd.freeze`` kept; a tied head is block 0's embedding, never a suffix's), attached to ``model``, at
+    ``bcd.expand_lr`` scheduled as the block's (its ratio to the block's rate applied to the group ``opt`` steps the
+    block with), the stochastic rounding seeded by (run seed, cycle, block); None without it, for the last block, a
+    row block, or a model without the suffix (a benchmark's whole-model step)."""
+    cfg = ctx.cfg
+    if cfg.bcd.expand != "sign" or vs.hi is None:
+        return None
+    names = sorted(ctx.plan.suffix(vs.block, cfg.bcd.freeze, ctx.model_cfg.tied))
+    if not names:
+        return None
+    streamed = {f"h.{i}." for i in vs.streamed}
+    if any(n.startswith(tuple(streamed)) for n in names):  # the plan holds a sign visit's suffix (RunConfig.step_shape)
+        raise ConfigError(f"bcd.expand: sign needs block {vs.block}'s suffix on the device, and its visit streams "
+                          f"layers {list(vs.streamed)}; set train.offload=off or bcd.expand=lora")
+    ratio = (cfg.bcd.expand_lr or spec.base_lr) / spec.base_lr
+    group = opt.param_groups[0]  # the block's: run_steps sets its scheduled rate before each step
+    seed = int(np.random.SeedSequence([cfg.seed, vs.cycle, vs.block, 0x51]).generate_state(1)[0])
+    return SignSuffix(model, names, lambda: group["lr"] * ratio / group.get("lr_ratio", 1.0), seed).attach()
+
+
+def merge_suffix(ctx: RunContext, vs, rule: SignSuffix) -> tuple[dict[int, dict], dict[int, float]]:
+    """Write each suffix block of the base version with the sign rule's weights in it (cast to each tensor's stored
+    dtype; the block's other tensors as stored, one block on the host at a time); returns the new files' manifest
+    entries and the norm of each block's update, by block."""
+    by_block: dict[int, dict[str, torch.Tensor]] = {}
+    for name, w in rule.weights().items():
+        by_block.setdefault(ctx.plan.owner(name), {})[name] = w
+    manifest = ctx.manifest(vs.version)
+    files, norms = {}, {}
+    for b in sorted(by_block):
+        tensors = checkpoints.load_from_manifest(ctx.store, ctx.run_id, manifest, [b])
+        new = {**tensors, **{n: w.to(tensors[n].dtype) for n, w in by_block[b].items()}}
+        norms[b] = math.sqrt(sum(float(((new[n].double() - tensors[n].double()) ** 2).sum()) for n in by_block[b]))
+        files[b] = checkpoints.save_block(ctx.store, ctx.run_id, new)
+    return files, norms
 
 
 def adapter_group(cfg: RunConfig, spec: OptimSpec, adapters: SuffixAdapters) -> dict:

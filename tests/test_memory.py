@@ -23,7 +23,7 @@ CASES = [("gpt2-124m", {}), ("L-1.5B", {"n_kv_head": 2, "d_ff": 352})]
 
 
 def measured_vs_planned(model, over, precision, recompute, preinfer=True, optim="adamw", B=4, T=64, rows=64,
-                        stream=False, expand=0):
+                        stream=False, expand=0, sign=False):
     c = {"model": model, "overrides": {**SHAPE, **over}, "batch_size": B, "seq_len": T, "precision": precision}
     w = Workload(c, torch.device("cpu"), optim=optim)
     w.args.chunk_rows = rows
@@ -33,11 +33,12 @@ def measured_vs_planned(model, over, precision, recompute, preinfer=True, optim=
         if blk is None and stream:
             continue  # full training streams nothing
         v = w.full() if blk is None else w.visit(f"b{blk.index}", blk, preinfer=preinfer, recompute=recompute,
-                                                   stream=stream, expand=expand)
+                                                   stream=stream, expand=expand, sign=sign)
         v.step(timed=False)  # a first step: the optimizer state exists, as in every later step
         measured = v.peak()["peak_bytes"]
         shape = StepShape(B, T, precision, optim, chunk_rows=rows, recompute="on" if recompute else "off",
-                          preinfer=preinfer, offload="stream" if stream else "off", expand_rank=expand)
+                          preinfer=preinfer, offload="stream" if stream else "off", expand_rank=expand,
+                          suffix="sign" if sign else "off")
         est = visit_memory(w.cfg, None if blk is None else plan, None if blk is None else blk.index, shape)
         out.append((est.name, measured, est.peak))
         del v

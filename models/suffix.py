@@ -1,0 +1,106 @@
+"""The frozen suffix kept moving, state-free (``bcd.expand=sign``; issue 41; FRUGAL, Zmushko et al. 2024): while a
+visit trains its block with its optimizer, every weight after the block (its suffix) takes a sign-descent step,
+``w -= lr * sign(g)``, on the gradient the visit's backward produces for it, applied in the weight's own gradient
+hook the moment backward has it, so no gradient of the suffix is kept past its layer and no optimizer state exists.
+
+    rule = SignSuffix(model, names, lr=lambda: opt.param_groups[0]["lr"] * ratio, seed=1234)
+    rule.attach()        # suffix weights get gradients; each one's hook steps it and drops its gradient
+    ... the block's training loop: each backward moves the suffix one step ...
+    rule.tensors()       # {"suffix/h.5.attn.c_attn.weight": ..., "suffix/step": ...} (a mid-visit checkpoint's)
+    rule.detach()
+
+The prefix (every layer before the block) is never touched, so the visit's stored activations stay exact; the suffix
+weights are updated where the visit holds them: fp32 as they are, and under ``train.precision=bf16`` the matrices
+held in bf16 (models/light.py's rule): each update computed in fp32 a chunk at a time and rounded stochastically back
+(an update of a fraction of a bf16 step still moves the weight in expectation), the draws seeded by (the visit's seed,
+the step, the parameter, the chunk), so a resumed visit draws what an uninterrupted one drew. What the gradient costs:
+the weight-gradient matmul of every suffix linear (backward already computed the input gradients through it) and one
+suffix weight's gradient at a time; sign descent is scale-free, so gradient clipping does not change it.
+
+A weight written in place inside backward is sound because a weight's gradient is accumulated after the one node that
+used it has run (each suffix weight is used once per forward; a weight used twice, a tied embedding, is the prefix's,
+never the suffix's), and a recomputed layer's forward runs before its backward.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from bcdflow.models.light import stochastic_round
+from bcdflow.models.optimizers import LIGHT_CHUNK as CHUNK
+
+
+class SignSuffix:
+    """Sign descent on the named parameters of ``model`` (the visit's suffix), each stepped in its gradient hook.
+    ``lr()``: the rate of the step being taken (the block's schedule, read when backward reaches the weight)."""
+
+    def __init__(self, model: nn.Module, names: list[str], lr: Callable[[], float], seed: int):
+        params = dict(model.named_parameters())
+        self.named_params = [(n, params[n]) for n in names]
+        self.lr, self.seed = lr, seed
+        self.steps = [0] * len(self.named_params)  # each weight's steps taken (its hook runs once a backward)
+        self._hooks: list = []
+        self._gen: dict[torch.device, torch.Generator] = {}
+        self._index = {id(p): i for i, (_, p) in enumerate(self.named_params)}
+
+    def attach(self) -> "SignSuffix":
+        """Give the suffix weights gradients and hook each: its step, then its gradient dropped."""
+        self.detach()
+        for _, p in self.named_params:
+            p.requires_grad_(True)
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+        return self
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for _, p in self.named_params:
+            p.grad = None
+            p.requires_grad_(False)
+
+    def _generator(self, device: torch.device, key: tuple) -> torch.Generator:
+        g = self._gen.get(device)
+        if g is None:
+            g = self._gen[device] = torch.Generator(device=device)
+        g.manual_seed(hash(key) & ((1 << 63) - 1))  # ints only: the same in every process and attempt
+        return g
+
+    @torch.no_grad()
+    def _hook(self, p: torch.Tensor) -> None:
+        i = self._index[id(p)]
+        self.steps[i] += 1
+        g, p.grad = p.grad, None
+        lr = float(self.lr())
+        flat_p, flat_g = p.view(-1), g.reshape(-1)
+        for c, a in enumerate(range(0, flat_p.numel(), CHUNK)):  # a chunk's temporaries, never a head's
+            b = min(flat_p.numel(), a + CHUNK)
+            if p.dtype != torch.bfloat16:
+                flat_p[a:b].add_(torch.sign(flat_g[a:b]), alpha=-lr)
+                continue
+            w = flat_p[a:b].float().sub_(torch.sign(flat_g[a:b]).float(), alpha=lr)
+            flat_p[a:b].copy_(stochastic_round(w, self._generator(w.device, (self.seed, self.steps[i], i, c))))
+
+    def named(self) -> list[tuple[str, nn.Parameter]]:
+        """What the rule trains, by parameter name (no optimizer holds them: it is state-free)."""
+        return list(self.named_params)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The suffix weights as they stand and their step counts (a mid-visit checkpoint's keys ``suffix/...``)."""
+        out = {f"suffix/{n}": p.detach() for n, p in self.named_params}
+        out["suffix/steps"] = torch.tensor(self.steps, dtype=torch.int64)
+        return out
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the suffix weights and their step counts from ``tensors`` (keys as :meth:`tensors`)."""
+        with torch.no_grad():
+            for n, p in self.named_params:
+                p.copy_(tensors[f"suffix/{n}"])
+        self.steps = [int(v) for v in tensors["suffix/steps"].tolist()]
+
+    @torch.no_grad()
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The suffix weights on the host, by parameter name, in the dtype the visit held them."""
+        return {n: p.detach().cpu() for n, p in self.named_params}
