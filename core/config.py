@@ -10,6 +10,7 @@ A config is data plus validation: it reads no file, opens no store and looks at 
 from __future__ import annotations
 
 import codecs
+import copy
 import difflib
 import json
 import math
@@ -828,8 +829,15 @@ def _read_config_file(file: str) -> dict:
 
 def load_config(file: str | None = None, sets: list[str] | None = None, base: dict | None = None) -> RunConfig:
     """YAML file (optional), then ``KEY=VALUE`` overrides (values parsed as YAML scalars/lists), both through
-    :func:`parse_text`; every problem is one ConfigError line."""
-    raw: dict = dict(base or {})
+    :func:`parse_text`, over ``base`` (a nested dict: a stored run's settings, flows/like.py); every problem is one
+    ConfigError line."""
+    return parse_config(config_tree(file, sets, base))
+
+
+def config_tree(file: str | None = None, sets: list[str] | None = None, base: dict | None = None) -> dict:
+    """The nested dict :func:`load_config` validates: ``base`` (copied), the file's keys, the overrides, unchecked
+    but for their syntax (flows/like.py reads the store a stored run is in from it before the settings exist)."""
+    raw: dict = copy.deepcopy(base or {})
     if file:
         for k, v in _flatten(_read_config_file(file)).items():
             _set_key(raw, k, v)
@@ -838,7 +846,7 @@ def load_config(file: str | None = None, sets: list[str] | None = None, base: di
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
         key, value = item.split("=", 1)
         _set_key(raw, key.strip(), parse_text(value, f"--set {item!r}: the value") if value != "" else None)
-    return parse_config(raw)
+    return raw
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -189,15 +189,22 @@ def baseline_eval_every(train) -> int:
     return train.eval_every or max(1, train.steps // BASELINE_VAL_POINTS)
 
 
+def baseline_bcd(cfg: RunConfig) -> dict:
+    """The ``bcd`` keys a baseline sets itself, whatever it was given: one block, one cycle, every row,
+    ``train.steps`` steps (unless ``train.patience`` asks for the plateau rule), validating every
+    ``baseline_eval_every`` steps (I3)."""
+    return {"blocks": 1, "boundaries": None, "cycles": 1, "sample_rate": 1.0, "preinfer": False,
+            "max_steps": cfg.train.steps, "eval_every": baseline_eval_every(cfg.train), "patience": cfg.train.patience,
+            "budget": "fixed", "lr_scales": None, "moments": "reset", "expand": "off", "vocab_blocks": 1}
+
+
+# their names: what a baseline's stored settings hold of its own, not of what it was given (flows/like.py)
+BASELINE_BCD = tuple(baseline_bcd(RunConfig()))
+
+
 def full_config(cfg: RunConfig) -> RunConfig:
-    """The baseline as a BCD run: one block, one cycle, every row, ``train.steps`` steps (unless
-    ``train.patience`` asks for the plateau rule), validating every ``baseline_eval_every`` steps (I3)."""
-    bcd = cfg.bcd.model_copy(update={"blocks": 1, "boundaries": None, "cycles": 1, "sample_rate": 1.0,
-                                     "preinfer": False, "max_steps": cfg.train.steps,
-                                     "eval_every": baseline_eval_every(cfg.train), "patience": cfg.train.patience,
-                                     "budget": "fixed", "lr_scales": None, "moments": "reset",
-                                     "expand": "off", "vocab_blocks": 1})
-    return cfg.model_copy(update={"bcd": bcd})
+    """The baseline as a BCD run: ``cfg`` with the ``bcd`` keys of :func:`baseline_bcd`."""
+    return cfg.model_copy(update={"bcd": cfg.bcd.model_copy(update=baseline_bcd(cfg))})
 
 
 @flow(name="full_train", flow_run_name=lambda: _run_id("full"))

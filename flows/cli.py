@@ -6,6 +6,7 @@
     bcdflow runs [--store URL] [--json]  # every run of a store: done, running (which visit, how far) or interrupted
     bcdflow export my-run ./out
     bcdflow export my-run ./hf-out --format hf --dtype bf16   # a transformers model directory
+    bcdflow baseline --like bcd-run --run-id full-run   # a baseline of a stored run's settings (flows/like.py)
     bcdflow compare full-run bcd-run --json   # loss and cost against the first run (the baseline)
     bcdflow compare full-run bcd-run --plot cmp.png   # and their validation curves against steps and spend
     bcdflow generate my-run "def main("       # sample text from a version, with the run's tokenizer
@@ -253,13 +254,13 @@ def _preflight(cfg, mode: str, store) -> None:
     preflight(cfg, store=store)
 
 
-def _config(args, base: list[str] | None = None):
-    from bcdflow.core.config import load_config
+def _config(args, base: list[str] | None = None, mode: str | None = None):
+    from bcdflow.flows.like import like_config
 
     sets = list(base or []) + list(args.set or [])
     if getattr(args, "store", None):
         sets.append(f"store={args.store}")
-    cfg = load_config(args.config, sets)
+    cfg = like_config(args.config, sets, getattr(args, "like", None), mode)  # --like RUN: its settings under these
     check_prefect_home()
     check_prefect_api()
     check_tracking(cfg)
@@ -278,6 +279,21 @@ def _continuable(store, run_id: str, state=None) -> dict | None:
     record = runs.read_config(store, run_id)
     checkpoints.check_version(store, run_id, state.version)
     return record
+
+
+def _check_same_settings(record: dict | None, run_id: str, cfg, mode: str) -> None:
+    """A run continues with the settings that define what it computes (``tasks/run.IDENTITY``; ``record``: its stored
+    config, None: a new run): another value is refused naming the keys here, before its lease or anything else is
+    written (``init_run`` checks again, for a deployment's run)."""
+    if record is None:
+        return
+    from bcdflow.flows.bcd import full_config
+    from bcdflow.storage.runs import RUN_FORMAT
+    from bcdflow.tasks.run import SETTINGS_IDENTITY, check_same_identity
+
+    run_cfg = full_config(cfg) if mode == "full" else cfg  # as the flow stores it
+    check_same_identity(record, {**run_cfg.model_dump(), "mode": mode, "format": RUN_FORMAT}, run_id,
+                        keys=SETTINGS_IDENTITY)
 
 
 def _check_same_data(record: dict | None, run_id: str, cfg) -> None:
@@ -315,7 +331,7 @@ def _call(fn, cfg, run_id: str, debug: bool = False) -> dict:
 def _run(args, mode: str, base: list[str] | None = None) -> dict:
     """A run started from the command line: the config, the checks, the store opened and probed once (what the
     command reads is read once), then the flow."""
-    cfg = _config(args, base)
+    cfg = _config(args, base, mode)
     from bcdflow.core.context import open_store
     from bcdflow.flows.bcd import bcd_train_config, full_train_config
     from bcdflow.flows.params import new_run_id
@@ -323,7 +339,9 @@ def _run(args, mode: str, base: list[str] | None = None) -> dict:
     store = open_store(cfg)
     _preflight(cfg, mode, store)
     run_id = args.run_id or new_run_id(mode)
-    _check_same_data(_continuable(store, run_id), run_id, cfg)
+    record = _continuable(store, run_id)
+    _check_same_settings(record, run_id, cfg, mode)
+    _check_same_data(record, run_id, cfg)
     summary = _call(full_train_config if mode == "full" else bcd_train_config, cfg, run_id, args.debug)
     print(strict_json(summary))
     return {"cfg": cfg, "run_id": run_id, "summary": summary, "store": store}
@@ -373,8 +391,8 @@ def _finished(state, store: str) -> str:
     val = f", val loss {state.visits[-1].val_loss:.4f}" if state.visits else ""
     more = FURTHER.get(state.stop_reason or "", FURTHER[CYCLES])
     return (f"run {state.run_id} is done ({state.stop_reason}: {state.stop_detail}) at version {state.version}{val}: "
-            f"nothing to resume.\nTo train it further: bcdflow train --run-id {state.run_id} --store {store} "
-            f"{more} (with the run's own settings: the same -c file or --set keys)")
+            f"nothing to resume.\nTo train it further: bcdflow train --run-id {state.run_id} --like {state.run_id} "
+            f"--store {store} {more} (--like: with the run's own settings)")
 
 
 def cmd_demo(args) -> int:
@@ -408,12 +426,13 @@ def next_steps(run_id: str, store: str) -> str:
     lines = ["\nnext:"]
     if not active:
         lines.append(f"  . {venv}/activate      # puts bcdflow, mlflow and prefect on PATH (or call {venv}/bcdflow)")
-    lines += [f"  bcdflow train --set data.files='~/corpus/*.txt' --run-id mine{s}      # your own text files",
-              f"  bcdflow baseline --set data.files='~/corpus/*.txt' --run-id mine-full{s}   # full training, "
-              f"then: bcdflow compare mine-full mine{s}",
+    full = f"full-{run_id[4:]}" if run_id.startswith("bcd-") else f"{run_id}-full"  # as a baseline's own ids read
+    lines += [f"  bcdflow baseline --like {run_id} --run-id {full}{s}   # full training on the demo's settings",
+              f"  bcdflow compare {full} {run_id}{s}   # then the demo against it: loss, steps and cost",
+              f"  bcdflow config show --run {run_id}{s}   # the demo's settings, each key with its meaning",
+              f"  bcdflow train --set data.files='~/corpus/*.txt' --run-id mine{s}      # your own text files",
               f"  bcdflow generate {run_id} \"def main(\"{s}    # sample from the demo's model",
-              f"  bcdflow export {run_id} ./demo-model{s}    # model.safetensors + config.json + tokenizer.json",
-              "  bcdflow config show    # every key, its value and meaning"]
+              f"  bcdflow export {run_id} ./demo-model{s}    # model.safetensors + config.json + tokenizer.json"]
     return "\n".join(lines)
 
 
@@ -477,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
                                ("baseline", cmd_baseline, "full-parameter baseline")):
         sp = sub.add_parser(name, help=helptext, parents=[common])
         run_opts(sp)
+        if name != "demo":  # the demo's settings are its own
+            from bcdflow.flows import like
+
+            like.add_argument(sp)
         sp.set_defaults(fn=fn)
 
     def store_opts(sp, one_run: bool = True):

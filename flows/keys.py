@@ -1,13 +1,16 @@
-"""``bcdflow config show [-c FILE] [--set KEY=VALUE ...]``: the resolved run config, every key with its value and
-its meaning (the field's description in core/config.py, the one place a key is documented in code).
+"""``bcdflow config show [--run RUN [--store URL]] [-c FILE] [--set KEY=VALUE ...]``: the resolved run config, every
+key with its value and its meaning (the field's description in core/config.py, the one place a key is documented in
+code).
 
     bcdflow config show                               # the defaults
     bcdflow config show -c run.yaml --set bcd.blocks=4
+    bcdflow config show --run bcd-20250101-120000-1a2b   # a stored run's settings (as --like RUN starts from them)
     bcdflow config show --json                        # {key: {"value": ..., "meaning": ...}}
 
-The text form is YAML, each key's meaning as its comment: it is itself a valid ``-c`` file. Keys set by the file or
-``--set`` (values other than the defaults) are marked ``(set)``. Nothing is checked against the machine or the
-store, and nothing is written.
+The text form is YAML, each key's meaning as its comment: it is itself a valid ``-c`` file. Keys set by the file,
+``--set`` or the stored run (values other than the defaults) are marked ``(set)``. ``--run`` reads the run's
+config.json from the store (flows/like.py; a run that is missing or damaged is one line naming it, exit 2); nothing
+is checked against the machine, and nothing is written.
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ def add_parser(sub, common) -> None:
     show.add_argument("-c", "--config", help="YAML config file")
     show.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     show.add_argument("--json", action="store_true", help="{key: {value, meaning}} as JSON")
+    show.add_argument("--run", "--like", dest="like", metavar="RUN",
+                      help="a stored run's settings (-c and --set on top: what --like RUN starts a run with)")
+    show.add_argument("--store", help="the store --run reads (default: the config's store, ./bcdflow-store)")
     show.set_defaults(fn=cmd_config_show)
 
 
@@ -59,8 +65,13 @@ def as_yaml(keys: dict[str, dict]) -> str:
 
 
 def cmd_config_show(args) -> int:
-    from bcdflow.core.config import load_config
+    from bcdflow.flows.like import like_config
 
-    keys = described(load_config(args.config, args.set or []))
-    print(strict_json(keys) if args.json else as_yaml(keys))
+    sets = [*(args.set or []), *([f"store={args.store}"] if args.store else [])]
+    keys = described(like_config(args.config, sets, args.like))
+    if args.json:
+        print(strict_json(keys))
+    else:
+        print(f"# run {args.like}'s settings (store {keys['store']['value']})\n" if args.like else "", end="")
+        print(as_yaml(keys))
     return 0

@@ -20,6 +20,7 @@ import time
 import uuid
 
 from bcdflow.errors import BadInput
+from bcdflow.flows import like
 from bcdflow.tracking.tables import strict_json
 
 GB = 1e9
@@ -30,6 +31,7 @@ def add_parser(sub, common) -> None:
                         help="the whole run at your scale: bytes stored and moved per visit, time and money per cycle")
     sp.add_argument("-c", "--config", help="YAML config file (as for train)")
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    like.add_argument(sp)  # --like RUN: a stored run's settings (its store: --set store=URL), -c and --set on top
     sp.add_argument("--tokens", help="the dataset's token count (e.g. 100e6); default: counted from data.files "
                                      "(the token dataset is prepared in the store, as the run would)")
     sp.add_argument("--gpu-gb", type=float, default=24.0, help="the training card's memory, GB (default 24)")
@@ -242,8 +244,6 @@ def table(res: dict) -> str:
 
 
 def cmd_plan(args) -> int:
-    from bcdflow.core.config import load_config
-
     for flag, v in (("--gpu-gb", args.gpu_gb), ("--store-gbs", args.store_gbs), ("--write-gbs", args.write_gbs),
                     ("--read-gbs", args.read_gbs), ("--preinfer-gpus", args.preinfer_gpus),
                     ("--preinfer-tflops", args.preinfer_tflops), ("--tflops", args.tflops),
@@ -255,6 +255,6 @@ def cmd_plan(args) -> int:
     sets = list(args.set or [])
     sets += [f"train.pcie_gbs={args.pcie_gbs}"] if args.pcie_gbs else []
     sets += [f"train.tflops={args.tflops}"] if args.tflops else []
-    res = build(load_config(args.config, sets), args)
+    res = build(like.like_config(args.config, sets, args.like, "bcd"), args)
     print(strict_json(res) if args.json else table(res))
     return 0

@@ -200,6 +200,11 @@ class _Plan(_Section):
     blocks: list[_PlanBlock] = Field(default_factory=list)
 
 
+# the layout of a run's stored config and weights (its config.json's ``format``; 1 when absent); 2: LLaMA rotates q/k
+# by halves (the Hugging Face convention). tasks/run.py writes it; a run of a newer format is not this bcdflow's to read
+RUN_FORMAT = 2
+
+
 class StoredConfig(_Section):
     """The run record's own keys of ``runs/{id}/config.json``, beside the settings the run was made with (those are
     ``core/config.RunConfig``'s, read back by ``core/config.stored_config``): each of these of the right type, else

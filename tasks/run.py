@@ -24,19 +24,29 @@ from bcdflow.models.errors import ConfigError
 from bcdflow.models.plan import block_tensors
 from bcdflow.storage import checkpoints, layout, runs
 from bcdflow.storage.hf_checkpoint import Checkpoint
-from bcdflow.storage.runs import RunState, VisitRecord
+from bcdflow.storage.runs import RUN_FORMAT, RunState, VisitRecord
 from bcdflow.tasks.retry import retrying
 
 # keys that define what a run computes; a resumed run must match them exactly. ``dataset`` is the token dataset's
 # content id: the same data.files glob holding new contents is another run. optim.lr is not among them:
 # a run that diverged continues with a lower learning rate (the stored config then records the new one).
+# The peers' settings are (issue 45): optim.rank shapes LoRA's adapters and GaLore's projections (a checkpoint of
+# another rank does not load), optim.lisa_layers and optim.switch_every choose which layers or blocks each step
+# trains; so are the schedule's shape (the rate of every step; only its scale, optim.lr, may change), and
+# bcd.budget and bcd.moments (when a visit stops; whether it starts from the stored optimizer state). Keys left out
+# are where and how a run runs (the device and its precision, memory and parallelism, checkpoint cadence, the fleet:
+# a run may move to another machine), what it is billed, or how a finished run is trained further (bcd.cycles,
+# stop.*, spend.budget_usd: core/rules.FURTHER).
 IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.split", "bcd.freeze", "bcd.vocab_blocks", "bcd.order",
             "bcd.sample_rate", "bcd.preinfer", "bcd.max_steps", "bcd.patience", "bcd.min_delta", "bcd.window",
-            "bcd.expand", "bcd.expand_rank",
+            "bcd.expand", "bcd.expand_rank", "bcd.budget", "bcd.moments",
             "optim.name", "optim.weight_decay", "optim.momentum", "optim.grad_clip", "optim.warmup_steps",
+            "optim.schedule", "optim.decay_steps", "optim.min_lr_ratio",
+            "optim.rank", "optim.lisa_layers", "optim.switch_every",
             "train.batch_size", "seed", "mode", "format", "hf.fingerprint", "dataset")
-# the layout of a run's stored config and weights; 2: LLaMA rotates q/k by halves (the Hugging Face convention)
-RUN_FORMAT = 2
+# what the command line checks before a run starts (flows/cli.py): the settings; the data's id has its own check
+# there (_check_same_data), and the checkpoint's fingerprint needs the checkpoint opened (init_run)
+SETTINGS_IDENTITY = tuple(k for k in IDENTITY if k not in ("dataset", "hf.fingerprint"))
 
 
 def _pick(d: dict, dotted: str):
@@ -55,6 +65,30 @@ def _normalized(stored: dict) -> dict:
     return {**stored, **sections.model_dump(exclude={"store"})}
 
 
+def check_same_identity(stored: dict, resolved: dict, run_id: str, hf_dir: str | None = None,
+                        keys: tuple[str, ...] = IDENTITY) -> dict:
+    """Refuse to continue run ``run_id`` (its stored config ``stored``) as ``resolved`` when one of ``keys`` differs:
+    one ConfigError line naming the keys. Returns the stored config, normalized (:func:`_normalized`). The command
+    line calls it before anything is written (``SETTINGS_IDENTITY``, flows/cli.py), ``init_run`` again (a
+    deployment's run)."""
+    old = _normalized(with_former_defaults(stored))
+    old.setdefault("format", 1)
+    diff = [k for k in keys if _pick(old, k) != _pick(resolved, k)]
+    if "format" in diff:
+        raise ConfigError(f"run {run_id!r} was made by an older bcdflow (run format {old['format']}, this one "
+                          f"writes {RUN_FORMAT}: LLaMA rotary embeddings changed); start a new --run-id")
+    if diff == ["dataset"]:  # the CLI refuses this before anything is written (flows/cli._check_same_data)
+        raise ConfigError(f"data.files: the data of run {run_id!r} changed since it started (token dataset "
+                          f"{old['dataset']}, now {resolved['dataset']}); restore it or use a new --run-id")
+    if diff == ["hf.fingerprint"]:
+        raise ConfigError(f"model.from_hf: the checkpoint at {hf_dir!r} changed since run {run_id!r} started "
+                          "from it (its files' fingerprint differs); use a new --run-id")
+    if diff:
+        raise ConfigError(f"run {run_id!r} exists with a different config: {', '.join(diff)} "
+                          "differ (use a new --run-id)")
+    return old
+
+
 @task(name="init-run", **retrying())
 def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") -> RunState:
     """Create version 0 of a new run, or check an existing run's config and return its state."""
@@ -69,21 +103,7 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
         resolved["hf"] = hf_import.record(ck, mcfg)
     state = runs.read_state(store, run_id)
     if state is not None:
-        old = _normalized(with_former_defaults(runs.read_config(store, run_id)))
-        old.setdefault("format", 1)
-        diff = [k for k in IDENTITY if _pick(old, k) != _pick(resolved, k)]
-        if "format" in diff:
-            raise ConfigError(f"run {run_id!r} was made by an older bcdflow (run format {old['format']}, this one "
-                              f"writes {RUN_FORMAT}: LLaMA rotary embeddings changed); start a new --run-id")
-        if diff == ["dataset"]:  # the CLI refuses this before anything is written (flows/cli._check_same_data)
-            raise ConfigError(f"data.files: the data of run {run_id!r} changed since it started (token dataset "
-                              f"{old['dataset']}, now {dataset_id}); restore it or use a new --run-id")
-        if diff == ["hf.fingerprint"]:
-            raise ConfigError(f"model.from_hf: the checkpoint at {ck.dir!r} changed since run {run_id!r} started "
-                              "from it (its files' fingerprint differs); use a new --run-id")
-        if diff:
-            raise ConfigError(f"run {run_id!r} exists with a different config: {', '.join(diff)} "
-                              "differ (use a new --run-id)")
+        old = check_same_identity(runs.read_config(store, run_id), resolved, run_id, ck.dir if ck else None)
         checkpoints.check_version(store, run_id, state.version)  # the weights to continue from are all there
         if _pick(old, "optim.lr") != cfg.optim.lr:
             runs.write_config(store, run_id, {**old, "optim": {**old["optim"], "lr": cfg.optim.lr}})
