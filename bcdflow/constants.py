@@ -7,3 +7,7 @@ the loss in ``models.base`` skips it. It is ``F.cross_entropy``'s default ``igno
 MAX_LEASE_SECONDS = 86400.0
 """The longest a lease lives without renewal (``fleet.lease_seconds`` is refused above it): a ttl read from a stored
 lease is trusted only up to this, so a damaged or hostile lease object cannot make an observer wait longer."""
+
+MAX_MEMORY_GB = 1e6
+"""The most memory, in GB, a card (``train.memory_gb``, ``--gpu-gb``) may be said to have: a petabyte, past any device
+(the largest hold a few hundred GB). A finite size above it overflowed the planner's byte counts to a traceback."""

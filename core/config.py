@@ -21,7 +21,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from bcdflow.constants import MAX_LEASE_SECONDS
+from bcdflow.constants import MAX_LEASE_SECONDS, MAX_MEMORY_GB
 from bcdflow.errors import BadInput
 from bcdflow.core.orders import ORDERS
 from bcdflow.core.spend import DEFAULT_KIND, DEFAULT_PRICES, parse_prices
@@ -328,11 +328,11 @@ class TrainSection(_Section):
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16``: autocast, fp32 master weights and optimizer state for the active block, frozen weights stored in
     bf16 on the device (the stored block files are unchanged)."""
-    memory_gb: float | None = Field(None, gt=0)
-    """The device's memory, in GB (1e9 bytes), to plan for (a 24 GB card on a bigger one): a visit may use it less the
-    CUDA context and a reserve for workspaces and fragmentation (models/memory.device_budget); ``bcd.recompute=auto``,
-    ``offload=auto`` and the choice between data parallel and sharding use it. None = the CUDA device's free memory
-    as measured (less the reserve), unlimited on the CPU."""
+    memory_gb: float | None = Field(None, gt=0, le=MAX_MEMORY_GB)
+    """The device's memory, in GB (1e9 bytes; at most a petabyte, past any device), to plan for (a 24 GB card on a
+    bigger one): a visit may use it less the CUDA context and a reserve for workspaces and fragmentation
+    (models/memory.device_budget); ``bcd.recompute=auto``, ``offload=auto`` and the choice between data parallel and
+    sharding use it. None = the CUDA device's free memory as measured (less the reserve), unlimited on the CPU."""
     gpus: int = Field(1, ge=1)
     """Processes (GPUs) that train one visit, launched with torchrun on this machine; 1 = this process. Rank 0
     writes the checkpoints and the block; a SIGTERM to any rank checkpoints once. On the CPU: gloo processes."""

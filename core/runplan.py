@@ -399,31 +399,33 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates) -> R
     visits = [choose_preinfer(cfg, figs, bf, ds, rates) for bf in figs.blocks]
     dataset_bytes = (ds.n_train + ds.n_val) * (T + 1) * 4
     model_bytes = figs.params * STORED_BYTES + figs.tensors * HEADER_BYTES
-    cycle, run = Totals(), Totals()
-    held = dataset_bytes + model_bytes  # the store before the first visit: the token dataset and version 0
-    run.store_written = cycle.store_written = 0
-    gb_s = 0.0  # GB-seconds held, for the storage bill
-    for c in range(cfg.bcd.cycles):
-        for v in visits:
-            tot = [run] + ([cycle] if c == 0 else [])
-            working = v.written + min(2, v.checkpoints) * v.checkpoint_bytes
-            peak = held + working + v.block_bytes
-            gb_s += (held + working) / GB * v.wall_s
-            held += v.block_bytes
-            for x in tot:
-                x.wall_s += v.wall_s
-                for k, h in v.gpu_hours.items():
-                    _add(x.gpu_hours, k, h)
-                x.gpu_usd += v.gpu_usd
-                x.written += v.written
-                x.read += v.read
-                x.store_written += v.written + v.checkpoints * v.checkpoint_bytes + v.block_bytes
-                x.store_peak = max(x.store_peak, peak)
-                x.request_usd += v.puts / 1000 * sp.put_usd_per_1k + v.gets / 1000 * sp.get_usd_per_1k
-                x.egress_usd += (v.read + v.loaded_bytes) / GB * sp.egress_usd_gb
-        if c == 0:
-            cycle.storage_usd = gb_s * sp.storage_usd_gb_month / MONTH_S
-    run.storage_usd = gb_s * sp.storage_usd_gb_month / MONTH_S
+    cycle = Totals()
+    start = held = dataset_bytes + model_bytes  # the store before the first visit: the token dataset and version 0
+    gb_s = 0.0  # GB-seconds held in the first cycle, for the storage bill
+    for v in visits:
+        working = v.written + min(2, v.checkpoints) * v.checkpoint_bytes
+        cycle.store_peak = max(cycle.store_peak, held + working + v.block_bytes)
+        gb_s += (held + working) / GB * v.wall_s
+        held += v.block_bytes
+        cycle.wall_s += v.wall_s
+        for k, h in v.gpu_hours.items():
+            _add(cycle.gpu_hours, k, h)
+        cycle.gpu_usd += v.gpu_usd
+        cycle.written += v.written
+        cycle.read += v.read
+        cycle.store_written += v.written + v.checkpoints * v.checkpoint_bytes + v.block_bytes
+        cycle.request_usd += v.puts / 1000 * sp.put_usd_per_1k + v.gets / 1000 * sp.get_usd_per_1k
+        cycle.egress_usd += (v.read + v.loaded_bytes) / GB * sp.egress_usd_gb
+    cycle.storage_usd = gb_s * sp.storage_usd_gb_month / MONTH_S
+    # every cycle repeats the first but for the store, which holds one cycle's block files more each time (``grown``
+    # bytes): the run's figures are the first cycle's times the cycles, in closed form (a loop over cycles never
+    # answered at bcd.cycles=1e9); the k-th later cycle holds k * grown more for its whole wall time
+    n, grown = cfg.bcd.cycles, held - start
+    run = Totals(wall_s=cycle.wall_s * n, gpu_hours={k: h * n for k, h in cycle.gpu_hours.items()},
+                 gpu_usd=cycle.gpu_usd * n, request_usd=cycle.request_usd * n, egress_usd=cycle.egress_usd * n,
+                 written=cycle.written * n, read=cycle.read * n, store_written=cycle.store_written * n,
+                 store_peak=cycle.store_peak + (n - 1) * grown)
+    run.storage_usd = (gb_s * n + grown / GB * cycle.wall_s * n * (n - 1) / 2) * sp.storage_usd_gb_month / MONTH_S
     notes = [f"steps are the cap bcd.max_steps={cfg.bcd.max_steps} per visit (a visit may stop sooner: the plateau "
              "or the adaptive budget), so times and money are upper bounds"]
     if cfg.bcd.act_compression != "none":

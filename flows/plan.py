@@ -15,11 +15,13 @@ dataset's size from ``--tokens`` or the prepared token dataset, and the rates fr
 """
 from __future__ import annotations
 
+import errno
 import math
 import time
 import uuid
 
-from bcdflow.errors import BadInput
+from bcdflow.constants import MAX_MEMORY_GB
+from bcdflow.errors import BadInput, DamagedArtifact
 from bcdflow.flows import like
 from bcdflow.tracking.tables import strict_json
 
@@ -85,12 +87,18 @@ def _number(flag: str, text) -> float:
 # -- the store's rates, measured -------------------------------------------------------------------------------------
 
 PROBE_SHARDS = 4
+PROBE_SHARD_BYTES = 256 * 10**6
+"""The most hidden-state bytes (fp32, as pre-inference hands them over) one probe shard holds in memory: a run's shard
+(``bcd.shard_rows`` rows) of a large model is tens of GB, which the probe allocated at once. The probe writes the run's
+chunk objects (what the rate depends on), as few per shard as this allows, at least one."""
 
 
 def probe_store(cfg, d_model: int) -> dict:
-    """Write ``PROBE_SHARDS`` activation shards of the run's layout (``bcd.shard_rows`` rows, ``data.seq_len``,
-    ``bcd.act_dtype``) to the configured store through ``storage/activations`` and read them back whole with its
-    reader, timing each; the probe's group is removed after. GB/s of the chunk objects' bytes."""
+    """Write ``PROBE_SHARDS`` activation shards of the run's layout (its chunk objects: ``data.seq_len``,
+    ``bcd.act_dtype``, the chunk rows of a ``bcd.shard_rows`` shard; a shard at most ``PROBE_SHARD_BYTES`` in memory)
+    to the configured store through ``storage/activations`` and read them back whole with its reader, timing each; the
+    probe's group is removed after. GB/s of the chunk objects' bytes. A store that stops answering meanwhile is one
+    line naming it (OSError: exit 1), never a traceback."""
     import torch
 
     from bcdflow.core.context import open_store
@@ -101,16 +109,19 @@ def probe_store(cfg, d_model: int) -> dict:
     store = open_store(cfg)
     store.probe()
     b, T = cfg.bcd, cfg.data.seq_len
-    rows = PROBE_SHARDS * b.shard_rows
+    chunk = group_layout(b.shard_rows, T, d_model, b.shard_rows, b.act_dtype).chunk_rows  # the run's chunk objects
+    shard_rows = chunk * max(1, min(b.shard_rows // chunk, PROBE_SHARD_BYTES // (chunk * T * d_model * 4)))
+    rows = PROBE_SHARDS * shard_rows
     key = throughput_key(uuid.uuid4().hex[:12])
-    lay = group_layout(rows, T, d_model, b.shard_rows, b.act_dtype)
+    lay = group_layout(rows, T, d_model, shard_rows, b.act_dtype, chunk_rows=chunk)
     gen = torch.Generator().manual_seed(0)
+    done = False
     try:
-        activations.create_group(store, key, n_rows=rows, seq_len=T, d_model=d_model, shard_rows=b.shard_rows,
-                                 dtype=b.act_dtype, compression=b.act_compression)
-        hidden = torch.randn((b.shard_rows, T, d_model), generator=gen)
+        activations.create_group(store, key, n_rows=rows, seq_len=T, d_model=d_model, shard_rows=shard_rows,
+                                 dtype=b.act_dtype, chunk_rows=chunk, compression=b.act_compression)
+        hidden = torch.randn((shard_rows, T, d_model), generator=gen)
         # not zeros: Zarr skips writing a chunk that is all fill value (the reader would find it missing)
-        targets = torch.randint(1, 1 << 15, (b.shard_rows, T), generator=gen, dtype=torch.int32)
+        targets = torch.randint(1, 1 << 15, (shard_rows, T), generator=gen, dtype=torch.int32)
         t0 = time.perf_counter()
         for s in range(PROBE_SHARDS):
             activations.write_shard(store, key, s, hidden, targets)
@@ -121,10 +132,28 @@ def probe_store(cfg, d_model: int) -> dict:
             reader.read(lo, min(rows, lo + lay.chunk_rows))
         read_s = time.perf_counter() - t0
         reader.close()
+        done = True
+    except (BadInput, DamagedArtifact):
+        raise
+    except Exception as e:  # s3fs, botocore, aiohttp and zarr raise their own: the store went away mid-probe
+        raise _probe_fault(store, key, e) from None
     finally:
-        store.rm(key)
+        try:
+            store.rm(key)
+        except Exception as e:
+            if done:  # measured, but the probe's objects could not be removed: the store went away at the end
+                raise _probe_fault(store, key, e) from None
     return {"store": store.url, "bytes": lay.array_bytes, "shards": PROBE_SHARDS, "write_s": write_s,
             "read_s": read_s, "write_gbs": lay.array_bytes / write_s / GB, "read_gbs": lay.array_bytes / read_s / GB}
+
+
+def _probe_fault(store, key: str, e: BaseException) -> OSError:
+    """The one line of a store that stopped answering during ``--probe`` (the CLI prints an OSError's file name, the
+    store, and its reason: exit 1)."""
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return OSError(errno.EIO, f"the store stopped answering during bcdflow plan --probe ({type(e).__name__}: {first}); "
+                   f"its probe objects may be left under {key}/ (remove them once it answers); run the probe again, "
+                   "or give --store-gbs", store.url)
 
 
 # -- the command -----------------------------------------------------------------------------------------------------
@@ -250,6 +279,9 @@ def cmd_plan(args) -> int:
                     ("--pcie-gbs", args.pcie_gbs)):
         if v is not None and not (math.isfinite(v) and v > 0):
             raise BadInput(f"{flag}: must be a positive number, got {v:g}")
+    if args.gpu_gb > MAX_MEMORY_GB:  # finite, but its bytes overflowed the planner's integers
+        raise BadInput(f"--gpu-gb: must be a positive number of GB up to {MAX_MEMORY_GB:g} (past any card), got "
+                       f"{args.gpu_gb:g}")
     if args.preinfer_gpus is not None and args.preinfer_gpus != int(args.preinfer_gpus):
         raise BadInput(f"--preinfer-gpus: must be a whole number of GPUs, got {args.preinfer_gpus:g}")
     sets = list(args.set or [])

@@ -16,6 +16,7 @@ rates: models/specs.CARD_RATES) with the tokens per step from which the copies h
 """
 from __future__ import annotations
 
+from bcdflow.constants import MAX_MEMORY_GB
 from bcdflow.errors import BadInput
 from bcdflow.tracking.tables import strict_json
 
@@ -52,6 +53,26 @@ def _visit_row(h, plan_, b: int) -> dict:
                 hides_at_tokens=t.hides_at_tokens)
 
 
+def _refused(cfg, settings: dict) -> str | None:
+    """Why the run's config refuses a recommendation's ``settings`` (``section.key`` -> value), by the config's own
+    checks (core/config.py: what ``--set`` of them would say), or None: a recommendation is only what the config
+    takes."""
+    from pydantic import ValidationError
+
+    from bcdflow.core.config import RunConfig
+
+    data = cfg.model_dump()
+    for key, v in settings.items():
+        section, name = key.split(".", 1)
+        data[section] = {**data.get(section, {}), name: v}
+    try:
+        RunConfig.model_validate(data)
+    except ValidationError as e:
+        msg = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+        return msg.split("; set ")[0]
+    return None
+
+
 def plan(cfg, gpu_gb: float) -> dict:
     """Every visit at the config's ``bcd.blocks`` as the run would hold it on a ``gpu_gb`` card, full training, and
     the recommendation with its own visits."""
@@ -75,11 +96,18 @@ def plan(cfg, gpu_gb: float) -> dict:
 
     # the fewest blocks that fit, their cut points chosen by fit, with the lighter state where it halves them
     rec = recommend_state(mcfg, shape, budget, split, cfg.bcd.shard_rows)
+    if "bcd.vocab_blocks" in rec.settings and (why := _refused(cfg, rec.settings)):
+        # row blocks fit where whole matrices fit in no block count, but this config refuses them (bcd.order=greedy,
+        # a peer, several processes): recommending them sent the user to a config that then refused; say so instead
+        k = rec.settings["bcd.vocab_blocks"]
+        rec = recommend(mcfg, shape, budget, split, cfg.bcd.shard_rows)
+        rec.hint = f"row blocks (bcd.vocab_blocks={k}) would fit, but not with this config ({why})"
     if rec.blocks is None and not shape.freeze:  # what freezing the big-vocabulary parts would make fit (a trade-off)
         alt = recommend(mcfg, replace(shape, freeze=("embeddings", "head")), budget, split, cfg.bcd.shard_rows)
         if alt.blocks is not None:
-            rec.hint = (f"with bcd.freeze=[embeddings,head] (no longer full-parameter): bcd.blocks={alt.blocks} fits "
-                        f"(worst visit {alt.worst_peak / GB:.1f} GB)")
+            rec.hint = "; ".join(h for h in (rec.hint, (
+                f"with bcd.freeze=[embeddings,head] (no longer full-parameter): bcd.blocks={alt.blocks} fits (worst "
+                f"visit {alt.worst_peak / GB:.1f} GB)")) if h)
     out = {"model": mcfg.to_dict(), "batch": B, "seq_len": T, "precision": p, "optim": opt, "gpu_gb": gpu_gb,
            "budget": {"card": budget.card, "free": budget.free, "reserve": budget.reserve, "usable": budget.usable,
                       "line": budget.line()},
@@ -170,8 +198,9 @@ def table(res: dict) -> str:
 def cmd_plan_memory(args) -> int:
     from bcdflow.core.config import load_config
 
-    if not args.gpu_gb > 0:
-        raise BadInput(f"--gpu-gb: must be a positive number of GB, got {args.gpu_gb:g}")
+    if not 0 < args.gpu_gb <= MAX_MEMORY_GB:
+        raise BadInput(f"--gpu-gb: must be a positive number of GB up to {MAX_MEMORY_GB:g} (past any card), got "
+                       f"{args.gpu_gb:g}")
     for flag, v in (("--pcie-gbs", args.pcie_gbs), ("--tflops", args.tflops)):
         if v is not None and not v > 0:
             raise BadInput(f"{flag}: must be positive, got {v:g}")

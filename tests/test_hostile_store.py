@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -532,3 +533,85 @@ def test_a_lease_duration_is_trusted_only_up_to_its_bound(store):
 
     _lease(store, ttl=1e300, expires=1.0)
     assert read_lease(Store(str(store)), "runs/r", "000000000000.json")["ttl"] == MAX_LEASE_SECONDS
+
+
+# -- 6. the planner's inputs: bounded, answered at once, never a traceback -----------------------------------------
+
+PLANNER = {
+    "a card of 1e300 GB (plan-memory)": (["plan-memory", "--gpu-gb", "1e300"], "--gpu-gb: must be a positive number "
+                                         "of GB up to 1e+06"),
+    "a card of 1e300 GB (plan)": (["plan", "--gpu-gb", "1e300", "--tokens", "1e5"], "--gpu-gb: must be a positive "
+                                  "number of GB up to 1e+06"),
+    "train.memory_gb=1e300 (plan-memory)": (["plan-memory", "--set", "train.memory_gb=1e300"],
+                                            "train.memory_gb: Input should be less than or equal to 1000000"),
+}
+
+
+@pytest.mark.parametrize("args,words", PLANNER.values(), ids=PLANNER.keys())
+def test_the_planners_sizes_are_bounded(tmp_path, capsys, args, words):
+    """Finite but huge sizes overflowed the planner's byte counts (``int(inf)``) to a traceback."""
+    sets = [a for s in [*TINY, f"store={tmp_path / 's'}"] for a in ("--set", s)]
+    _refused(capsys, [args[0], *sets, *args[1:]], words, code=2)
+    assert not (tmp_path / "s").exists()
+
+
+def _probe_cfg(store: str, *sets):
+    return load_config(sets=[*TINY, f"store={store}", "tracking_uri=none", *sets])
+
+
+def test_the_stores_probe_holds_a_bounded_shard_in_memory(tmp_path, monkeypatch):
+    """``bcdflow plan --probe`` allocated one whole shard of the run's rows at once (``bcd.shard_rows`` x seq_len x
+    d_model, tens of GB for a large model: a traceback past memory). It holds at most ``PROBE_SHARD_BYTES``, writing the
+    run's chunk objects, and measures a rate."""
+    from bcdflow.flows import plan
+
+    bound = 1 << 18
+    monkeypatch.setattr(plan, "PROBE_SHARD_BYTES", bound, raising=False)
+    real = torch.randn
+
+    def randn(shape, **kw):
+        assert math.prod(shape) * 4 <= bound, f"the probe allocates {math.prod(shape) * 4 / 1e9:.1f} GB at once"
+        return real(shape, **kw)
+
+    monkeypatch.setattr(torch, "randn", randn)
+    cfg = _probe_cfg(str(tmp_path / "s"), "bcd.shard_rows=1000003")  # prime: the run's chunk is one row
+    out = plan.probe_store(cfg, 64)
+    assert out["write_gbs"] > 0 and out["read_gbs"] > 0 and out["bytes"] <= 2 * 4 * bound  # hidden states and targets
+    assert os.listdir(tmp_path / "s" / "probes") == []  # the probe's objects removed
+
+
+def test_a_store_that_goes_away_mid_probe_is_one_line_naming_it(s3_proxy, s3_bucket, capsys, monkeypatch):
+    """The S3 store stopped answering between the probe's shards: a traceback (and another from the cleanup). Now one
+    line naming the store and what is left, exit 1."""
+    from bcdflow.storage import activations
+
+    real, calls = activations.write_shard, []
+
+    def write_shard(*a, **kw):
+        if calls:
+            s3_proxy.stop()  # the store goes away after the first shard
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(activations, "write_shard", write_shard)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    sets = [a for s in [*TINY, f"store={s3_bucket}/st", f"s3.endpoint_url={s3_proxy.endpoint}"] for a in ("--set", s)]
+    line = _refused(capsys, ["plan", *sets, "--tokens", "1e5", "--probe"],
+                    "the store stopped answering during bcdflow plan --probe", code=1)
+    assert line.startswith(f"bcdflow: error: {s3_bucket}/st: ") and "probes/throughput-" in line, line
+
+
+def test_plan_memory_recommends_only_what_the_config_accepts(capsys):
+    """Llama-3-8B's shape on an 8 GB card fits only with row blocks; ``bcd.order=greedy`` refuses them, and
+    ``plan-memory`` recommended them all the same (the config then refused ``bcd.vocab_blocks=2``). Now it says they
+    would fit but not with this config, and why; whatever it recommends, the config takes."""
+    from bcdflow.core.config import load_config
+
+    sets = ["model.from_hf=benchmarks/shapes/llama-3-8b", "train.batch_size=2", "data.seq_len=1024",
+            "train.precision=bf16", "bcd.order=greedy"]
+    assert main(["plan-memory", *[a for s in sets for a in ("--set", s)], "--gpu-gb", "8", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)["recommendation"]
+    assert "bcd.vocab_blocks" not in (rec.get("settings") or {}), rec
+    assert "row blocks (bcd.vocab_blocks=2) would fit, but not with this config (bcd.vocab_blocks: row blocks are " \
+           "not for bcd.order=greedy" in rec["line"], rec["line"]
+    load_config(sets=[*sets, *(f"{k}={v}" for k, v in (rec.get("settings") or {}).items())])  # accepted

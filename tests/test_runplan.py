@@ -150,6 +150,52 @@ def test_money_and_the_stores_peak_add_up():
     assert p.run.store_peak >= p.dataset_bytes + p.model_bytes + v.written
     assert p.run.store_peak > p.cycle.store_peak  # later cycles hold more versions
     assert p.run.egress_usd == 0  # no egress price by default
+
+
+def _loop_totals(p, cfg, n: int) -> dict:
+    """The run's figures as the planner summed them before, visit by visit over ``n`` cycles (the reference)."""
+    sp, held, gb_s, out = cfg.spend, p.dataset_bytes + p.model_bytes, 0.0, {"wall_s": 0.0, "peak": 0, "written": 0}
+    for _ in range(n):
+        for v in p.visits:
+            working = v.written + min(2, v.checkpoints) * v.checkpoint_bytes
+            out["peak"] = max(out["peak"], held + working + v.block_bytes)
+            gb_s += (held + working) / 1e9 * v.wall_s
+            held += v.block_bytes
+            out["wall_s"] += v.wall_s
+            out["written"] += v.written + v.checkpoints * v.checkpoint_bytes + v.block_bytes
+    out["storage_usd"] = gb_s * sp.storage_usd_gb_month / (30 * 24 * 3600)
+    return out
+
+
+def test_a_run_of_a_billion_cycles_is_planned_at_once_with_the_same_figures():
+    """``bcd.cycles=1e9`` made ``bcdflow plan`` loop over every cycle's visits without answering. The run's figures
+    are the first cycle's times the cycles, the store growing by one cycle's block files each time: the same as the
+    loop's at 3 cycles, and a billion cycles within a second."""
+    import signal
+    import time
+
+    figs, ds = _figs(step_s=1.0, step_computed_s=1.5), Dataset(0, 1000, 50)
+    rates = Rates(write_gbs=1, read_gbs=1, preinfer_gpus=1, preinfer_tflops=10, train_tflops=80)
+    cfg = _cfg("bcd.preinfer=true", "bcd.cycles=3", "bcd.blocks=2")
+    p = plan_run(cfg, figs, ds, rates)
+    ref = _loop_totals(p, cfg, 3)
+    assert p.run.wall_s == pytest.approx(ref["wall_s"]) and p.run.store_written == ref["written"]
+    assert p.run.store_peak == ref["peak"] and p.run.storage_usd == pytest.approx(ref["storage_usd"])
+    big_cfg = _cfg("bcd.preinfer=true", "bcd.cycles=1000000000", "bcd.blocks=2")
+
+    def no_answer(*_):
+        raise AssertionError("bcd.cycles=1e9: no plan within 5 s")
+
+    old = signal.signal(signal.SIGALRM, no_answer)  # a loop over the cycles fails here instead of hanging the suite
+    signal.setitimer(signal.ITIMER_REAL, 5.0)
+    try:
+        t = time.perf_counter()
+        big = plan_run(big_cfg, figs, ds, rates)
+        assert time.perf_counter() - t < 1.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert big.run.wall_s == pytest.approx(1e9 * p.cycle.wall_s) and math.isfinite(big.run.usd)
     egress = plan_run(_cfg("spend.egress_usd_gb=0.09", "bcd.blocks=2"), figs, Dataset(0, 1000, 50), rates)
     assert egress.run.egress_usd > 0
 
