@@ -407,6 +407,10 @@ class CheckpointSection(_Section):
     kill -9). 1: the cadence above exactly. A SIGTERM's checkpoint is never held back."""
 
 
+EGRESS_USD_GB = 0.09
+"""Egress a rented GPU box off the bucket's cloud pays per GB read (S3 Standard to the internet, first 10 TB/month)."""
+
+
 class SpendSection(_Section):
     """What the GPUs cost (docs/DESIGN.md §7): spend of a stage = wall seconds x GPUs x USD per GPU-hour."""
     prices: list[str] = []
@@ -434,8 +438,11 @@ class SpendSection(_Section):
     """Object storage, USD per 1,000 writes (PUT; S3 Standard's)."""
     get_usd_per_1k: float = Field(0.0004, ge=0)
     """Object storage, USD per 1,000 reads (GET; S3 Standard's)."""
-    egress_usd_gb: float = Field(0.0, ge=0)
-    """USD per GB read out of the store's region (0: the GPUs sit beside the bucket; S3 to the internet: 0.09)."""
+    egress_usd_gb: float | None = Field(None, ge=0)
+    """USD per GB read out of the store's region; None = by where the store is: 0 for a local path or
+    ``memory://`` (nothing crosses a paid link), :data:`EGRESS_USD_GB` (S3's first tier to the internet) for an object
+    store, since the box this tool is for is a rented GPU off the bucket's cloud; set 0 where the GPUs sit beside
+    the bucket (``RunConfig.egress_usd_gb``)."""
 
     @field_validator("prices", mode="before")
     @classmethod
@@ -625,6 +632,17 @@ class RunConfig(_Section):
                          window=t.stream_window, expand_rank=b.expand_rank if b.expand == "lora" else 0,
                          suffix="sign" if b.expand == "sign" else "off", gpus=t.gpus,
                          pcie_gbs=pcie_gbs_for(t.pcie_gbs, kind), tflops=tflops_for(t.precision, t.tflops, kind))
+
+    def object_store(self) -> bool:
+        """Whether the store is an object store that bills storage, requests and egress (``s3://`` and the other
+        ``storage/backends.py`` entries); a local path or ``memory://`` bills none of them."""
+        return backend_of(self.store) is not None
+
+    def egress_usd_gb(self) -> float:
+        """What a GB read from the store costs in egress: ``spend.egress_usd_gb``, else by the store (see there)."""
+        if self.spend.egress_usd_gb is not None:
+            return self.spend.egress_usd_gb
+        return EGRESS_USD_GB if self.object_store() else 0.0
 
     def storage_options(self) -> dict:
         """fsspec options for the store URL: its backend's, from the section named as the backend

@@ -31,9 +31,11 @@ What it counts, and from where (so the figures are the product's, not a second m
 - the store's peak: the token dataset, every block file written so far (versions are kept until ``bcdflow prune``),
   one visit's activations and its two newest mid-visit checkpoints (the one before stays as a fallback).
 
-``bcd.preinfer=auto`` (:func:`choose_preinfer`): per block, pre-infer where the visit's wall time with it is lower
-than computing the prefix on the training card every step (streamed or resident, as the holding says), by more than
-:data:`TIE`, else compute it (a way that fits the card first); the reason is one line.
+``bcd.preinfer=auto`` (:func:`choose_preinfer`): per block, pre-infer where the visit with it is both faster than
+computing the prefix on the training card every step (streamed or resident, as the holding says), by more than
+:data:`TIE`, and no dearer in all (GPUs, requests, egress, storage: ``VisitPlan.usd``), else compute it (a way that
+fits the card first); both ways with the same mid-visit checkpoints; the reason is one line, with what the other way
+would have saved.
 """
 from __future__ import annotations
 
@@ -244,6 +246,9 @@ class VisitPlan:
     gpu_usd: float = 0.0
     puts: int = 0
     gets: int = 0
+    usd: float = 0.0
+    """What the visit costs in all: its GPUs, its requests, egress on what it reads (activations, the model part it
+    loads) and holding its activations for the visit's time."""
     alternative: dict | None = None
     """The other way (pre-inference on or off) as planned, for the reason."""
 
@@ -293,8 +298,11 @@ def _add(d: dict, k: str, v: float) -> None:
     d[k] = d.get(k, 0.0) + v
 
 
-def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates, pre: bool) -> VisitPlan:
-    """Block ``bf``'s visit with pre-inference ``pre`` (on only where the block has a prefix)."""
+def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates, pre: bool,
+           protect_s: float | None = None) -> VisitPlan:
+    """Block ``bf``'s visit with pre-inference ``pre`` (on only where the block has a prefix); its mid-visit
+    checkpoints are those of ``protect_s`` seconds of training (default its own training time), so that the two ways
+    of one visit compare with the same protection against a kill (:func:`choose_preinfer`)."""
     b, t, sp = cfg.bcd, cfg.train, cfg.spend
     pre = pre and bf.layers[0] > 0
     rows, steps, T = visit_row_count(cfg, ds.n_train), b.max_steps, cfg.data.seq_len
@@ -330,11 +338,11 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     v.checkpoint_bytes = bf.trainable * (STORED_BYTES + 4 * state)  # what trains (fp32) and its state
     # every checkpoint.every_steps steps or every_seconds seconds, whichever comes first, but at most
     # checkpoint.max_share of the time: n writes of W seconds each with n x W <= share x (train_s + n x W)
-    ck = cfg.checkpoint
-    v.checkpoints = max(steps // ck.every_steps, int(v.train_s // ck.every_seconds))
+    ck, guarded = cfg.checkpoint, v.train_s if protect_s is None else protect_s
+    v.checkpoints = max(steps // ck.every_steps, int(guarded // ck.every_seconds))
     write_s = v.checkpoint_bytes / wr
     if ck.max_share < 1 and write_s > 0 and v.checkpoints:  # the first due is never held back
-        v.checkpoints = min(v.checkpoints, max(1, int(ck.max_share * v.train_s / (write_s * (1 - ck.max_share)))))
+        v.checkpoints = min(v.checkpoints, max(1, int(ck.max_share * guarded / (write_s * (1 - ck.max_share)))))
     v.checkpoint_s = v.checkpoints * v.checkpoint_bytes / wr
     suffix = [o for o in figs.blocks if o.block > bf.block and not o.row] if b.expand != "off" and not bf.row else []
     v.block_bytes = sum(o.params * STORED_BYTES for o in [bf, *suffix])
@@ -355,6 +363,9 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
         _add(v.gpu_hours, pre_kind, v.preinfer_s * box_gpus / 3600)
     _add(v.gpu_hours, box_kind, box * box_gpus / 3600)
     v.gpu_usd = sum(h * prices[k] for k, h in v.gpu_hours.items())
+    v.usd = v.gpu_usd + (v.read + v.loaded_bytes) / GB * cfg.egress_usd_gb() + cfg.object_store() * (
+        v.puts / 1000 * sp.put_usd_per_1k + v.gets / 1000 * sp.get_usd_per_1k
+        + v.written / GB * (v.wall_s - v.load_s) / MONTH_S * sp.storage_usd_gb_month)
     return v
 
 
@@ -366,20 +377,28 @@ def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Da
         v = _visit(cfg, figs, bf, ds, rates, False)
         v.why = "the first block has no prefix"
         return v
-    on, off = _visit(cfg, figs, bf, ds, rates, True), _visit(cfg, figs, bf, ds, rates, False)
+    # the same checkpoints for both ways: those of the longer training (a visit that trains faster from stored
+    # activations would otherwise also write fewer checkpoints, and win on protection it gave up)
+    guard = max(_visit(cfg, figs, bf, ds, rates, p).train_s for p in (True, False))
+    on, off = _visit(cfg, figs, bf, ds, rates, True, guard), _visit(cfg, figs, bf, ds, rates, False, guard)
 
     def words(a: VisitPlan, b: VisitPlan) -> str:
-        return (f"pre-inference {duration_text(on.wall_s)} {usd_text(on.gpu_usd)} (writes {on.written / GB:.1f} GB), "
-                f"prefix on the card {duration_text(off.wall_s)} {usd_text(off.gpu_usd)}")
+        return (f"pre-inference {duration_text(on.wall_s)} {usd_text(on.usd)} (writes {on.written / GB:.1f} GB), "
+                f"prefix on the card {duration_text(off.wall_s)} {usd_text(off.usd)}")
 
     if setting == "auto":
-        tie = abs(on.wall_s - off.wall_s) <= TIE * max(on.wall_s, off.wall_s)
+        faster = on.wall_s < (1 - TIE) * off.wall_s
         if on.fits != off.fits:
             pick, how = (on if on.fits else off), "the only way that fits"
-        elif tie:  # the same forward either way: the store's bytes and requests buy nothing
-            pick, how = off, f"as fast (within {TIE:.0%}) and stores nothing"
+        elif faster and on.usd <= off.usd:
+            pick, how = on, "faster and not dearer"
+        elif faster:  # time against money: the card's way stores nothing and crosses no paid link
+            pick = off
+            how = (f"cheaper by {usd_text(on.usd - off.usd)} (pre-inference is {duration_text(off.wall_s - on.wall_s)} "
+                   "faster; it pre-infers where it is both)")
         else:
-            pick, how = min((on, off), key=lambda x: x.wall_s), "faster"
+            pick, how = off, (f"as fast (within {TIE:.0%})" if on.wall_s <= off.wall_s else "faster") + \
+                " and stores nothing"
         pick.why = ("auto: " + ("pre-infer" if pick is on else "compute the prefix on the card") + f" is {how}: "
                     + words(on, off))
     else:
@@ -387,7 +406,7 @@ def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Da
         pick.why = f"bcd.preinfer={'true' if setting else 'false'}: {words(on, off)}"
     other = off if pick is on else on
     pick.alternative = {"preinfer": other.preinfer, "wall_s": other.wall_s, "gpu_usd": other.gpu_usd,
-                        "written": other.written, "read": other.read, "fits": other.fits}
+                        "usd": other.usd, "written": other.written, "read": other.read, "fits": other.fits}
     return pick
 
 
@@ -414,9 +433,10 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates) -> R
         cycle.written += v.written
         cycle.read += v.read
         cycle.store_written += v.written + v.checkpoints * v.checkpoint_bytes + v.block_bytes
-        cycle.request_usd += v.puts / 1000 * sp.put_usd_per_1k + v.gets / 1000 * sp.get_usd_per_1k
-        cycle.egress_usd += (v.read + v.loaded_bytes) / GB * sp.egress_usd_gb
-    cycle.storage_usd = gb_s * sp.storage_usd_gb_month / MONTH_S
+        cycle.request_usd += cfg.object_store() * (v.puts / 1000 * sp.put_usd_per_1k + v.gets / 1000 * sp.get_usd_per_1k)
+        cycle.egress_usd += (v.read + v.loaded_bytes) / GB * cfg.egress_usd_gb()
+    billed = sp.storage_usd_gb_month * cfg.object_store()  # a local path or memory:// bills no storage
+    cycle.storage_usd = gb_s * billed / MONTH_S
     # every cycle repeats the first but for the store, which holds one cycle's block files more each time (``grown``
     # bytes): the run's figures are the first cycle's times the cycles, in closed form (a loop over cycles never
     # answered at bcd.cycles=1e9); the k-th later cycle holds k * grown more for its whole wall time
@@ -425,7 +445,7 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates) -> R
                  gpu_usd=cycle.gpu_usd * n, request_usd=cycle.request_usd * n, egress_usd=cycle.egress_usd * n,
                  written=cycle.written * n, read=cycle.read * n, store_written=cycle.store_written * n,
                  store_peak=cycle.store_peak + (n - 1) * grown)
-    run.storage_usd = (gb_s * n + grown / GB * cycle.wall_s * n * (n - 1) / 2) * sp.storage_usd_gb_month / MONTH_S
+    run.storage_usd = (gb_s * n + grown / GB * cycle.wall_s * n * (n - 1) / 2) * billed / MONTH_S
     notes = [f"steps are the cap bcd.max_steps={cfg.bcd.max_steps} per visit (a visit may stop sooner: the plateau "
              "or the adaptive budget), so times and money are upper bounds"]
     if cfg.bcd.act_compression != "none":

@@ -109,7 +109,8 @@ def _figs(step_s: float, step_computed_s: float, prefix_flops: float = 1e10) -> 
 
 
 def _cfg(*sets):
-    return load_config(sets=[*TINY, "store=memory://plan", "data.seq_len=128", *sets])
+    """An object store beside the GPUs (no egress unless a test prices it; s3:// bills storage and requests)."""
+    return load_config(sets=[*TINY, "store=s3://plan-bucket/runs", "spend.egress_usd_gb=0", "data.seq_len=128", *sets])
 
 
 def test_auto_pre_infers_where_the_prefix_costs_the_card_more_than_the_store_and_says_why():
@@ -120,7 +121,8 @@ def test_auto_pre_infers_where_the_prefix_costs_the_card_more_than_the_store_and
     cfg = _cfg("bcd.preinfer=auto")
     figs = _figs(step_s=0.5, step_computed_s=2.0)
     on = choose_preinfer(cfg, figs, figs.blocks[1], ds, fast_store)
-    assert on.preinfer and on.why.startswith("auto: pre-infer is faster") and on.alternative["preinfer"] is False
+    assert on.preinfer and on.why.startswith("auto: pre-infer is faster and not dearer")
+    assert on.alternative["preinfer"] is False
     off = choose_preinfer(cfg, figs, figs.blocks[1], ds, slow_store)
     assert not off.preinfer and "compute the prefix on the card" in off.why and off.written == 0
     assert off.alternative["written"] > 0
@@ -129,6 +131,35 @@ def test_auto_pre_infers_where_the_prefix_costs_the_card_more_than_the_store_and
     # a setting other than auto is obeyed, with both figures in its reason
     forced = choose_preinfer(_cfg("bcd.preinfer=true"), figs, figs.blocks[1], ds, slow_store)
     assert forced.preinfer and forced.why.startswith("bcd.preinfer=true")
+
+
+def test_auto_weighs_money_with_time_and_prices_the_store_by_where_it_is():
+    """Issue 42: ``auto`` chose by wall time alone and egress was 0 by default. Now a visit pre-infers only where that
+    is faster and no dearer in all; where the store's egress makes the faster way dearer, the card computes the prefix
+    and the reason says what pre-inference would have saved and cost. By default an object store's reads are priced
+    as a rented box off its cloud pays them (0.09 USD/GB), a local path's or memory://'s not at all (nor storage and
+    requests); both ways keep the same mid-visit checkpoints."""
+    ds = Dataset(0, 100_000, 5_000)
+    fast = Rates(write_gbs=10, read_gbs=10, preinfer_gpus=16, preinfer_tflops=80, train_tflops=80,
+                 preinfer_elsewhere=True)
+    figs = _figs(step_s=0.5, step_computed_s=2.0)
+    long = ("bcd.preinfer=auto", "bcd.max_steps=10000")  # a visit over 80k rows: its activations outweigh the model
+    on = choose_preinfer(_cfg(*long), figs, figs.blocks[1], ds, fast)
+    assert on.preinfer and on.usd <= on.alternative["usd"]
+    off = choose_preinfer(_cfg(*long, "spend.egress_usd_gb=0.09"), figs, figs.blocks[1], ds, fast)
+    assert not off.preinfer and off.alternative["wall_s"] < off.wall_s and off.alternative["usd"] > off.usd
+    assert off.why.startswith("auto: compute the prefix on the card is cheaper by $") and "faster" in off.why
+    for store, egress in [("s3://b/runs", 0.09), ("memory://plan", 0.0), ("/tmp/local-store", 0.0)]:
+        cfg = load_config(sets=[*TINY, f"store={store}"])
+        assert cfg.egress_usd_gb() == egress and cfg.object_store() == store.startswith("s3://")
+    local = plan_run(load_config(sets=[*TINY, "store=memory://plan", "bcd.preinfer=true", "bcd.blocks=2"]), figs,
+                     Dataset(0, 1000, 50), fast)
+    assert local.run.storage_usd == local.run.request_usd == local.run.egress_usd == 0 and local.run.gpu_usd > 0
+    # the same protection both ways: the checkpoints of the longer training, whichever way is taken
+    every = ("checkpoint.every_steps=1000000", "checkpoint.every_seconds=1", "checkpoint.max_share=1")
+    a = choose_preinfer(_cfg("bcd.preinfer=auto", *every), figs, figs.blocks[1], ds, fast)
+    b = choose_preinfer(_cfg("bcd.preinfer=false", *every), figs, figs.blocks[1], ds, fast)
+    assert a.preinfer and not b.preinfer and a.checkpoints == b.checkpoints > 0
 
 
 def test_money_and_the_stores_peak_add_up():
@@ -149,7 +180,7 @@ def test_money_and_the_stores_peak_add_up():
     assert p.run.usd == pytest.approx(p.run.gpu_usd + p.run.storage_usd + p.run.request_usd + p.run.egress_usd)
     assert p.run.store_peak >= p.dataset_bytes + p.model_bytes + v.written
     assert p.run.store_peak > p.cycle.store_peak  # later cycles hold more versions
-    assert p.run.egress_usd == 0  # no egress price by default
+    assert p.run.egress_usd == 0  # priced 0: the GPUs beside the bucket
 
 
 def _loop_totals(p, cfg, n: int) -> dict:

@@ -1,0 +1,124 @@
+"""The planning guide's three scales (docs/guide/planning-a-run.md), generated: the ``bcdflow plan`` commands and the
+table of what they print, with ``bcd.preinfer`` true and auto. ``--check`` fails (exit 1, naming the first differing
+line) when the guide's block differs from what the code prints today (tests/test_docs.py runs it); ``--write``
+rewrites the block between its markers.
+
+    python -m benchmarks.plan_tables            # the block, to stdout
+    python -m benchmarks.plan_tables --check    # the guide against it
+    python -m benchmarks.plan_tables --write    # the guide updated
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "docs" / "guide" / "planning-a-run.md"
+BEGIN, END = "<!-- plan-tables: begin (python -m benchmarks.plan_tables --write) -->", "<!-- plan-tables: end -->"
+LLAMA = ["--set", "model.from_hf=benchmarks/shapes/llama-3-8b", "--set", "data.seq_len=1024",
+         "--set", "train.precision=bf16"]
+SCALES = [
+    ("1. Llama-3-8B fine-tune on 100M tokens on one rented RTX 4090, the bucket in S3 (store at 0.2 GB/s: the box's "
+     "~1.6 Gbit/s; its reads pay egress, 0.09 USD/GB by default for an s3:// store)",
+     [*LLAMA, "--set", "bcd.blocks=18", "--set", "train.batch_size=8", "--set", "bcd.max_steps=10000",
+      "--set", "store=s3://my-bucket/runs", "--tokens", "100e6", "--gpu-gb", "24", "--store-gbs", "0.2"]),
+    ("2. the same on 8 rented 4090s (FSDP) with 16 cheap pre-inference GPUs (an RTX 3090 at $0.13/h, 35 TFLOP/s "
+     "each; they write 1.6 GB/s together, the training box reads at 0.2 GB/s)",
+     [*LLAMA, "--set", "bcd.blocks=18", "--set", "train.batch_size=16", "--set", "train.gpus=8",
+      "--set", "train.parallel=fsdp", "--set", "bcd.expand=off", "--set", "bcd.max_steps=5000",
+      "--set", "spend.prices=[rtx3090=0.13]", "--set", "spend.preinfer_device=rtx3090",
+      "--set", "store=s3://my-bucket/runs", "--preinfer-gpus", "16", "--preinfer-tflops", "35",
+      "--write-gbs", "1.6", "--read-gbs", "0.2", "--tokens", "100e6", "--gpu-gb", "24"]),
+    ("3. Qwen2.5-32B pre-training on 10B tokens on 64 A100-80GB in the bucket's cloud (FSDP; 150 TFLOP/s; store at "
+     "1.25 GB/s = 10 Gbit/s, no egress; checkpoints every 5000 steps or hour)",
+     ["--set", "model.from_hf=benchmarks/shapes/qwen2.5-32b", "--set", "data.seq_len=2048",
+      "--set", "train.precision=bf16", "--set", "train.batch_size=64", "--set", "train.gpus=64",
+      "--set", "train.parallel=fsdp", "--set", "bcd.expand=off", "--set", "bcd.blocks=8",
+      "--set", "bcd.max_steps=68000", "--set", "checkpoint.every_steps=5000", "--set", "checkpoint.every_seconds=3600",
+      "--set", "spend.train_device=a100", "--set", "spend.preinfer_device=a100", "--set", "store=s3://my-bucket/runs",
+      "--set", "spend.egress_usd_gb=0", "--tokens", "10e9", "--gpu-gb", "80", "--tflops", "150",
+      "--store-gbs", "1.25"]),
+]
+SETTINGS = ("true", "auto")
+
+
+def plan_json(args: list[str]) -> dict:
+    """``bcdflow plan ARGS --json``, run in this process from the repository root."""
+    from bcdflow.flows.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.chdir(ROOT):
+        rc = main(["plan", *args, "--json"])
+    if rc != 0:
+        raise SystemExit(f"bcdflow plan {' '.join(args)}: exit {rc}")
+    return json.loads(out.getvalue())
+
+
+def _bytes(b: float) -> str:
+    return f"{b / 1e9:,.1f} GB" if b < 1e11 else f"{b / 1e12:,.2f} TB" if b < 1e15 else f"{b / 1e12:,.0f} TB"
+
+
+def _usd(x: float) -> str:
+    return f"${x:,.0f}"
+
+
+def row(scale: int, setting: str, p: dict) -> str:
+    """One line of the guide's table from a plan's JSON."""
+    v, c = p["visits"], p["cycle"]
+    pre = [x for x in v if x["preinfer"]]
+    acts = _bytes(max(x["written"] for x in pre)) if pre else "–"
+    moved = f"{_bytes(c['written'])} / {_bytes(c['read'])}" if pre else "–"
+    hours = ", ".join(f"{h:,.0f} {k}" for k, h in sorted(c["gpu_hours"].items(), key=lambda kv: -kv[1]))
+    money = (f"{_usd(c['gpu_usd'])} + {_usd(c['storage_usd'])} + {_usd(c['request_usd'])} + {_usd(c['egress_usd'])}"
+             f" = {_usd(c['usd'])}")
+    return (f"| {scale} | `{setting}` | {len(pre)}/{len(v)} | {acts} | {moved} | {c['wall_s'] / 3600:,.1f} h | {hours} "
+            f"| {_bytes(c['store_peak'])} | {money} | {_usd(p['run']['usd'])} |")
+
+
+def block() -> str:
+    """The guide's block: the commands, then the table."""
+    cmds = ["```"]
+    for title, args in SCALES:
+        cmds.append(f"# {title}")
+        cmds.append("bcdflow plan " + " ".join(a if "[" not in a else f'"{a}"' for a in args)
+                    + " --set bcd.preinfer=auto")
+    cmds.append("```")
+    rows = ["| scale | `bcd.preinfer` | visits pre-inferred | activations a visit | written / read a cycle | wall a cycle "
+            "| GPU-hours a cycle | store peak | money a cycle: GPUs + storage + requests + egress | the run |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for i, (_, args) in enumerate(SCALES, 1):
+        for s in SETTINGS:
+            rows.append(row(i, s, plan_json([*args, "--set", f"bcd.preinfer={s}"])))
+    return "\n".join([BEGIN, "", "\n".join(cmds), "", "\n".join(rows), "", END])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.plan_tables", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 where the guide's block differs from the code's")
+    ap.add_argument("--write", action="store_true", help="rewrite the guide's block")
+    a = ap.parse_args(argv)
+    new = block()
+    if not (a.check or a.write):
+        print(new)
+        return 0
+    text = GUIDE.read_text()
+    i, j = text.index(BEGIN), text.index(END) + len(END)
+    if a.write:
+        GUIDE.write_text(text[:i] + new + text[j:])
+        return 0
+    old = text[i:j]
+    if old != new:
+        for k, (x, y) in enumerate(zip(old.splitlines() + [""] * 99, new.splitlines() + [""] * 99)):
+            if x != y:
+                print(f"{GUIDE}: the plan tables differ from what the code prints (line {k + 1} of the block):\n"
+                      f"  guide: {x}\n  code:  {y}\n(python -m benchmarks.plan_tables --write)", file=sys.stderr)
+                return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
