@@ -41,10 +41,11 @@ docs-check: $(STAMP)   # every link and image of README.md and docs/ resolves; R
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks run --quick
 
-gpu-wheels:   # here, with network: the cp312 wheels the GPU machine lacks, into .whl/ (git-ignored; carry it there)
+gpu-wheels:   # here, with network: the cp312 wheels the GPU machine lacks, bitsandbytes trimmed, into .whl/ (<64 MiB)
 	bash benchmarks/gpu/wheels.sh
 
-# on a GPU machine: the GPU tests and figures into $(GPU_OUT) (gpu_check.json, gpu_check.md; under 8 min on an H100),
+# on a GPU machine: the GPU tests and figures into $(GPU_OUT) (gpu_check.json, gpu_check.md; at most 8 files; under
+# 5 min on an H100/H200 by its own estimate, GPU_BUDGET=270 s for its sections, so a rerun fits a lent GPU's 15 min),
 # with the .venv's CUDA torch or the machine's own python3 and the wheels of .whl/; without a GPU a CPU smoke run
 GPU_OUT ?= gpu-check-out
 gpu-check:

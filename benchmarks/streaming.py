@@ -10,7 +10,12 @@ The visit's model is prepared and its loss taken by the visit engine's own funct
 the step by ``models.trainer.run_steps``. The run config comes from ``--set`` as for ``bcdflow plan-memory``
 (``model.from_hf=DIR`` reads DIR/config.json alone: no weights are needed). ``--cap-gb`` caps the process's device
 memory (``torch.cuda.set_per_process_memory_fraction``) as a card of that size would, and is the card the planner
-plans for; a holding that does not fit reports "out of memory" instead of a figure.
+plans for; a holding that does not fit reports "out of memory" instead of a figure. ``--alloc-headroom-gb H`` caps
+the allocator instead at the card less the device memory measured outside it (CUDA context, kernel modules, NCCL:
+``mem_get_info``'s used bytes less the allocator's reserved) plus H GB, so a reserved figure past the plan and its
+reserve shows as a number instead of being refused by a cap that equals it (``make gpu-check`` judges it so).
+The allocator's counters (retries, out-of-memory events, device mallocs and frees, cache flushes) are recorded for the
+build, the warm-up step and the timed steps apart, with each phase's peaks.
 
 On a GPU (the figures the card issue asks for):
 
@@ -134,13 +139,35 @@ def overlap_from_trace(path: str) -> dict:
             "layer_copies_pinned": sum("Pinned" in c[2] for c in big)}
 
 
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+                      "allocation.all.allocated", "allocation.all.freed")
+"""The caching allocator's cumulative counters (``torch.cuda.memory_stats``) a phase's difference is taken of:
+``num_alloc_retries`` counts only the full cache flushes, so the device frees and all-stream syncs (a release of cached
+blocks to make room, partial ones included) are kept beside it."""
+
+
+def allocator_counters(device: torch.device) -> dict[str, int]:
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
+
+
+def outside_allocator_bytes(device: torch.device) -> int:
+    """Device bytes in use that the caching allocator does not hold: the CUDA context, the kernel modules loaded so
+    far, cuBLAS's handles, NCCL's buffers (``mem_get_info``'s used bytes less the reserved ones; the whole device's, so
+    another process's memory would count too)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free - torch.cuda.memory_reserved(device))
+
+
 def measure(run, mcfg, plan, block: int, device: torch.device, holding: str, steps: int, streamed: tuple[int, ...],
             recompute: bool, profile: bool = False) -> dict:
-    """One holding of one visit: warm-up step, then ``steps`` timed steps; the device's peaks over them; with
-    ``profile`` one more step under the profiler, its copy/compute overlap (CUDA)."""
+    """One holding of one visit: warm-up step, then ``steps`` timed steps; the device's peaks over each; the
+    allocator's counters over the build, the warm-up and the timed steps apart; with ``profile`` one more step under
+    the profiler, its copy/compute overlap (CUDA)."""
     B, T = run.train.batch_size, run.data.seq_len
     cuda = device.type == "cuda"
     pinned0 = pinned_allocator_bytes()
+    counts = [allocator_counters(device)] if cuda else []
     model, vs, named, stream, adapters = build_visit(run, mcfg, plan, block, device, streamed, recompute)
     g = torch.Generator().manual_seed(0)
     y = torch.randint(mcfg.vocab_size, (B, T), generator=g).to(device)
@@ -162,12 +189,20 @@ def measure(run, mcfg, plan, block: int, device: torch.device, holding: str, ste
         sync()
         return time.perf_counter() - t0
 
+    if cuda:
+        counts.append(allocator_counters(device))
+        torch.cuda.reset_peak_memory_stats(device)
     step()  # warm-up: the optimizer state is made, kernels chosen, the slots filled
     if cuda:
+        counts.append(allocator_counters(device))
+        warm_peaks = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.reset_accumulated_memory_stats(device)
     copied0 = stream.bytes_copied if stream else 0
     times = [step() for _ in range(steps)]
+    if cuda:
+        counts.append(allocator_counters(device))
+        phases = {name: {k: b[k] - a[k] for k in ALLOCATOR_COUNTERS}
+                  for name, a, b in zip(("build", "warmup", "timed"), counts, counts[1:])}
     frozen = (vs.layers[1] - vs.layers[0]) - (vs.hi - vs.lo)  # held layers the visit does not train
     out = {"holding": holding, "recompute": recompute, "streamed_layers": len(streamed), "streamed": list(streamed),
            "expand_rank": vs.expand,
@@ -175,7 +210,12 @@ def measure(run, mcfg, plan, block: int, device: torch.device, holding: str, ste
            "step_s": statistics.median(times), "tokens_per_s": B * T / statistics.median(times),
            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
-           "alloc_retries": int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if cuda else None,
+           "warmup_peak_allocated_bytes": warm_peaks[0] if cuda else None,
+           "warmup_peak_reserved_bytes": warm_peaks[1] if cuda else None,
+           # over the build, the warm-up and the timed steps (a retry in the first step is the card's too)
+           "alloc_retries": sum(p["num_alloc_retries"] for p in phases.values()) if cuda else None,
+           "allocator": phases if cuda else None,
+           "outside_allocator_bytes": outside_allocator_bytes(device) if cuda else None,
            "copied_bytes_per_step": (stream.bytes_copied - copied0) / steps if stream else 0,
            "host_bytes": stream.host_bytes if stream else 0,
            "pinned_allocator_bytes": pinned_allocator_bytes() - pinned0,
@@ -213,7 +253,10 @@ def h2d_gbs(device: torch.device, mb: int = 256) -> float | None:
     for _ in range(5):
         dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
-    return 5 * src.numel() / (time.perf_counter() - t0) / 1e9
+    gbs = 5 * src.numel() / (time.perf_counter() - t0) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()  # the visits' reserved peaks start from an empty cache, not this buffer's segment
+    return gbs
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -222,6 +265,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cap-gb", type=float, default=None,
                     help="the card to emulate and plan for (GB, 1e9 bytes): caps this process's device memory")
+    ap.add_argument("--alloc-headroom-gb", type=float, default=None,
+                    help="with --cap-gb: cap the allocator at the card less the device memory measured outside it, "
+                         "plus this much (the plan's figures are then judged, not enforced by the cap)")
     ap.add_argument("--blocks-to-run", default="worst", help="'worst' (the planner's worst visit), 'all', or 0,2,...")
     ap.add_argument("--holdings", nargs="+", default=["resident", "stream", "auto"],
                     choices=["resident", "stream", "auto"])
@@ -249,20 +295,27 @@ def main(argv: list[str] | None = None) -> dict:
         blocks = list(range(len(plan)))
     else:
         blocks = [int(b) for b in args.blocks_to_run.split(",")]
+    cap = {}
     if args.cap_gb and device.type == "cuda":  # put back at the end: the caller (a test) may run uncapped next
         total = torch.cuda.get_device_properties(device).total_memory  # the card less its context, as a run caps
-        torch.cuda.set_per_process_memory_fraction(cap_fraction(args.cap_gb, total), device)
+        frac = cap_fraction(args.cap_gb, total)
+        if args.alloc_headroom_gb is not None:  # the card less what is measured outside the allocator, plus headroom
+            outside = outside_allocator_bytes(device)  # creates the context first
+            frac = min(1.0, (args.cap_gb * GB - outside + args.alloc_headroom_gb * GB) / total)
+            cap["outside_allocator_bytes_at_start"] = outside
+        cap["alloc_cap_bytes"] = int(frac * total)
+        torch.cuda.set_per_process_memory_fraction(frac, device)
     try:
-        return _run(args, run, mcfg, plan, blocks, device, budget, held)
+        return _run(args, run, mcfg, plan, blocks, device, budget, held, cap)
     finally:
         if args.cap_gb and device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
-def _run(args, run, mcfg, plan, blocks, device, budget, held) -> dict:
+def _run(args, run, mcfg, plan, blocks, device, budget, held, cap: dict) -> dict:
     B, T, p = run.train.batch_size, run.data.seq_len, run.train.precision
     res = {"model": mcfg.to_dict(), "batch": B, "seq_len": T, "precision": p, "blocks": len(plan),
-           "device": str(device), "cap_gb": args.cap_gb, "h2d_gbs": h2d_gbs(device),
+           "device": str(device), "cap_gb": args.cap_gb, **cap, "h2d_gbs": h2d_gbs(device),
            "budget": None if budget is None else {"usable": budget.usable, "reserve": budget.reserve,
                                                   "line": budget.line()},
            "visits": []}

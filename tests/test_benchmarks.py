@@ -316,25 +316,90 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_make_gpu_check_runs_its_smoke_mode_without_a_gpu(tmp_path):
+@pytest.mark.parametrize("bnb", ["present", "hidden"])
+def test_make_gpu_check_runs_its_smoke_mode_without_a_gpu(tmp_path, bnb):
     """``make gpu-check`` on a machine without a GPU (CI, this CPU): the same check at tiny shapes on the CPU, exit 0,
-    a report that says no GPU figures were taken, every section run without an error, and the engine's streamed
-    visit (train.device=cpu:0, expansion on) bitwise the resident one. So the check a GPU session runs cannot rot."""
+    a report that says no GPU figures were taken, every section run without an error, each capped visit judged, at
+    most 8 files in OUT (what a lent machine sends back). With bitsandbytes hidden (a ``bitsandbytes`` that raises
+    ImportError first on PYTHONPATH, as on a GPU machine without it) the light sections say skipped and the check
+    still passes. So the check a GPU session runs cannot rot."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run(["bash", "benchmarks/gpu/check.sh", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+    if bnb == "hidden":
+        stub = tmp_path / "hide" / "bitsandbytes"
+        stub.mkdir(parents=True)
+        (stub / "__init__.py").write_text('raise ImportError("bitsandbytes hidden by the test")\n')
+        env["PYTHONPATH"] = str(stub.parent)
+    out = tmp_path / "out"
+    p = subprocess.run(["bash", "benchmarks/gpu/check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["smoke"] and "no GPU figures were taken" in (tmp_path / "gpu_check.md").read_text()
-    assert not [k for k, v in report["sections"].items() if "error" in v], report["sections"]
-    assert report["sections"]["gpu_tests"]["skipped"] == report["sections"]["gpu_tests"]["tests"] > 0
-    rows = [v for v in report["sections"]["llama8b"].values() if isinstance(v, dict)]
-    assert len(rows) == 2 and all(r["streamed_layers"] > 0 and r["host_bytes"] == r["planned_host_bytes"] for r in rows)
-    e = report["sections"]["engine"]
-    assert e["bitwise"] and e["streamed_layers"] > 0 and e["expanded_blocks"]
-    light = report["sections"]["light_rows"]  # issue 33: the lighter state and a row block's visit
-    assert light["light_block0_16gb"]["ok"] and light["rows_embedding_8gb"]["ok"], light
-    assert light["rows_embedding_8gb"]["layers"] == [0, 0] and light["rows_embedding_8gb"]["streamed_layers"] > 0
+    files = [f for f in out.rglob("*") if not f.is_dir()]
+    assert len(files) <= 8, files
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["smoke"] and "no GPU figures were taken" in (out / "gpu_check.md").read_text()
+    assert report["out_files"] == len(files) and not report["failures"], report["failures"]
+    sections = report["sections"]
+    assert list(sections) == ["rates", "llama8b", "gpu_tests", "light_rows", "llama8b_resident", "time_model"]
+    assert not [k for k, v in sections.items() if "error" in v], sections
+    assert report["estimate_s"] <= 280 and all(v["estimate_s"] > 0 for v in sections.values())
+    assert sections["gpu_tests"]["skipped"] == sections["gpu_tests"]["tests"] > 0
+    assert {"tests/test_gpu.py", "tests/test_device.py"} <= set(sections["gpu_tests"]["files"])
+    rows = [v for v in sections["llama8b"].values() if isinstance(v, dict)]
+    assert len(rows) == 2 and all(r["ok"] and r["streamed_layers"] > 0 and r["checks"]["pinned_as_planned"]
+                                  for r in rows), rows
+    assert all(v["streamed_over_resident"] > 0 for v in sections["llama8b_resident"].values() if isinstance(v, dict))
+    light = sections["light_rows"]  # issue 33: the lighter state and a row block's visit
+    if bnb == "hidden":
+        assert sections["rates"]["bitsandbytes"]["absent"], sections["rates"]
+        assert light["skipped"].startswith("bitsandbytes absent"), light
+        assert "skipped: bitsandbytes absent" in (out / "gpu_check.md").read_text()
+    else:
+        assert sections["rates"]["bitsandbytes"]["present"], sections["rates"]
+        assert light["light_block0_16gb"]["ok"] and light["rows_embedding_8gb"]["ok"], light
+        assert light["rows_embedding_8gb"]["layers"] == [0, 0] and light["rows_embedding_8gb"]["streamed_layers"] > 0
+    tm = sections["time_model"]  # every measured visit predicted; judged only with measured rates (a GPU)
+    measured = {k for s in ("llama8b", "light_rows") if "skipped" not in sections[s]
+                for k, v in sections[s].items() if isinstance(v, dict)}
+    assert not tm["judged"] and set(tm["visits"]) == measured, tm
+
+
+def test_gpu_check_judges_a_capped_visit_against_its_plan_and_its_card():
+    """The verdict of a capped visit on CUDA (benchmarks/gpu_check.judge) from the streaming benchmark's figures: a
+    holding the planner says does not fit the card fails even when it ran; allocator retries or out-of-memory events
+    in the warm-up fail as in the timed steps; a timed step that freed device memory fails; reserved past the plan
+    and its reserve fails although the cap (2 GB above) let it; the memory outside the allocator counts against
+    the card. The time model fails beyond its tolerance."""
+    from benchmarks import gpu_check as gc
+    from bcdflow.models.memory import GB, device_budget
+
+    reserve = device_budget(24 * GB).reserve
+    zero = dict.fromkeys(("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+                          "num_device_free", "allocation.all.allocated", "allocation.all.freed"), 0)
+
+    def held(planned=18 * GB, fits=True, reserved=19 * GB, outside=0.6 * GB, warm=None, timed=None):
+        a = {"fits_plan": fits, "recompute": True, "streamed_layers": 20, "streamed": list(range(8, 28)),
+             "resident_layers": 3, "planned_peak_bytes": planned, "host_bytes": 8, "planned_host_bytes": 8,
+             "pinned_allocator_bytes": 0, "copied_bytes_per_step": 1, "planned_copy_bytes": 1, "step_s": 1.0,
+             "tokens_per_s": 2048.0, "planned_step_s": 0.8, "peak_allocated_bytes": 0.9 * reserved,
+             "warmup_peak_allocated_bytes": 0.9 * reserved, "peak_reserved_bytes": reserved,
+             "warmup_peak_reserved_bytes": reserved, "outside_allocator_bytes": outside,
+             "alloc_retries": 0, "allocator": {"build": dict(zero), "warmup": {**zero, **(warm or {})},
+                                               "timed": {**zero, **(timed or {})}}}
+        return {"rc": 0, "tail": None, "result": {"alloc_cap_bytes": 25.4 * GB,
+                                                  "visits": [{"block": 0, "layers": [0, 4], "auto": a}]}}
+
+    assert gc.judge(held(), 24.0, False)["ok"]
+    assert gc.judge(held(fits=False), 24.0, False)["failed"] == ["planned_to_fit"]
+    assert gc.judge(held(warm={"num_alloc_retries": 1}), 24.0, False)["failed"] == ["no_retry_or_oom"]
+    assert gc.judge(held(timed={"num_device_free": 3}), 24.0, False)["failed"] == ["no_frees_in_timed_steps"]
+    over = gc.judge(held(reserved=18 * GB + reserve + 0.1 * GB, outside=0.1 * GB), 24.0, False)
+    assert over["failed"] == ["reserved_within_plan_and_reserve"] and over["cap_above_plan_and_reserve_gb"] > 0
+    assert gc.judge(held(outside=5.5 * GB), 24.0, False)["failed"] == ["fits_the_card"]
+    assert "allocated_within_plan" in gc.judge(held(planned=15 * GB), 24.0, False)["failed"]
+    r = {"smoke": False, "sections": {"time_model": {"judged": True, "visits": {
+        "a": {"ok": True, "streamed_ratio": 0.7}, "b": {"ok": False, "streamed_ratio": 0.3}}}}, "out_files": 9}
+    bad = gc.verdict(r)
+    assert len(bad) == 2 and bad[0].startswith("time_model b:") and "9 files" in bad[1], bad
 
 
 def test_gpu_check_refuses_a_machine_with_a_gpu_but_no_cuda_torch(tmp_path):

@@ -140,26 +140,40 @@ def test_distributed_keys_are_checked():
         load_config(sets=TINY + ["train.memory_gb=0"])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_peak_matches_the_planner():
-    """On a GPU: a bf16 visit step's allocator peak against the planner's prediction (the issue's 10%)."""
+def visit_peaks_against_the_planner(c: dict, device: torch.device, blocks: int = 3) -> list[tuple]:
+    """Each visit of the ``blocks``-block plan, with and without recompute: (block, recompute, measured peak bytes of
+    a step after the first, the planner's peak). On CUDA the benchmark's workload measures each configuration in a
+    process of its own (``benchmarks.isolate.Remote``, whose ``peak`` runs the first step there, then the measured
+    one; a ``Remote`` has no ``step`` here); ``BCDFLOW_BENCH_ISOLATE=1`` takes that way on the CPU."""
     from benchmarks.common import Workload
+    from benchmarks.isolate import Remote, _peak
     from bcdflow.models.memory import visit_memory
     from bcdflow.models.specs import StepShape
 
-    c = {"model": "gpt2-124m", "overrides": {"n_layer": 6}, "batch_size": 4, "seq_len": 512, "precision": "bf16"}
-    w = Workload(c, torch.device("cuda"))
-    plan = w.plan(3)
+    w = Workload(c, device)
+    plan = w.plan(blocks)
+    out = []
     for blk in plan.blocks:
         for recompute in (False, True):
             v = w.visit(f"b{blk.index}", blk, recompute=recompute)
-            v.step(timed=False)
-            measured = v.peak()["peak_bytes"]
-            est = visit_memory(w.cfg, plan, blk.index, StepShape(4, 512, "bf16", recompute="on" if recompute else "off"))
-            assert abs(est.peak / measured - 1) <= 0.10, (blk.index, recompute, measured, est.peak)
+            measured = (v.peak() if isinstance(v, Remote) else _peak(w, v))["peak_bytes"]
+            shape = StepShape(c["batch_size"], c["seq_len"], c["precision"], recompute="on" if recompute else "off")
+            out.append((blk.index, recompute, measured, visit_memory(w.cfg, plan, blk.index, shape).peak))
             del v
-            torch.cuda.empty_cache()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_matches_the_planner():
+    """On a GPU: a bf16 visit step's allocator peak against the planner's prediction (the issue's 10%). The device is
+    named with its index, as a run resolves ``cuda`` (core/context.resolve_device) and as tests/test_gpu.py names it:
+    each configuration's process sets it as its device, and ``torch.cuda.set_device`` refuses ``cuda`` without an
+    index. Fails if the planner misses a visit's peak by more than 10% either way."""
+    c = {"model": "gpt2-124m", "overrides": {"n_layer": 6}, "batch_size": 4, "seq_len": 512, "precision": "bf16"}
+    for block, recompute, measured, planned in visit_peaks_against_the_planner(
+            c, torch.device("cuda", torch.cuda.current_device())):
+        assert abs(planned / measured - 1) <= 0.10, (block, recompute, measured, planned)
 
 
 def test_one_device_identity_and_no_device_compared_whole():

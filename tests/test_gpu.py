@@ -123,9 +123,12 @@ def test_a_streamed_step_on_cuda_equals_the_resident_one(device, recompute):
 
 def test_a_partly_resident_visit_fits_its_card_without_retries_and_overlaps_its_copies():
     """train.offload=auto on a card the resident visit does not fit: the planner keeps what fits resident and
-    streams the rest; the process capped at that card runs its steps with no allocator retry, within the card less
-    the context; and the copies overlap the compute (at 8x1024 tokens most of the copy time is hidden). Fails if the
-    plan undercounts (a retry or an out-of-memory under the cap) or if copies serialise with compute."""
+    streams the rest; its steps run with no allocator retry or out-of-memory and no cache flush in the timed steps,
+    reserved within the plan and its reserve, and reserved plus the device memory measured outside the allocator
+    (context, kernel modules) within the card; and the copies overlap the compute (at 8x1024 tokens most of the copy
+    time is hidden). The allocator is capped 2 GB above the card less what is outside it, so that the reserved
+    figures are judged against the plan and the card, not refused by a cap equal to what is asserted. Fails if the
+    plan undercounts or if copies serialise with compute."""
     from bcdflow.core.config import load_config
     from bcdflow.core.context import block_plan, model_config
     from bcdflow.models.memory import visit_memory
@@ -139,11 +142,16 @@ def test_a_partly_resident_visit_fits_its_card_without_retries_and_overlaps_its_
     usable = est.peak - 5 * layer  # about half of the 12 frozen layers must stream
     card = (usable + WORKSPACE_BYTES) / (1 - FRAGMENTATION) + CONTEXT_BYTES + 1e6
     assert device_budget(card).usable >= usable
-    v = streaming("--holdings", "resident", "auto", "--cap-gb", f"{card / GB:.4f}", sets=sets)["visits"][0]
+    v = streaming("--holdings", "resident", "auto", "--cap-gb", f"{card / GB:.4f}", "--alloc-headroom-gb", "2",
+                  sets=sets)["visits"][0]
     r, a = v["resident"], v["auto"]
     assert not r["fits_plan"], r  # the resident visit does not fit this card, by the planner's figures
     assert "error" not in a and a["fits_plan"] and 0 < a["streamed_layers"] < 12, a
-    assert a["alloc_retries"] == 0 and a["peak_reserved_bytes"] <= card - CONTEXT_BYTES, a
+    timed = a["allocator"]["timed"]  # alloc_retries: the build's, the warm-up's and the timed steps'
+    assert a["alloc_retries"] == 0 and timed["num_ooms"] == 0 and timed["num_device_free"] == 0, a
+    reserved = max(a["peak_reserved_bytes"], a["warmup_peak_reserved_bytes"])
+    assert reserved <= a["planned_peak_bytes"] + device_budget(card).reserve, a
+    assert reserved + a["outside_allocator_bytes"] <= card, a
     # without overlap the step would take the resident compute plus every copy: here most copies hide
     full = streaming("--holdings", "resident", "stream", sets=sets)["visits"][0]
     assert full["stream"].get("hidden", 0) >= 0.4, full

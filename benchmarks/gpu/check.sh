@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # make gpu-check: the prepared GPU check (benchmarks/gpu_check.py) into OUT (default gpu-check-out): gpu_check.json,
-# gpu_check.md, the GPU tests' JUnit XML and the streaming benchmark's JSON. Under 8 minutes on one H100.
+# gpu_check.md, the GPU tests' JUnit XML and the visits' raw figures (streaming.json), at most 8 files (what a lent
+# machine sends back). Under 5 minutes on one H100/H200 by the check's own estimate: its sections share a budget of
+# GPU_BUDGET seconds (default 270; benchmarks/gpu_check.py SECTIONS), the wheels' install takes seconds, so a lent
+# GPU's 15 minutes hold the machine's start, this and a rerun. Arguments after OUT go to benchmarks/gpu_check.py.
 #
 # Which Python: the project's .venv where its torch sees CUDA; else the machine's python3 (SYS_PY) where its torch
 # does. The GPU machine this project is lent has no network and its own python3 (3.12, a CUDA torch) that lacks
 # pydantic, zarr, prefect and the rest: `make gpu-wheels` here fetches those wheels into .whl/ (carried there), and
-# this script installs them with --no-deps --target into OUT/.site; the project runs from the checkout itself.
+# this script installs them with --no-deps --target into GPU_SITE (/tmp/bcdflow-gpu-site: not under OUT, which sends
+# back a few files); the project runs from the checkout itself.
 # No CUDA anywhere and no GPU on the machine: a smoke run of the same code at tiny shapes on the CPU (exit 0, no GPU
 # figures). A GPU on the machine but no Python with a CUDA torch: exit 2, naming the Pythons tried.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${1:-gpu-check-out}
+shift $(( $# > 0 ? 1 : 0 ))
 mkdir -p "$OUT"
+BUDGET=${GPU_BUDGET:-270}
 WHEELS=${GPU_WHEELS:-.whl}
 SYS_PY=${SYS_PY:-python3}
 cuda_ok() { [ -x "$(command -v "$1")" ] && "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
@@ -36,17 +42,19 @@ if [ -z "$PY" ]; then
   fi
   [ -x .venv/bin/python ] || make setup >/dev/null || exit 2
   echo "gpu-check: no GPU on this machine: a smoke run of the same code on the CPU (no GPU figures are taken)"
-  exec .venv/bin/python -m benchmarks.gpu_check "$OUT" --smoke
+  exec .venv/bin/python -m benchmarks.gpu_check "$OUT" --smoke "$@"
 fi
 
-if [ "$PY" != .venv/bin/python ] && ! "$PY" -c 'import pydantic, zarr, prefect, bcdflow.tasks.engine' >/dev/null 2>&1; then
+NEED="pydantic, zarr, prefect"
+ls "$WHEELS"/bitsandbytes-*.whl >/dev/null 2>&1 && NEED="$NEED, bitsandbytes"  # the light sections' (make gpu-wheels)
+if [ "$PY" != .venv/bin/python ] && ! "$PY" -c "import $NEED, bcdflow.tasks.engine" >/dev/null 2>&1; then
   # the wheels, with --target beside the machine's own packages (its CUDA torch above all), nothing resolved; the
   # project runs from this checkout (bcdflow/__init__.py: its layers are the repository's folders), so PYTHONPATH
   # holds the checkout first and the wheels after
   SITE=${GPU_SITE:-/tmp/bcdflow-gpu-site}  # not under OUT: what comes back from a lent machine is a few files
-  if ! "$PY" -c 'import pydantic, zarr, prefect' >/dev/null 2>&1; then
+  if ! "$PY" -c "import $NEED" >/dev/null 2>&1; then
     ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "gpu-check: $PY lacks pydantic/zarr/prefect and $WHEELS/ holds no wheels (run make gpu-wheels where there is network, and bring $WHEELS)" >&2; exit 2; }
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
       "$WHEELS"/*.whl || exit 2
   fi
   export PYTHONPATH="$PWD:$(cd "$SITE" 2>/dev/null && pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -54,4 +62,11 @@ if [ "$PY" != .venv/bin/python ] && ! "$PY" -c 'import pydantic, zarr, prefect, 
 fi
 "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], sys.executable, "torch", torch.__version__, "cuda", torch.version.cuda)'
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-timeout 470 "$PY" -m benchmarks.gpu_check "$OUT"
+# bitsandbytes (the light sections): the native library it would load for this torch's CUDA; none means those sections
+# say "skipped: bitsandbytes absent" (wheels.sh keeps CUDA 12.8/12.9 and 13.x's)
+"$PY" -c 'import importlib.util as u, pathlib, torch
+s = u.find_spec("bitsandbytes")
+libs = [] if s is None else sorted(p.name for p in pathlib.Path(s.origin).parent.glob("libbitsandbytes_cuda*"))
+print("bitsandbytes:", " ".join(libs) if s else "absent", "for CUDA", torch.version.cuda)' || true
+# the check keeps to its budget (a section starts only if its estimate fits what is left); timeout is the backstop
+timeout -k 10 $((BUDGET + 20)) "$PY" -m benchmarks.gpu_check "$OUT" --budget "$BUDGET" "$@"
