@@ -16,13 +16,11 @@ rates: models/specs.CARD_RATES) with the tokens per step from which the copies h
 """
 from __future__ import annotations
 
+import textwrap
+
 from bcdflow.constants import MAX_MEMORY_GB
 from bcdflow.errors import BadInput
 from bcdflow.tracking.tables import strict_json
-
-COLS = ("weights", "grads_total", "optim", "activations", "logits")
-NAMES = {"grads_total": "grads"}
-
 
 def add_parser(sub, common) -> None:
     sp = sub.add_parser("plan-memory", parents=[common],
@@ -130,26 +128,51 @@ def plan(cfg, gpu_gb: float) -> dict:
     return out
 
 
+WIDTH = 120  # the text output's columns
+
+# the text table's columns: (header, width, group); a group's label spans its columns on the line above
+# (units there, so the headers stay short and the table fits 120 columns; --json has every figure, the overhead too)
+_GROUPS = {"mem": "GB at its peak", "frozen": "frozen", "stream": "streamed GB", "time": "step s"}
+_COLS = (("visit", 8, None), ("trains", 9, None), ("holds", 7, None), ("params", 7, None),
+         ("weights", 8, "mem"), ("grads", 6, "mem"), ("optim", 6, "mem"), ("act", 6, "mem"), ("peak", 7, "mem"),
+         ("recomp", 7, "frozen"), ("kept", 6, "frozen"), ("pinned", 7, "stream"), ("copy", 6, "stream"),
+         ("resident", 9, "time"), ("held", 7, "time"), ("hides at", 9, None), ("fits", 5, None))
+
+
+def _cells(cells: list[str]) -> str:
+    return "".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, (_, w, _)) in enumerate(zip(cells, _COLS)))
+
+
+def _group_line() -> str:
+    line, at = "", 0
+    for i, (_, w, g) in enumerate(_COLS):
+        if g and (i == 0 or _COLS[i - 1][2] != g):  # a group's first column: its label over the group's span
+            span = sum(w for _, w, gg in _COLS[i:] if gg == g)
+            line = line.ljust(at) + f" {_GROUPS[g]} ".center(span - 1, "-").rjust(span)
+        at += w
+    return line
+
+
 def _table(rows: list[dict], full: dict | None, cap: float) -> list[str]:
     gb = 1e9
-    head = (f"{'visit':<9}{'trains':>8}{'holds':>8}{'trainable':>11}" + "".join(f"{NAMES.get(c, c):>12}" for c in COLS)
-            + f"{'peak':>8}  {'holding':<40}{'host':>6}{'copy':>6}{'step s':>8}{'held s':>8}{'over':>6}"
-            f"{'hides at':>10}  fits")
-    lines = [head, "-" * len(head)]
+    head = _cells([h for h, _, _ in _COLS])
+    lines = [_group_line(), head, "-" * len(head)]
     for r in ([full] if full else []) + rows:
         lo, hi = r.get("trains") or r["layers"]
         hl, hh = r["layers"]
         if "holding" not in r:  # full training: one row, resident
-            tail = f"  {'all resident (full AdamW)':<40}{'-':>6}{'-':>6}{'-':>8}{'-':>8}{'-':>6}{'-':>10}"
+            tail = ["-", "all", "-", "-", "-", "-", "-"]
         else:
-            hides = f"{r['hides_at_tokens']:,}" if r["hides_at_tokens"] else "-"
-            tail = (f"  {r['holding']:<40}{r['host_bytes'] / gb:>6.1f}"
-                    f"{(r['copy_fwd_bytes'] + r['copy_bwd_bytes']) / gb:>6.1f}{r['step_resident_s']:>8.3f}"
-                    f"{r['step_s']:>8.3f}{r['overhead']:>6.0%}{hides:>10}")
+            frozen = r["resident_layers"] + len(r["streamed"])
+            tail = ["yes" if r["recompute"] else "no", f"{r['resident_layers']}/{frozen}" if frozen else "-",
+                    f"{r['host_bytes'] / gb:.1f}", f"{(r['copy_fwd_bytes'] + r['copy_bwd_bytes']) / gb:.1f}",
+                    f"{r['step_resident_s']:.3f}", f"{r['step_s']:.3f}",
+                    f"{r['hides_at_tokens']:,}" if r["hides_at_tokens"] else "-"]
         trains = ("emb rows" if r["rows"][0] == "wte.weight" else "lm rows") if r.get("rows") else f"{lo}-{hi}"
-        lines.append(f"{r['name']:<9}{trains:>8}{f'{hl}-{hh}':>8}{r['trainable_params'] / 1e6:>10.0f}M"
-                     + "".join(f"{r[c] / gb:>12.2f}" for c in COLS) + f"{r['peak'] / gb:>8.2f}" + tail
-                     + f"  {'yes' if r['peak'] <= cap else 'no'}")
+        mem = [r["weights"], r["grads_total"], r["optim"], r["activations"] + r["logits"]]
+        lines.append(_cells([r["name"], trains, f"{hl}-{hh}", f"{r['trainable_params'] / 1e6:.0f}M",
+                             *(f"{v / gb:.2f}" for v in mem), f"{r['peak'] / gb:.2f}", *tail,
+                             "yes" if r["peak"] <= cap else "no"]))
     return lines
 
 
@@ -175,11 +198,11 @@ def table(res: dict) -> str:
              f"vocab={res['model']['vocab_size']}; batch {res['batch']}x{res['seq_len']}, {res['precision']}, "
              f"{res['optim']}. A {res['gpu_gb']:g} GB card: {b['line']}.",
              f"Each visit as the run holds it (bcd.recompute={res['recompute']}, train.offload={res['offload']}, "
-             f"{res['stream_window']} stream slots): the layers it trains and holds, predicted GB of one training step "
-             f"at its peak, how it holds its frozen layers, the pinned host GB and GB copied per step of those that "
+             f"{res['stream_window']} stream slots): the layers it trains and holds, its trainable parameters, "
+             "predicted GB of one training step at its peak (act: activations and logits), whether it recomputes its "
+             "frozen layers and how many it keeps resident, the pinned host GB and GB copied per step of those that "
              f"stream, the step's seconds all resident and as held (compute at {res['tflops']:g} TFLOP/s, copies at "
-             f"{res['pcie_gbs']:g} GB/s: {_rates_of(res)}), the overhead, and the tokens per step from which the copies "
-             "hide.", "",
+             f"{res['pcie_gbs']:g} GB/s: {_rates_of(res)}), and the tokens per step from which the copies hide.", "",
              f"{_plan_words(res['blocks'], res.get('boundaries'))} (this config):"]
     lines += _table(res["visits"], res["full"], cap)
     rec = res["recommendation"]
@@ -192,7 +215,9 @@ def table(res: dict) -> str:
     if "per_gpu" in res:
         lines.append("per GPU, worst visit: " + ", ".join(f"{m} {v / 1e9:.2f}" for m, v in res["per_gpu"].items()))
     lines += ["", rec["line"]]
-    return "\n".join(lines)
+    # prose wrapped to the table's 120 columns (a terminal's width, not 434); --json keeps each line whole
+    return "\n".join(textwrap.fill(ln, WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+                     if len(ln) > WIDTH else ln for ln in lines)
 
 
 def cmd_plan_memory(args) -> int:

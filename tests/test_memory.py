@@ -102,6 +102,28 @@ def test_plan_memory_command(tmp_path, capsys):
     assert rc == 2 and "--gpu-gb" in capsys.readouterr().err
 
 
+def test_plan_memory_text_fits_120_columns(capsys):
+    """Issue 45: the README's ``plan-memory`` example printed a 196-column table (434 with its prose). The text is
+    now at most 120 columns, the table's group line carrying the units; ``--json`` keeps every figure."""
+    import json
+    import shlex
+    from pathlib import Path
+
+    from bcdflow.flows.cli import main
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8").splitlines()
+    i = next(i for i, ln in enumerate(readme) if ln.startswith("bcdflow plan-memory "))
+    cmd = readme[i].rstrip("\\ ") + " " + readme[i + 1].split("#")[0]  # the example and its continuation line
+    args = shlex.split(cmd)[1:]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "(recommended):" in out and "recommended: bcd.blocks=" in out
+    assert max(len(ln) for ln in out.splitlines()) <= 120, out
+    assert main([*args, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert {"overhead", "activations", "logits", "holding"} <= set(res["visits"][0])
+
+
 @pytest.mark.parametrize("model,over", CASES, ids=["gpt", "llama"])
 @pytest.mark.parametrize("optim", ["adamw8bit", "adamw8bit-bf16"])
 def test_planner_agrees_on_the_lighter_states_within_10_percent(model, over, optim):
