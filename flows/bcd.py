@@ -28,7 +28,7 @@ from bcdflow.flows.visit import prefect_note, prefect_tags, visit
 from bcdflow.storage import checkpoints, layout, overview, runs
 from bcdflow.storage.lease import Lease, this_process
 from bcdflow.storage.layout import check_run_id
-from bcdflow.storage.runs import RunState, VisitRecord
+from bcdflow.storage.runs import RunState
 from bcdflow.tasks.data import prepare_data
 from bcdflow.tasks.report import report_run
 from bcdflow.tasks.run import init_run, note_state

@@ -129,7 +129,6 @@ class Decoder(nn.Module):
         lo, hi = layers if layers is not None else (0, cfg.n_layer)
         assert 0 <= lo <= hi <= cfg.n_layer, (lo, hi)
         self.layer_range = (lo, hi)
-        self.has_embed, self.has_head = embed, head
         self.loss_chunk_rows: int | None = None
         """Rows per chunk of the loss over the vocabulary; None = LOSS_CHUNK_BYTES of fp32 logits per chunk."""
         # the tied head reads the token embedding, so a model with a head keeps wte too

@@ -394,13 +394,6 @@ class Recommendation:
                 f"{self.worst_peak / GB:.1f} GB of {usable}; {full})")
 
 
-def plan_holdings(cfg: ModelConfig, blocks: int, shape: StepShape, budget: float | None,
-                  split: str = "params") -> list[Holding]:
-    """Every visit of the ``bcd.blocks=blocks`` plan (``bcd.split=split``) as :func:`choose_holding` holds it."""
-    plan = model_plan(cfg, blocks, split=split, freeze=shape.freeze)
-    return [choose_holding(cfg, plan, b, shape, budget) for b in range(len(plan))]
-
-
 def _prefix_host_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, budget: float | None,
                        shard_rows: int) -> int:
     """Pinned host bytes the pre-inference prefix of ``block``'s visit streams (0 when it fits resident)."""

@@ -42,7 +42,7 @@ GALORE_SCALE = 0.25  # GaLore README / paper: alpha = 0.25
 APOLLO = {"apollo": {"scale_type": "channel", "scale": 1.0, "front": False},  # APOLLO README defaults
           "apollo-mini": {"scale_type": "tensor", "scale": 128.0, "front": True}}  # rank 1; scale_front: small models
 BADAM_SWITCH = 100  # BAdam README's example switch_block_every
-LISA_SWITCH, LISA_LAYERS = 20, 1  # LMFlow scripts/run_finetune_with_lisa.sh: interval 20, 1 activated layer
+LISA_SWITCH = 20  # LMFlow scripts/run_finetune_with_lisa.sh: interval 20 (its 1 activated layer: optim.lisa_layers)
 LORA_RANK, LORA_ALPHA = 8, 8  # peft LoraConfig defaults
 _LAYER = re.compile(r"h\.(\d+)\.")
 

@@ -320,10 +320,6 @@ class LayerStream:
             p.data = views[name]
         self._pointed = i
 
-    def materialize(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer ``i``'s device weights (views of its slot), ready for compute on the current stream."""
-        return self._views(i, self._use(i, backward=torch._C._current_graph_task_id() != -1))
-
     @contextmanager
     def pointed(self, i: int, backward: bool = False) -> Iterator[None]:
         """Layer ``i``'s parameters at its slot for a call that bypasses the layer's hooks (``layer.forward``);
