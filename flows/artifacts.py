@@ -112,8 +112,27 @@ class RunArtifacts:
         _publish(_upsert, key, value, desc, lambda d: create_progress_artifact(value, key=key, description=d))
 
 
-def publish_markdown(key: str, markdown: str, description: str | None = None) -> None:
+def publish_markdown(key: str | None, markdown: str, description: str | None = None) -> None:
     _publish(create_markdown_artifact, markdown, key=key, description=description)
+
+
+def settings_markdown(run_id: str, cycle: int, block: int, params: dict[str, str]) -> str:
+    """A visit's settings as it resolved them (``tracking/describe.run_params``: what MLflow's parameters show), a
+    table of ``key | value``. Its flow run's parameters stay the run's config as stored, unset keys null: that is
+    what a dispatched visit validates and runs (docs/guide/watching.md), and what an unset key resolves to (the
+    rate by the card, the paper's learning rate, the model's sizes) is the visit's to decide where it runs."""
+    bar = "\\|"  # a value's "|" escaped, so it stays in its cell
+    rows = "\n".join(f"| `{k}` | {str(v).replace('|', bar)} |" for k, v in sorted(params.items()))
+    return (f"Settings of visit c{cycle}-b{block} of run `{run_id}` as resolved (unset keys as what they resolved to, "
+            f"as MLflow's parameters show them; this flow run's parameters are the config as stored, unset keys "
+            f"null).\n\n| key | value |\n| --- | --- |\n{rows}\n")
+
+
+def publish_settings(run_id: str, cycle: int, block: int, params: dict[str, str]) -> None:
+    """The visit's resolved settings as a markdown artifact of its flow run (no key: one per visit's flow run, not
+    an entry per visit on the Artifacts page)."""
+    publish_markdown(None, settings_markdown(run_id, cycle, block, params),
+                     f"Settings of visit c{cycle}-b{block} of run `{run_id}`, as resolved")
 
 
 def crash_previous(previous: dict | None, what: str) -> str | None:

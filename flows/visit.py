@@ -38,7 +38,7 @@ from bcdflow.tasks.engine import EvalResult
 from bcdflow.tasks.progress import Progress, preinfer_usd_per_s, visit_progress
 from bcdflow.tasks.run import commit_visit
 from bcdflow.tasks.train import evaluate_version, train_block
-from bcdflow.tracking.describe import training_dataset
+from bcdflow.tracking.describe import run_params, training_dataset
 from bcdflow.tracking.tracker import TrackTarget, Tracker
 
 # per-visit figures logged on the parent run as series over the run's global step (the visit's last step), named
@@ -168,6 +168,9 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     track = TrackTarget(tracker.uri, cfg.experiment, track_runs, state.steps) if track_runs else None
 
     ctx = RunContext.of(cfg, run_id, dataset_id)  # handed to every task of the visit
+    # the flow run's parameters are the config as stored (unset keys null, what a dispatched visit runs); what the
+    # visit resolved them to, as MLflow's parameters show, is its settings artifact
+    artifacts.publish_settings(run_id, cycle, block, run_params(cfg, state.mode, ctx.model_cfg, ctx.plan))
     if mlrun and not known:  # what it trains on (rows sampled from it: bcd.sample_rate)
         tracker.dataset(mlrun, **training_dataset(cfg.data, ctx.dataset))
     # what this visit's earlier attempts spent (an interrupted visit is billed for them: core/spend.py)

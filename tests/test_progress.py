@@ -295,3 +295,26 @@ def test_the_progress_artifact_ends_at_the_visits_real_end(prefect_server):
     assert after.data == 100 and after.description == desc
     assert desc.startswith("c0-b1 train: done, 29 of 60 steps (stopped by budget: its loss fell more slowly)")
     assert "left" not in desc and "loss 4.5000" in desc and "0:00:14 elapsed" in desc
+
+
+def test_a_visits_resolved_settings_are_an_artifact_of_its_flow_run(tiny_cfg, prefect_server):
+    """Issue 45: a visit's flow-run parameters are the config as stored, unset keys null (what a dispatched visit
+    validates and runs), while MLflow shows the resolved values; the visit's flow run now has a settings artifact
+    with those values (``tracking/describe.run_params``): the model's sizes, each block's layers, no None."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterTags
+
+    from bcdflow.flows.bcd import bcd_train
+    from tests.test_tracking import _prefect_artifacts
+
+    cfg = tiny_cfg("bcd.blocks=2", "bcd.max_steps=2")
+    assert cfg.model.n_layer is None  # unset in the config: null among the flow run's parameters
+    assert bcd_train(config=cfg, run_id="settings")["version"] == 2
+    with get_client(sync_client=True) as client:
+        (fr,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=["settings/c0-b1"]), tags=FlowRunFilterTags(all_=["run:settings"])))
+    assert fr.parameters["config"]["model"]["n_layer"] is None
+    (art,) = _prefect_artifacts(str(fr.id))["markdown"]
+    text = art["data"]
+    assert "visit c0-b1 of run `settings`" in text and "None" not in text, text
+    assert "| `model.n_layer` | 6 |" in text and "| `block.1.layers` |" in text and "| `optim.lr` | 0.003 |" in text
