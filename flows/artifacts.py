@@ -1,7 +1,7 @@
 """What a run shows its operators in Prefect: artifacts of the parent flow run.
 
-Keys are ``{run-id}-visits``, ``{run-id}-progress``, ``{run-id}-mlflow``, so the Artifacts page keeps one entry
-per run: a table of the committed visits (block, steps, losses, seconds, spend) and a progress bar, both updated
+Keys are ``{run-id}-visits``, ``{run-id}-progress``, ``{run-id}-mlflow`` (``RunArtifacts.key``: a short hash
+only where the run id alone would not tell runs apart), so the Artifacts page keeps one entry per run: a table of the committed visits (block, steps, losses, seconds, spend) and a progress bar, both updated
 in place after each visit (also across resumes), and a link to the run's MLflow page. An artifact that cannot be
 published is logged as a warning, never a reason to fail training. :func:`crash_previous` marks the flow run of a
 process that died holding a run or a visit Crashed, with its task runs, once another process takes it over (Prefect
@@ -74,17 +74,29 @@ def _upsert(key: str, data, description: str, create) -> None:
     create(description)
 
 
+# a run id bcdflow generated (flows/params.new_run_id: mode, UTC start, 4 random hex digits): unique across machines
+GENERATED_RUN_ID = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*-\d{8}-\d{6}-[0-9a-f]{4}$")
+
+
 class RunArtifacts:
     """The artifacts of one bcdflow run: its visits table, its progress bar and its MLflow link, each updated in
-    place. Keys are ``{run-id}-{store}-{what}`` with a short hash of the store's URL: a run id is unique within
-    its store, not across the stores that share one Prefect server."""
+    place. Keys read as the run: ``{run-id}-{what}`` (``bcd-20250101-120000-1a2b-visits``) for a run id bcdflow
+    generated, unique across machines. A short hash of the store's URL and the run id joins it only where the id
+    alone could name another run: an id the user chose (``--run-id exp1``: unique within its store, not across the
+    stores that share one Prefect server) or one that is not already a key (``Run_A`` and ``run-a`` are two runs,
+    one key once lowercased with dashes: Prefect keys allow lowercase letters, digits and dashes only)."""
 
     def __init__(self, run_id: str, store_url: str, total_visits: int, mode: str = "bcd"):
         self.run_id, self.total, self.mode = run_id, max(total_visits, 1), mode
-        self.scope = hashlib.sha256(store_url.encode()).hexdigest()[:6]
+        name = artifact_key(run_id, "")
+        if name == run_id and GENERATED_RUN_ID.match(run_id):
+            self.scope = name
+        else:
+            digest = hashlib.sha256(f"{store_url}\n{run_id}".encode()).hexdigest()
+            self.scope = f"{name}-{digest[:6]}"
 
     def key(self, what: str) -> str:
-        return artifact_key(f"{self.run_id}-{self.scope}", what)
+        return artifact_key(self.scope, what)
 
     def link(self, url: str | None, text: str) -> None:
         if url:

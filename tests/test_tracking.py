@@ -28,6 +28,24 @@ def _prefect_artifacts(flow_run_id: str) -> dict[str, list[dict]]:
     return out
 
 
+def test_artifact_keys_read_as_the_run():
+    """Issue 45: a run's artifact keys carried an opaque hash of its store (``bcd-20250101-120000-1a2b-3f9a2c-visits``).
+    A run id bcdflow generated is the key as it is; a hash joins only an id that could name another run: one the
+    user chose (the same in two stores that share a Prefect server) or one that is not a key as it is."""
+    import re
+
+    from bcdflow.flows.params import new_run_id
+
+    generated = new_run_id("bcd")
+    assert RunArtifacts(generated, "file:///a/store", 4).key("visits") == f"{generated}-visits"
+    assert RunArtifacts("full-20250101-120000-1a2b", "s3://b/p", 4).key("mlflow") == "full-20250101-120000-1a2b-mlflow"
+    chosen = [RunArtifacts(r, url, 4).key("visits") for r in ("exp1", "Exp_1", "exp-1")
+              for url in ("file:///a/store", "file:///b/store")]
+    assert len(set(chosen)) == len(chosen)  # two stores, and ids equal once lowercased with dashes, stay apart
+    assert all(k.startswith(("exp1-", "exp-1-")) and k.endswith("-visits") for k in chosen), chosen
+    assert all(re.fullmatch(r"[a-z0-9-]+", k) for k in chosen)  # what Prefect accepts as a key
+
+
 @pytest.mark.slow
 def test_mlflow_and_prefect_contents_of_a_tiny_run(tiny_cfg, prefect_server, tmp_path, monkeypatch):
     from bcdflow.flows.bcd import bcd_train
