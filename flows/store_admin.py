@@ -138,10 +138,19 @@ def cmd_prune(args) -> int:
             print(f"  {len(items):>4} {what:<36} {mb(size):>10}")
     if args.dry_run:
         print(f"would free {mb(plan.freed)}: the run holds {mb(left)}, {mb(left - plan.freed)} after a prune")
+        what = {**{n: "weights no kept version uses" for n, _ in plan.blocks},
+                **{n: "optimizer state of an earlier visit, bcd.moments=keep" for n, _ in plan.moments},
+                **{n: "temporary file of a write that died" for n, _ in plan.leftovers}}
         for key in plan.deletions:  # exactly what `bcdflow prune` with the same arguments removes now
-            print(f"  would remove {key}")
+            kind = what.get(key.rsplit("/", 1)[-1]) if key.startswith(layout.blocks_key(args.run_id)) else None
+            print(f"  would remove {key}" + (f"   ({kind})" if kind else ""))
     else:
         print(f"freed {mb(plan.freed)}; the run now holds {mb(left)}")
+    if plan.logged:  # MLflow's logged models point at the store's versions (no copy of the weights)
+        print(f"note: MLflow logged a model of versions {', '.join(map(str, plan.logged))} (MLflow run "
+              f"{plan.mlflow_run_id}'s visits), pointing at the store: after the prune they "
+              f"{'would point' if args.dry_run else 'point'} at removed files (MLflow keeps the entries; bcdflow "
+              "export and generate of such a version say it was pruned)")
     return 0
 
 

@@ -66,6 +66,10 @@ class PrunePlan:
     """Temporary block files of writers that died (``layout.block_tmp_name``)."""
     named_by_removed: set[str] = field(default_factory=set)
     """The files of ``blocks`` that a removed manifest names (the rest no manifest names at all)."""
+    logged: list[int] = field(default_factory=list)
+    """The removed versions MLflow logged a model of (a tracked run's visits log one per version they commit,
+    pointing at the store's manifest, not a copy): after the prune they point at removed files."""
+    mlflow_run_id: str | None = None
 
     @property
     def files(self) -> list[tuple[str, int]]:
@@ -186,7 +190,8 @@ def plan_prune(store: Store, run_id: str, keep: int, pins: list[int] = ()) -> Pr
     manifest_sizes = _files(store, layout.versions_key(run_id))
     plan = PrunePlan(run_id=run_id, version=state.version, kept=kept, pinned=pinned, versions=removed,
                      manifest_bytes=sum(manifest_sizes.get(f"{v}.json", 0) for v in removed),
-                     named_by_removed=by_removed)
+                     named_by_removed=by_removed, mlflow_run_id=state.mlflow_run_id,
+                     logged=[v for v in removed if v in {r.version for r in state.visits}] if state.mlflow_run_id else [])
     for name, size in sorted(files.items()):
         if not layout.is_block_file_name(name) or name in named or name in last_moments.values():
             continue  # not bcdflow's, or still needed

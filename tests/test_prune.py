@@ -84,6 +84,30 @@ def test_prune_dry_run_removes_nothing(tmp_path, capsys):
     assert size_of(store, "runs/r") == size0 and len(store.listdir("runs/r/versions")) == 7
 
 
+def test_prune_dry_run_says_which_files_are_optimizer_states_and_what_mlflow_keeps(tmp_path, capsys):
+    """Issue 45: the dry run listed every key alike, and said nothing of MLflow. Now each optimizer state
+    (bcd.moments=keep) is marked as one, and for a tracked run one line says that MLflow's logged models of the
+    pruned versions will point at removed files; an untracked run gets no such line."""
+    store = Store(str(tmp_path / "store"))
+    _toy_run(store)
+    args = ["prune", "r", "--keep", "2", "--pin", "0", "--dry-run", "--store", store.url]
+    plan = plan_prune(store, "r", keep=2, pins=[0])
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    listed = [ln for ln in out.splitlines() if ln.startswith("  would remove ")]
+    marked = [ln for ln in listed if ln.endswith("(optimizer state of an earlier visit, bcd.moments=keep)")]
+    assert len(listed) == len(plan.deletions) and len(marked) == len(plan.moments) == 4, out
+    assert sum(ln.endswith("(weights no kept version uses)") for ln in listed) == len(plan.blocks) == 3, out
+    assert {ln.split()[2].rsplit("/", 1)[-1] for ln in marked} == {n for n, _ in plan.moments}
+    assert "MLflow" not in out  # an untracked run logged no models
+    state = runs.read_state(store, "r")
+    runs.write_state(store, state.model_copy(update={"mlflow_run_id": "abc123"}))
+    assert main(args) == 0
+    (note,) = [ln for ln in capsys.readouterr().out.splitlines() if "MLflow" in ln]
+    assert note.startswith("note: MLflow logged a model of versions 1, 2, 3, 4 (MLflow run abc123") and \
+        "would point at removed files" in note, note
+
+
 def test_prune_and_rm_refuse_a_live_run(tmp_path, capsys):
     store = Store(str(tmp_path / "store"))
     _toy_run(store)
