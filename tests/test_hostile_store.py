@@ -167,7 +167,7 @@ def test_dry_run_lists_exactly_what_prune_removes(store, capsys):
     """One function makes the list: the keys ``--dry-run`` prints are the files the prune then removes, no more."""
     (store / "runs/r/blocks" / f".tmp-{'ab' * 16}.safetensors").write_bytes(b"a dead writer's half file")
     assert main(["prune", "r", "--keep", "1", "--dry-run", "--store", str(store)]) == 0
-    listed = {ln.split("would remove ", 1)[1] for ln in capsys.readouterr().out.splitlines()
+    listed = {ln.split("would remove ", 1)[1].split()[0] for ln in capsys.readouterr().out.splitlines()  # key (what)
               if ln.startswith("  would remove ")}
     before = _tree(store)
     assert main(["prune", "r", "--keep", "1", "--store", str(store)]) == 0
