@@ -1,7 +1,8 @@
 """What a run shows its operators in Prefect: artifacts of the parent flow run.
 
 Keys are ``{run-id}-visits``, ``{run-id}-progress``, ``{run-id}-mlflow`` (``RunArtifacts.key``: a short hash
-only where the run id alone would not tell runs apart), so the Artifacts page keeps one entry per run: a table of the committed visits (block, steps, losses, seconds, spend) and a progress bar, both updated
+only where the run id alone would not tell runs apart), so the Artifacts page keeps one entry per run: a table of
+the committed visits (block, steps, losses, seconds, spend) and a progress bar, both updated
 in place after each visit (also across resumes), and a link to the run's MLflow page. An artifact that cannot be
 published is logged as a warning, never a reason to fail training. :func:`crash_previous` marks the flow run of a
 process that died holding a run or a visit Crashed, with its task runs, once another process takes it over (Prefect

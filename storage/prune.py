@@ -190,8 +190,9 @@ def plan_prune(store: Store, run_id: str, keep: int, pins: list[int] = ()) -> Pr
     manifest_sizes = _files(store, layout.versions_key(run_id))
     plan = PrunePlan(run_id=run_id, version=state.version, kept=kept, pinned=pinned, versions=removed,
                      manifest_bytes=sum(manifest_sizes.get(f"{v}.json", 0) for v in removed),
-                     named_by_removed=by_removed, mlflow_run_id=state.mlflow_run_id,
-                     logged=[v for v in removed if v in {r.version for r in state.visits}] if state.mlflow_run_id else [])
+                     named_by_removed=by_removed, mlflow_run_id=state.mlflow_run_id)
+    if state.mlflow_run_id:  # a tracked run: each visit logged a model of the version it committed
+        plan.logged = [v for v in removed if v in {r.version for r in state.visits}]
     for name, size in sorted(files.items()):
         if not layout.is_block_file_name(name) or name in named or name in last_moments.values():
             continue  # not bcdflow's, or still needed
