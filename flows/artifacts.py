@@ -1,4 +1,5 @@
-"""What a run shows its operators in Prefect: artifacts of the parent flow run.
+"""What a run shows its operators in Prefect: artifacts of the parent flow run, and each visit's resolved settings
+(:func:`publish_settings`) on the visit's own.
 
 Keys are ``{run-id}-visits``, ``{run-id}-progress``, ``{run-id}-mlflow`` (``RunArtifacts.key``: a short hash
 only where the run id alone would not tell runs apart), so the Artifacts page keeps one entry per run: a table of
