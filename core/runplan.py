@@ -246,9 +246,12 @@ class VisitPlan:
     gpu_usd: float = 0.0
     puts: int = 0
     gets: int = 0
+    request_usd: float = 0.0
+    """Its PUTs and GETs at the store's prices (an object store's; a local path bills none)."""
+    egress_usd: float = 0.0
+    """Egress on what it reads: its activations and the model part it loads (``RunConfig.egress_usd_gb``)."""
     usd: float = 0.0
-    """What the visit costs in all: its GPUs, its requests, egress on what it reads (activations, the model part it
-    loads) and holding its activations for the visit's time."""
+    """What the visit costs in all: its GPUs, requests and egress, and holding its activations for its time."""
     alternative: dict | None = None
     """The other way (pre-inference on or off) as planned, for the reason."""
 
@@ -363,9 +366,10 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
         _add(v.gpu_hours, pre_kind, v.preinfer_s * box_gpus / 3600)
     _add(v.gpu_hours, box_kind, box * box_gpus / 3600)
     v.gpu_usd = sum(h * prices[k] for k, h in v.gpu_hours.items())
-    v.usd = v.gpu_usd + (v.read + v.loaded_bytes) / GB * cfg.egress_usd_gb() + cfg.object_store() * (
-        v.puts / 1000 * sp.put_usd_per_1k + v.gets / 1000 * sp.get_usd_per_1k
-        + v.written / GB * (v.wall_s - v.load_s) / MONTH_S * sp.storage_usd_gb_month)
+    v.request_usd = cfg.object_store() * (v.puts / 1000 * sp.put_usd_per_1k + v.gets / 1000 * sp.get_usd_per_1k)
+    v.egress_usd = (v.read + v.loaded_bytes) / GB * cfg.egress_usd_gb()
+    held_usd = cfg.object_store() * v.written / GB * (v.wall_s - v.load_s) / MONTH_S * sp.storage_usd_gb_month
+    v.usd = v.gpu_usd + v.request_usd + v.egress_usd + held_usd
     return v
 
 
@@ -433,8 +437,8 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates) -> R
         cycle.written += v.written
         cycle.read += v.read
         cycle.store_written += v.written + v.checkpoints * v.checkpoint_bytes + v.block_bytes
-        cycle.request_usd += cfg.object_store() * (v.puts / 1000 * sp.put_usd_per_1k + v.gets / 1000 * sp.get_usd_per_1k)
-        cycle.egress_usd += (v.read + v.loaded_bytes) / GB * cfg.egress_usd_gb()
+        cycle.request_usd += v.request_usd
+        cycle.egress_usd += v.egress_usd
     billed = sp.storage_usd_gb_month * cfg.object_store()  # a local path or memory:// bills no storage
     cycle.storage_usd = gb_s * billed / MONTH_S
     # every cycle repeats the first but for the store, which holds one cycle's block files more each time (``grown``

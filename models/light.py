@@ -27,6 +27,16 @@ from bcdflow.models.optimizers import LIGHT_CHUNK as CHUNK, QBLOCK
 
 
 
+def seeded(generators: dict[torch.device, torch.Generator], device: torch.device, key: tuple) -> torch.Generator:
+    """A generator on ``device`` (one kept per device in ``generators``) seeded from ``key``, a tuple of ints: the
+    same draws in every process and every attempt, so a resumed loop rounds as an uninterrupted one did."""
+    g = generators.get(device)
+    if g is None:
+        g = generators[device] = torch.Generator(device=device)
+    g.manual_seed(hash(key) & ((1 << 63) - 1))  # ints only: hash is not salted for them
+    return g
+
+
 def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """``x`` (fp32) rounded to bf16 stochastically: up with probability equal to the distance from the value below
     (in units of a bf16 step), so the rounding is exact in expectation. Adds 16 random low bits to the fp32 pattern
@@ -82,13 +92,6 @@ def _optimizer_class():
                 if i < len(params) and params[i] in self.state:
                     self.state[params[i]]["step"] = step
 
-        def _generator(self, device: torch.device, key: tuple) -> torch.Generator:
-            g = self._gen.get(device)
-            if g is None:
-                g = self._gen[device] = torch.Generator(device=device)
-            g.manual_seed(hash(key) & ((1 << 63) - 1))  # ints only: the same in every process
-            return g
-
         @torch.no_grad()
         def update_step(self, group, p, gindex, pindex):
             state = self.state[p]
@@ -122,7 +125,7 @@ def _optimizer_class():
                         0.0, 0.0, config["weight_decay"], 1.0, None, max_unorm=0.0, skip_zeros=False)
                 if low:
                     del g
-                    gen = self._generator(w.device, (self.seed, step, gindex, pindex, c))
+                    gen = seeded(self._gen, w.device, (self.seed, step, gindex, pindex, c))
                     flat_p[a:b].copy_(stochastic_round(w, gen))
 
     return AdamW8bit

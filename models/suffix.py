@@ -6,7 +6,7 @@ hook the moment backward has it, so no gradient of the suffix is kept past its l
     rule = SignSuffix(model, names, lr=lambda: opt.param_groups[0]["lr"] * ratio, seed=1234)
     rule.attach()        # suffix weights get gradients; each one's hook steps it and drops its gradient
     ... the block's training loop: each backward moves the suffix one step ...
-    rule.tensors()       # {"suffix/h.5.attn.c_attn.weight": ..., "suffix/step": ...} (a mid-visit checkpoint's)
+    rule.tensors()       # {"suffix/h.5.attn.c_attn.weight": ..., "suffix/steps": ...} (a mid-visit checkpoint's)
     rule.detach()
 
 The prefix (every layer before the block) is never touched, so the visit's stored activations stay exact; the suffix
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from bcdflow.models.light import stochastic_round
+from bcdflow.models.light import seeded, stochastic_round
 from bcdflow.models.optimizers import LIGHT_CHUNK as CHUNK
 
 
@@ -61,13 +61,6 @@ class SignSuffix:
             p.grad = None
             p.requires_grad_(False)
 
-    def _generator(self, device: torch.device, key: tuple) -> torch.Generator:
-        g = self._gen.get(device)
-        if g is None:
-            g = self._gen[device] = torch.Generator(device=device)
-        g.manual_seed(hash(key) & ((1 << 63) - 1))  # ints only: the same in every process and attempt
-        return g
-
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
         i = self._index[id(p)]
@@ -81,11 +74,8 @@ class SignSuffix:
                 flat_p[a:b].add_(torch.sign(flat_g[a:b]), alpha=-lr)
                 continue
             w = flat_p[a:b].float().sub_(torch.sign(flat_g[a:b]).float(), alpha=lr)
-            flat_p[a:b].copy_(stochastic_round(w, self._generator(w.device, (self.seed, self.steps[i], i, c))))
-
-    def named(self) -> list[tuple[str, nn.Parameter]]:
-        """What the rule trains, by parameter name (no optimizer holds them: it is state-free)."""
-        return list(self.named_params)
+            gen = seeded(self._gen, w.device, (self.seed, self.steps[i], i, c))
+            flat_p[a:b].copy_(stochastic_round(w, gen))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The suffix weights as they stand and their step counts (a mid-visit checkpoint's keys ``suffix/...``)."""
