@@ -153,3 +153,20 @@ def test_the_planner_counts_the_sign_suffix_within_10_percent(model, over, preci
     torch.set_num_threads(1)
     for name, measured, planned in measured_vs_planned(model, over, precision, recompute, sign=True):
         assert abs(planned / measured - 1) <= 0.10, (name, measured, planned)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_sign_visit_on_an_indexed_device_commits_the_same_files_with_recompute_on_and_off(tiny_cfg, precision):
+    """The device named as a GPU names it (``cpu:0`` stands for ``cuda:0``), through the engine: the suffix's weights
+    written inside backward give the same committed files whether the suffix's layers are recomputed in backward or
+    kept (recompute re-runs a layer's forward before its weights' gradients exist, so it reads them unchanged)."""
+    llama = ("model.name=tiny-llama", "train.precision=bf16") if precision == "bf16" else ()
+    files = []
+    for recompute in ("off", "on"):
+        cfg = tiny_cfg(*SIGN, *llama, "train.device=cpu:0", f"bcd.recompute={recompute}")
+        ds = new_run(cfg, f"rc-{recompute}")
+        out = train_block.fn(RunContext.of(cfg, f"rc-{recompute}", ds), VisitSpec(0, 0, 0))
+        assert RunContext.of(cfg, f"rc-{recompute}", ds).device == torch.device("cpu", 0) and out.recompute == \
+            (recompute == "on")
+        files.append((out.block_file, out.suffix_files))
+    assert files[0] == files[1] and files[0][1]
