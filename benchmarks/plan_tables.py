@@ -1,5 +1,6 @@
-"""The planning guide's three scales (docs/guide/planning-a-run.md), generated: the ``bcdflow plan`` commands and the
-table of what they print, with ``bcd.preinfer`` true and auto. ``--check`` fails (exit 1, naming the first differing
+"""The planning guide's four scales (docs/guide/planning-a-run.md), generated: the ``bcdflow plan`` commands and the
+tables of what they print, with ``bcd.preinfer`` true and auto, and full training on the same cluster to the same
+loss beside each. ``--check`` fails (exit 1, naming the first differing
 line) when the guide's block differs from what the code prints today (tests/test_docs.py runs it); ``--write``
 rewrites the block between its markers.
 
@@ -33,15 +34,25 @@ SCALES = [
       "--set", "spend.prices=[rtx3090=0.13]", "--set", "spend.preinfer_device=rtx3090",
       "--set", "store=s3://my-bucket/runs", "--preinfer-gpus", "16", "--preinfer-tflops", "35",
       "--write-gbs", "1.6", "--read-gbs", "0.2", "--tokens", "100e6", "--gpu-gb", "24"]),
-    ("3. Qwen2.5-32B pre-training on 10B tokens on 64 A100-80GB in the bucket's cloud (FSDP; 150 TFLOP/s; store at "
-     "1.25 GB/s = 10 Gbit/s, no egress; checkpoints every 5000 steps or hour)",
+    ("3. Qwen2.5-32B pre-training on 10B tokens on 64 A100-80GB in 8 boxes (400 Gbit/s between them: 50 GB/s) in "
+     "the bucket's cloud (FSDP; 150 TFLOP/s; store at 1.25 GB/s = 10 Gbit/s, no egress; checkpoints every 5000 steps "
+     "or hour)",
      ["--set", "model.from_hf=benchmarks/shapes/qwen2.5-32b", "--set", "data.seq_len=2048",
-      "--set", "train.precision=bf16", "--set", "train.batch_size=64", "--set", "train.gpus=64",
+      "--set", "train.precision=bf16", "--set", "train.batch_size=64", "--nodes", "8", "--gpus", "8",
+      "--link-gbs", "50",
       "--set", "train.parallel=fsdp", "--set", "bcd.expand=off", "--set", "bcd.blocks=8",
       "--set", "bcd.max_steps=68000", "--set", "checkpoint.every_steps=5000", "--set", "checkpoint.every_seconds=3600",
       "--set", "spend.train_device=a100", "--set", "spend.preinfer_device=a100", "--set", "store=s3://my-bucket/runs",
       "--set", "spend.egress_usd_gb=0", "--tokens", "10e9", "--gpu-gb", "80", "--tflops", "150",
       "--store-gbs", "1.25"]),
+    ("4. Llama-3-8B on 100M tokens on 16 rented RTX 4090s in 4 boxes joined by 10 Gbit/s (1.25 GB/s; 10 GB/s "
+     "between the 4 cards of a box), the bucket beside them (no egress), 8-bit state: steps sized from the tokens, "
+     "one epoch of full training at 16 x 1024 tokens a step is 6,100 steps, x B-F 0.93 over 8 blocks x 2 cycles is "
+     "360 a visit",
+     [*LLAMA, "--set", "bcd.blocks=8", "--set", "train.batch_size=16", "--set", "optim.name=adamw8bit-bf16",
+      "--set", "bcd.expand=off", "--set", "bcd.max_steps=360", "--set", "store=s3://my-bucket/runs",
+      "--set", "spend.egress_usd_gb=0", "--nodes", "4", "--gpus", "4", "--link-gbs", "1.25", "--tokens", "100e6",
+      "--gpu-gb", "24", "--store-gbs", "1.25"]),
 ]
 SETTINGS = ("true", "auto")
 
@@ -79,8 +90,21 @@ def row(scale: int, setting: str, p: dict) -> str:
             f"| {_bytes(c['store_peak'])} | {money} | {_usd(p['run']['usd'])} |")
 
 
+def full_row(scale: int, p: dict) -> str:
+    """One line of the guide's second table: full training on the same cluster to the same loss."""
+    f = p["full"]
+    ways = "; ".join(f"{w['way']} {w['wall_s'] / 3600:,.1f} h, {_usd(w['usd'])}" + ("" if w["fits"] else
+                     f" (does not fit: {w['peak'] / 1e9:,.0f} GB a GPU)") for w in f["ways"])
+    b = f["best"]
+    verdict = "full training fits no way" if b is None else (
+        f"bcdflow {b['time_x']:.2f}x the time, {b['usd_x']:.2f}x the money of {b['way']}")
+    per_step = max(v["comm"]["exposed_s"] for v in p["visits"])
+    return (f"| {scale} | {f['cluster']} | {f['steps']:,.0f} | {p['run']['wall_s'] / 3600:,.1f} h, "
+            f"{_usd(p['run']['usd'])} | {per_step:.2f} s | {ways} | {verdict} |")
+
+
 def block() -> str:
-    """The guide's block: the commands, then the table."""
+    """The guide's block: the commands, then the tables."""
     cmds = ["```"]
     for title, args in SCALES:
         cmds.append(f"# {title}")
@@ -90,10 +114,15 @@ def block() -> str:
     rows = ["| scale | `bcd.preinfer` | visits pre-inferred | activations a visit | written / read a cycle | wall a cycle "
             "| GPU-hours a cycle | store peak | money a cycle: GPUs + storage + requests + egress | the run |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    full = ["| scale | cluster | full training's steps to the run's loss | bcdflow's run (`auto`) | a visit's exposed "
+            "communication a step, at most | full training on the same cluster: wall, money | which wins |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for i, (_, args) in enumerate(SCALES, 1):
         for s in SETTINGS:
-            rows.append(row(i, s, plan_json([*args, "--set", f"bcd.preinfer={s}"])))
-    return "\n".join([BEGIN, "", "\n".join(cmds), "", "\n".join(rows), "", END])
+            p = plan_json([*args, "--set", f"bcd.preinfer={s}"])
+            rows.append(row(i, s, p))
+        full.append(full_row(i, p))
+    return "\n".join([BEGIN, "", "\n".join(cmds), "", "\n".join(rows), "", "\n".join(full), "", END])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -336,6 +336,16 @@ class TrainSection(_Section):
     gpus: int = Field(1, ge=1)
     """Processes (GPUs) that train one visit, launched with torchrun on this machine; 1 = this process. Rank 0
     writes the checkpoints and the block; a SIGTERM to any rank checkpoints once. On the CPU: gloo processes."""
+    nodes: int = Field(1, ge=1)
+    """Machines a visit spans, ``gpus`` GPUs on each (``bcdflow plan`` prices the cluster: each step all-reduces the
+    visit's trained gradients over ``link_gbs``; core/cluster.py). A run trains on one machine: a run with more is
+    refused before anything is written (visits across machines are not built yet)."""
+    link_gbs: float = Field(1.25, gt=0)
+    """Bandwidth between two machines of the cluster, GB/s each way (1.25: 10 Gbit/s Ethernet, rented boxes'
+    usual; 25 Gbit/s is 3.1, 100 Gbit/s InfiniBand 12.5). Only ``train.nodes`` > 1 uses it."""
+    gpu_link_gbs: float | None = Field(None, gt=0)
+    """All-reduce bandwidth between the GPUs of one machine, GB/s (nccl-tests' bus bandwidth); None =
+    ``spend.train_device``'s (models/specs.CARD_RATES: about 10 for PCIe cards without NVLink, 230-360 over NVLink)."""
     parallel: Literal["auto", "ddp", "fsdp"] = "auto"
     """With ``gpus`` > 1: ``ddp`` replicates the visit and all-reduces the active block's gradients (each process
     holds every weight), ``fsdp`` shards weights, gradients and optimizer state (FSDP2); ``auto``: ddp when the
@@ -367,6 +377,11 @@ class TrainSection(_Section):
     eval_batch_size: int | None = Field(None, ge=1)
     """Rows per validation forward (no gradients); None = the most that fit what a training step used (inside a
     visit) or the device's budget (a whole-model evaluation), up to ``eval_rows`` (16k tokens on the CPU)."""
+
+    @property
+    def world(self) -> int:
+        """Processes training one visit: ``gpus`` on each of ``nodes`` machines."""
+        return self.gpus * self.nodes
 
     @field_validator("offload", mode="before")
     @classmethod
@@ -556,8 +571,9 @@ class RunConfig(_Section):
         elif self.data.format == "chat":
             raise ValueError("data.format: chat needs model.from_hf (a checkpoint whose tokenizer has a chat "
                              "template)")
-        if self.train.gpus > self.train.batch_size:
-            raise ValueError(f"train.gpus: {self.train.gpus} processes need at least one row each of a batch, but "
+        if self.train.world > self.train.batch_size:
+            key = "train.gpus" if self.train.nodes == 1 else "train.nodes"
+            raise ValueError(f"{key}: {self.train.world} processes need at least one row each of a batch, but "
                              f"train.batch_size={self.train.batch_size}")
         if self.bcd.lr_scales is not None:
             if len(self.bcd.lr_scales) != self.n_blocks:
@@ -565,26 +581,26 @@ class RunConfig(_Section):
                                  "(one per block)")
             if any(not (math.isfinite(v) and v > 0) for v in self.bcd.lr_scales):
                 raise ValueError(f"bcd.lr_scales: each must be a positive number, got {self.bcd.lr_scales}")
-        if self.train.offload == "stream" and (self.train.gpus > 1 or self.train.compile):
+        if self.train.offload == "stream" and (self.train.world > 1 or self.train.compile):
             raise ValueError("train.offload: stream runs a visit in one process without torch.compile (set "
                              "train.gpus=1 and train.compile=false, or train.offload=off)")
         if self.bcd.expand != "off" and self.train.compile:
             raise ValueError("bcd.expand: the adapters' hooks are not compiled; set train.compile=false (or "
                              "bcd.expand=off)")
-        if self.bcd.expand != "off" and self.train.gpus > 1 and self.train.parallel == "fsdp":
+        if self.bcd.expand != "off" and self.train.world > 1 and self.train.parallel == "fsdp":
             raise ValueError("bcd.expand: FSDP does not shard the adapters; set train.parallel=ddp (or auto, which "
                              "then takes ddp) or bcd.expand=off")
         if self.bcd.expand == "sign":
             why = ("train.offload=stream (a streamed suffix layer has no weight on the device to step; set "
                    "train.offload=auto or off)" if self.train.offload == "stream" else
-                   "train.gpus > 1 (each process would step its own suffix)" if self.train.gpus > 1 else
+                   "train.gpus > 1 (each process would step its own suffix)" if self.train.world > 1 else
                    "bcd.vocab_blocks > 1 (a row block's visit has no suffix of its own)" if self.bcd.vocab_blocks > 1
                    else None)
             if why:
                 raise ValueError(f"bcd.expand: sign runs in one process with its suffix on the device, not with {why}"
                                  "; or set bcd.expand=lora or off")
         if self.bcd.vocab_blocks > 1:
-            why = ("train.gpus > 1 (a row block's visit runs in one process)" if self.train.gpus > 1 else
+            why = ("train.gpus > 1 (a row block's visit runs in one process)" if self.train.world > 1 else
                    "bcd.order=greedy (its probe ranks stored blocks)" if self.bcd.order == "greedy" else
                    f"optim.name={self.optim.name} (a baseline peer trains one block)"
                    if OPTIMIZERS[self.optim.name].peer else None)
@@ -624,13 +640,13 @@ class RunConfig(_Section):
         visit's own choice (``bcd.preinfer=auto``, which is otherwise planned as on). The time model's rates are
         ``spend.train_device``'s (models/specs.CARD_RATES), ``train.tflops`` and ``train.pcie_gbs`` where set."""
         t, b, kind = self.train, self.bcd, self.spend.train_device
-        one = t.gpus == 1 and not t.compile
+        one = t.world == 1 and not t.compile
         return StepShape(t.batch_size, self.data.seq_len, t.precision, self.optim.name, self.optim.weight_decay,
                          t.loss_chunk_rows, recompute=b.recompute,
                          preinfer=(b.preinfer is not False) if preinfer is None else preinfer, freeze=tuple(b.freeze),
                          offload=t.offload if no_grad or one and b.expand != "sign" else "off",
                          window=t.stream_window, expand_rank=b.expand_rank if b.expand == "lora" else 0,
-                         suffix="sign" if b.expand == "sign" else "off", gpus=t.gpus,
+                         suffix="sign" if b.expand == "sign" else "off", gpus=t.world,
                          pcie_gbs=pcie_gbs_for(t.pcie_gbs, kind), tflops=tflops_for(t.precision, t.tflops, kind))
 
     def object_store(self) -> bool:

@@ -180,6 +180,9 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False, store: Store | None = No
         mcfg = model_config(cfg)
         peers.check_model(cfg.optim.name, cfg.optim.rank, cfg.optim.lisa_layers, mcfg.n_layer,
                           param_shapes(mcfg.replace(n_layer=1)))
+    if cfg.train.nodes > 1:  # the planner prices a cluster (core/cluster.py); a visit runs on one machine
+        raise BadInput(f"train.nodes: a visit trains on one machine (train.nodes={cfg.train.nodes} is for bcdflow "
+                       "plan, which prices a cluster; visits across machines are not built yet): set train.nodes=1")
     if not cfg.fleet.visit_pool:
         check_gpus(cfg)  # the device, and train.gpus against this machine
         check_model_size(cfg)  # before the plan's fit: a model no machine builds says so, not its host peak

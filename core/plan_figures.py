@@ -11,9 +11,10 @@ import math
 from dataclasses import replace
 
 from bcdflow.core.config import RunConfig
-from bcdflow.core.runplan import BlockFigures, ModelFigures
-from bcdflow.models.holding import choose_holding
-from bcdflow.models.memory import layer_of, model_shapes
+from bcdflow.core.runplan import BlockFigures, FullFigures, FullHeld, ModelFigures
+from bcdflow.models.holding import choose_holding, step_time
+from bcdflow.models.memory import expand_bytes, layer_of, model_shapes, visit_memory
+from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.plan import Plan
 
@@ -24,7 +25,7 @@ def figures(cfg: RunConfig, mcfg: ModelConfig, plan_: Plan, budget: float | None
     reading stored activations and computing the prefix on the card."""
     shapes = model_shapes(mcfg)
     shape = cfg.step_shape()
-    if cfg.train.gpus > 1:  # each process holds its slice of the batch (tasks/train_dist plans the same)
+    if cfg.train.world > 1:  # each process holds its slice of the batch (tasks/train_dist plans the same)
         shape = replace(shape, parallel="fsdp" if cfg.train.parallel == "fsdp" else "ddp")
     numel = {k: math.prod(s) for k, s in shapes.items()}
     T, C = cfg.data.seq_len, mcfg.d_model
@@ -34,8 +35,11 @@ def figures(cfg: RunConfig, mcfg: ModelConfig, plan_: Plan, budget: float | None
             layer_flops[i] = layer_flops.get(i, 0) + 2 * numel[k]
     attn = 2 * T * C  # causal QK^T and AV per token (models/holding._events)
     per_layer = [layer_flops.get(i, 0) + attn for i in range(mcfg.n_layer)]
-    # several processes split the batch (data parallel): the step time divided by them, the all-reduce left out
-    gpus = cfg.train.gpus
+    # several processes split the batch (data parallel): the step time divided by them; the all-reduce of what the
+    # visit trains is priced apart (core/cluster.py), overlapped with the backward that produces it
+    gpus = cfg.train.world
+    opt = OPTIMIZERS[cfg.optim.name]
+    head = 2 * mcfg.vocab_size * C
     blocks = []
     for b, blk in enumerate(plan_):
         lo, _ = blk.layers
@@ -44,15 +48,59 @@ def figures(cfg: RunConfig, mcfg: ModelConfig, plan_: Plan, budget: float | None
         stored = plan_.stored(b)  # a row block (bcd.vocab_blocks): the block file holding its matrix
         owners = {o for o in range(len(plan_.blocks)) if o >= stored}
         names = {n for o in owners for n in plan_[o].params} | ({"wte.weight"} if lo and mcfg.tied else set())
+        names_trained = blk.trainable(shape.freeze, mcfg.tied) if blk.rows is None else set()
         trained = ((blk.rows[1] - blk.rows[0]) * C if blk.rows is not None  # the slice's rows only
-                   else sum(numel[n] for n in blk.trainable(shape.freeze, mcfg.tied)))
+                   else sum(numel[n] for n in names_trained))
+        hi = blk.layers[1]
+        adapters = sum(expand_bytes(mcfg, shape, i)[0] for i in range(hi, mcfg.n_layer)) if (
+            shape.expand_rank and blk.rows is None) else 0
+        grad_bytes = sum(opt.param_bytes(shapes[n]) for n in names_trained) + 4 * adapters
+        # the backward that runs while the reduced gradients are made: the block's layers (weights and inputs:
+        # twice their forward), and the suffix's too where adapters train there; a share of the step's FLOPs
+        block_f, suffix_f = sum(per_layer[lo:hi]), sum(per_layer[hi:]) + head
+        step_f = block_f + suffix_f + 2 * block_f + suffix_f
+        window = (2 * block_f + (suffix_f if adapters else 0)) / step_f
         blocks.append(BlockFigures(
             block=b, layers=tuple(blk.layers), params=sum(numel[n] for n in plan_[stored].params),
             trainable=trained, row=blk.rows is not None,
             prefix_flops=float(sum(per_layer[:lo])), step_s=h_on.time.streamed_s / gpus,
             step_computed_s=h_off.time.streamed_s / gpus,
             fits=h_on.fits, fits_computed=h_off.fits, holding=h_on.words(), holding_computed=h_off.words(),
-            loaded_params=sum(numel[n] for n in names)))
-    head = 2 * mcfg.vocab_size * C
+            loaded_params=sum(numel[n] for n in names), grad_bytes=grad_bytes, backward_share=window,
+            sharded=gpus > 1 and shape.parallel == "fsdp"))
+    layer_numel: dict[int, int] = {}
+    for k, n in numel.items():
+        if (i := layer_of(k)) is not None:
+            layer_numel[i] = layer_numel.get(i, 0) + n
     return ModelFigures(d_model=C, params=sum(numel.values()), forward_flops=float(sum(per_layer) + head),
-                        blocks=tuple(blocks), tensors=len(shapes))
+                        blocks=tuple(blocks), tensors=len(shapes), full=full_figures(cfg, mcfg, budget),
+                        compute_bytes=compute_bytes(cfg), layer_bytes=max(layer_numel.values()) * compute_bytes(cfg))
+
+
+def full_figures(cfg: RunConfig, mcfg: ModelConfig, budget: float | None) -> FullFigures:
+    """Full training of the same model on the same cluster at the same tokens a step, as the memory planner holds it
+    (every parameter trained, fp32 master weights: ``models/memory.visit_memory``), data parallel (a replica a GPU)
+    and ZeRO-3 (sharded over every GPU), each without activation checkpointing where that fits the card, else with
+    it: one process's step time on its slice of the batch, its peak, and whether it fits."""
+    shapes = model_shapes(mcfg)
+    world = cfg.train.world
+    base = replace(cfg.step_shape(), preinfer=False, offload="off", streamed=None, expand_rank=0, suffix="off",
+                   freeze=())
+
+    def held(parallel: str) -> FullHeld:
+        shape = replace(base, parallel=parallel, gpus=world) if world > 1 else base
+        for recompute in ("off", "all"):
+            s = replace(shape, recompute=recompute)
+            peak = visit_memory(mcfg, None, None, s).peak
+            fits = budget is None or peak <= budget
+            if fits or recompute == "all":
+                return FullHeld(step_time(mcfg, None, None, s).resident_s / world, peak, fits, recompute == "all")
+
+    params = sum(math.prod(s) for s in shapes.values())
+    compute = compute_bytes(cfg)
+    return FullFigures(ddp=held("ddp"), zero3=held("fsdp"), grad_bytes=params * compute, param_bytes=params * compute)
+
+
+def compute_bytes(cfg: RunConfig) -> int:
+    """Bytes of a weight as a step computes with it (what a gather moves): 2 in bf16, else 4."""
+    return 2 if cfg.train.precision == "bf16" else 4

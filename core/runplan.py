@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from bcdflow.core.cluster import Cluster
 from bcdflow.core.config import RunConfig
 from bcdflow.core.rules import visit_row_count
 from bcdflow.core.spend import catalog, gpus_used
@@ -59,6 +60,11 @@ TIE = 0.01
 """``bcd.preinfer=auto``: wall times within this fraction are as fast (then the prefix is computed on the card)."""
 HEADER_BYTES = 256
 """A safetensors header's bytes per tensor (models/memory.file_bytes)."""
+MEASURED_BF = 0.93
+"""B-F: BCD's steps to full AdamW's loss over full AdamW's, the figure ``bcdflow plan`` compares full training with
+(``--bf`` gives the user's own, from ``bcdflow compare``): the validity suite's ``l8-d128`` (8 layers, d=128, its
+vocabulary 7.7% of the parameters), 3 blocks, the defaults, pysrc, 3 seeds: 0.93 [0.78-1.15]
+(docs/results/suffix-2026-11-28). Measured at 3 blocks only, and at one untuned rate."""
 
 
 def duration_text(s: float) -> str:
@@ -121,6 +127,39 @@ class BlockFigures:
     row: bool = False
     """A row block (``bcd.vocab_blocks``): ``params`` is the stored block its commit rewrites, ``trainable`` its rows;
     it expands nothing and is no layer visit's suffix."""
+    grad_bytes: int = 0
+    """Gradient bytes a step all-reduces with several processes: what trains (the block, and ``bcd.expand``'s
+    adapters), at the bytes the optimizer keeps them in."""
+    backward_share: float = 0.0
+    """The share of a step's time its backward produces those gradients in (the block's layers, and the suffix's
+    where adapters train): what the all-reduce overlaps (core/cluster.py)."""
+    sharded: bool = False
+    """Its processes shard the visit (``train.parallel=fsdp``): each step gathers the weights it holds, forward and
+    backward, and reduce-scatters the gradients (core/cluster.Cluster.zero3), instead of all-reducing them."""
+
+
+@dataclass(frozen=True)
+class FullHeld:
+    """One way of holding full training: one process's step on its slice of the batch (compute only), its peak,
+    and whether activation checkpointing was needed to fit (tried only where the step without it does not)."""
+    step_s: float
+    peak: int
+    fits: bool
+    checkpointed: bool = False
+
+
+@dataclass(frozen=True)
+class FullFigures:
+    """Full training of the same model on the same cluster at the same tokens a step (``core/plan_figures``)."""
+    ddp: FullHeld
+    """A replica a GPU (one GPU: the card alone)."""
+    zero3: FullHeld
+    """Weights, gradients and optimizer state sharded over every GPU."""
+    grad_bytes: int
+    """Every gradient, at the dtype the step computes in (what data parallel all-reduces and ZeRO-3 reduce-scatters:
+    mixed-precision recipes reduce bf16 gradients; a BCD visit reduces what its optimizer keeps, fp32 masters')."""
+    param_bytes: int
+    """Every weight at the dtype it computes in (what ZeRO-3 gathers)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +171,12 @@ class ModelFigures:
     blocks: tuple[BlockFigures, ...]
     tensors: int = 0
     """Tensors of the model (each block file's safetensors header holds one entry a tensor)."""
+    full: FullFigures | None = None
+    """Full training's, for the comparison on the same cluster (None: not compared)."""
+    compute_bytes: int = 4
+    """Bytes of a weight as a step computes with it (``train.precision``: bf16 2, else 4): what a gather moves."""
+    layer_bytes: int = 0
+    """The largest layer's weights at those bytes."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +278,10 @@ class VisitPlan:
     commit_s: float = 0.0
     wall_s: float = 0.0
     step_s: float = 0.0
+    """One step's compute (several processes: each on its slice of the batch)."""
+    comm: dict = field(default_factory=dict)
+    """One step's all-reduce (core/cluster.Comm: bytes, wire_bytes, seconds, exposed_s); the exposed seconds are
+    in ``train_compute_s``."""
     fits: bool = True
     holding: str = ""
     block_bytes: int = 0
@@ -289,12 +338,47 @@ class RunPlan:
     dataset_bytes: int
     model_bytes: int
     notes: list[str] = field(default_factory=list)
+    full: dict | None = None
+    """Full training on the same cluster to the same loss (:func:`full_training`)."""
 
     def to_dict(self) -> dict:
         return {"dataset": asdict(self.dataset), "rates": asdict(self.rates), "cycles": self.cycles,
                 "dataset_bytes": self.dataset_bytes, "model_bytes": self.model_bytes,
                 "visits": [asdict(v) for v in self.visits], "cycle": self.cycle.to_dict(), "run": self.run.to_dict(),
-                "notes": self.notes}
+                "full": self.full, "notes": self.notes}
+
+
+def full_training(cfg: RunConfig, figs: ModelFigures, visits: list[VisitPlan], run: Totals, bf: float) -> dict | None:
+    """Full training of the same model on the same cluster (``train.nodes`` x ``train.gpus``), at the same tokens a
+    step, to the loss the run's BCD steps reach: ``steps / bf`` steps (B-F: BCD's steps to full training's loss over
+    full training's), each way it can be held (data parallel: a replica a GPU; ZeRO-3: sharded over all) with its
+    communication (core/cluster.py), its wall time and money at the training card's price; beside bcdflow's run
+    (every stage: pre-inference, store transfers, checkpoints, evaluation). The ways that do not fit the card are
+    listed, marked; ``best``: the fastest that fits, and how it compares."""
+    f = figs.full
+    if f is None:
+        return None
+    c = Cluster.of(cfg)
+    bcd_steps = sum(v.steps for v in visits) * cfg.bcd.cycles
+    steps = bcd_steps / positive("--bf", bf)
+    price = catalog(cfg.spend)[cfg.spend.train_device]
+    d, z = f.ddp, f.zero3
+    held = [("one card", d, c.allreduce(0, 0.0))] if c.world == 1 else [
+        ("data parallel (DDP)", d, c.allreduce(f.grad_bytes, 2 * d.step_s / 3)),  # backward: twice the forward
+        ("ZeRO-3", z, c.zero3(f.param_bytes, f.grad_bytes, figs.layer_bytes, z.step_s / 3, 2 * z.step_s / 3))]
+    ways = []
+    for name, h, comm in held:
+        step = h.step_s + comm.exposed_s
+        wall = steps * step
+        ways.append({"way": name, "fits": h.fits, "peak": h.peak, "checkpointed": h.checkpointed, "step_s": step,
+                     "compute_s": h.step_s, "comm": comm.to_dict(), "steps": steps, "wall_s": wall,
+                     "gpu_hours": wall * c.world / 3600, "usd": wall * c.world / 3600 * price})
+    fit = [w for w in ways if w["fits"]]
+    best = min(fit, key=lambda w: w["wall_s"]) if fit else None
+    return {"cluster": c.words(), "gpus": c.world, "bf": bf, "bcd_steps": bcd_steps, "steps": steps, "ways": ways,
+            "bcd": {"wall_s": run.wall_s, "usd": run.usd},
+            "best": None if best is None else {"way": best["way"], "time_x": run.wall_s / best["wall_s"],
+                                               "usd_x": run.usd / best["usd"] if best["usd"] else None}}
 
 
 def _add(d: dict, k: str, v: float) -> None:
@@ -334,7 +418,14 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
         v.holding = bf.holding if bf.layers[0] == 0 else bf.holding_computed
         v.loaded_bytes = figs.params * STORED_BYTES
     v.load_s = v.loaded_bytes / rd
-    v.train_compute_s = steps * v.step_s
+    cluster = Cluster.of(cfg)
+    if bf.sharded:  # FSDP: the held weights gathered forward and backward, the gradients reduce-scattered
+        held = (bf.loaded_params if pre or bf.layers[0] == 0 else figs.params) * figs.compute_bytes
+        comm = cluster.zero3(held, bf.grad_bytes, figs.layer_bytes, v.step_s / 3, 2 * v.step_s / 3)
+    else:
+        comm = cluster.allreduce(bf.grad_bytes, bf.backward_share * v.step_s)
+    v.comm = comm.to_dict()
+    v.train_compute_s = steps * (v.step_s + comm.exposed_s)
     v.read_s = v.read / rd
     v.train_s = max(v.train_compute_s, v.read_s)
     state = OPTIMIZERS[cfg.optim.name].state
@@ -351,13 +442,13 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     v.block_bytes = sum(o.params * STORED_BYTES for o in [bf, *suffix])
     moments = bf.trainable * 4 * state if b.moments == "keep" else 0
     v.commit_s = (v.block_bytes + moments) / wr
-    v.eval_s = t.eval_rows * T * figs.forward_flops / (rates.train_tflops * 1e12 * t.gpus)
+    v.eval_s = t.eval_rows * T * figs.forward_flops / (rates.train_tflops * 1e12 * t.world)
     v.wall_s = v.preinfer_s + v.load_s + v.train_s + v.checkpoint_s + v.eval_s + v.commit_s
     v.puts += v.checkpoints * 2 + len(suffix) + 1 + (1 if moments else 0) + 4  # + state, manifest, records
     v.gets += len(figs.blocks) + 4
     box = v.wall_s - v.preinfer_s
     pre_kind, box_kind = sp.preinfer_device, sp.train_device
-    box_gpus = sp.train_gpus or t.gpus
+    box_gpus = sp.train_gpus or t.world
     pre_gpus = rates.preinfer_gpus if rates.preinfer_elsewhere else box_gpus
     if pre and rates.preinfer_elsewhere:
         _add(v.gpu_hours, pre_kind, v.preinfer_s * pre_gpus / 3600)
@@ -414,9 +505,10 @@ def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Da
     return pick
 
 
-def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates) -> RunPlan:
+def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: float = MEASURED_BF) -> RunPlan:
     """Every visit of one cycle (they repeat each cycle: the same rows counted, the same blocks), the cycle, and
-    the run of ``bcd.cycles`` cycles with the store's peak and the storage bill."""
+    the run of ``bcd.cycles`` cycles with the store's peak and the storage bill; full training beside it on the same
+    cluster to the same loss (``bf``: B-F, :func:`full_training`)."""
     rates.check()
     sp, T = cfg.spend, cfg.data.seq_len
     visits = [choose_preinfer(cfg, figs, bf, ds, rates) for bf in figs.blocks]
@@ -457,4 +549,10 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates) -> R
     if any(v.preinfer for v in visits) and cfg.bcd.act_dtype == "float32":
         notes.append("bcd.act_dtype=bfloat16 halves the activation bytes written and read (rounded activations: the "
                      "weights then differ from computing the prefix by that rounding, docs/DESIGN.md I2)")
-    return RunPlan(ds, rates, visits, cycle, run, cfg.bcd.cycles, dataset_bytes, model_bytes, notes)
+    full = full_training(cfg, figs, visits, run, bf)
+    if full is not None:
+        notes.append(f"full training to the same loss: the run's {full['bcd_steps']:,} BCD steps / B-F {bf:g} = "
+                     f"{full['steps']:,.0f} steps" + (" (B-F measured on the validity suite's l8-d128 at 3 blocks, "
+                     "docs/results/suffix-2026-11-28; --bf gives yours, from bcdflow compare)" if bf == MEASURED_BF
+                     else " (--bf)"))
+    return RunPlan(ds, rates, visits, cycle, run, cfg.bcd.cycles, dataset_bytes, model_bytes, notes, full)

@@ -63,9 +63,10 @@ def catalog(spend) -> dict[str, float]:
 
 
 def gpus_used(cfg) -> dict[str, int]:
-    """The GPU count each stage of a run of ``cfg`` occupies: a visit's box has ``train.gpus`` GPUs, billed for
-    its pre-inference (unless that goes to a Dask cluster), training and validation alike."""
-    box = cfg.train.gpus
+    """The GPU count each stage of a run of ``cfg`` occupies: a visit's box has ``train.gpus`` GPUs (on each of
+    ``train.nodes`` machines), billed for its pre-inference (unless that goes to a Dask cluster), training and
+    validation alike."""
+    box = cfg.train.world
     fl = cfg.fleet
     pre = (fl.dask_workers if not fl.dask_address else 1) if fl.preinfer == "dask" else box
     return {"preinfer": pre, "train": box, "eval": box}

@@ -51,6 +51,18 @@ def add_parser(sub, common) -> None:
                     help="the training card's TFLOP/s (default: train.tflops, else spend.train_device's)")
     sp.add_argument("--pcie-gbs", type=float, default=None,
                     help="host-to-device GB/s (default: train.pcie_gbs, else spend.train_device's)")
+    sp.add_argument("--nodes", type=float, default=None,
+                    help="machines a visit spans, --gpus GPUs on each (default: train.nodes, 1): the cluster priced, "
+                         "each step's all-reduce included")
+    sp.add_argument("--gpus", type=float, default=None, help="GPUs on each machine (default: train.gpus)")
+    sp.add_argument("--link-gbs", type=float, default=None,
+                    help="bandwidth between machines, GB/s (default: train.link_gbs, 1.25 = 10 Gbit/s)")
+    sp.add_argument("--gpu-link-gbs", type=float, default=None,
+                    help="all-reduce bandwidth between the GPUs of one machine, GB/s (default: train.gpu_link_gbs, "
+                         "else spend.train_device's)")
+    sp.add_argument("--bf", type=float, default=None,
+                    help="B-F, BCD's steps to full training's loss over full training's, for the comparison with "
+                         "full training (default: the validity suite's, 0.93; bcdflow compare measures yours)")
     sp.add_argument("--probe", action="store_true",
                     help="measure the store's write and read GB/s with a few activation shards (written, read, removed)")
     sp.add_argument("--json", action="store_true", help="the plan (and plan-memory's tables) as JSON")
@@ -182,16 +194,17 @@ def build(cfg, args) -> dict:
                                    else preinfer_tflops(cfg, elsewhere)),
                   train_tflops=train_tf, preinfer_elsewhere=elsewhere, measured=measured).check()
     rates = Rates(**{**rates.__dict__, "preinfer_gpus": int(rates.preinfer_gpus)})
-    budget = device_budget(args.gpu_gb * GB, gpus=cfg.train.gpus).usable
+    budget = device_budget(args.gpu_gb * GB, gpus=cfg.train.world).usable
     bplan = block_plan(cfg, mcfg)
-    p = plan_run(cfg, figures(cfg, mcfg, bplan, budget), ds, rates)
+    p = plan_run(cfg, figures(cfg, mcfg, bplan, budget), ds, rates,
+                 **({"bf": args.bf} if args.bf is not None else {}))
     out = p.to_dict()
     out["model"] = {"family": mcfg.family, "n_layer": mcfg.n_layer, "d_model": mcfg.d_model,
                     "vocab_size": mcfg.vocab_size}
     out["config"] = {"blocks": len(bplan), "batch_size": cfg.train.batch_size, "seq_len": cfg.data.seq_len,
                      "max_steps": cfg.bcd.max_steps, "sample_rate": cfg.bcd.sample_rate, "precision":
                      cfg.train.precision, "act_dtype": cfg.bcd.act_dtype, "preinfer": cfg.bcd.preinfer,
-                     "train_gpus": cfg.spend.train_gpus or cfg.train.gpus, "train_device": cfg.spend.train_device,
+                     "train_gpus": cfg.spend.train_gpus or cfg.train.world, "train_device": cfg.spend.train_device,
                      "preinfer_device": cfg.spend.preinfer_device, "gpu_gb": args.gpu_gb}
     for v in out["visits"]:  # a row block (bcd.vocab_blocks): the matrix and rows it trains
         blk = bplan[v["block"]]
@@ -255,6 +268,7 @@ def table(res: dict) -> str:
     lines.append("")
     lines += [f"  b{v['block']}: " + (f"trains {v['trains']} (a row block); " if v.get("trains") else "") + v["why"]
               for v in res["visits"]]
+    lines += _comm_lines(res)
     for name, t in (("one cycle", res["cycle"]), (f"the run ({res['cycles']} cycles)", res["run"])):
         hours = ", ".join(f"{_gpu_h(h)} {k}" for k, h in t["gpu_hours"].items())
         wall = f"{t['wall_s'] / 3600:,.2f} h" if t["wall_s"] >= 36 else _h(t["wall_s"])
@@ -267,24 +281,80 @@ def table(res: dict) -> str:
                   f"{_gb(res['model_bytes'])}, each visit adds its block files) + one visit's activations and two "
                   "mid-visit checkpoints"]
     lines += [f"note: {n}" for n in res["notes"]]
+    lines += _full_lines(res)
     mem = res["memory"]["recommendation"]["line"]
     lines += ["", f"memory (bcdflow plan-memory for the tables): {mem}"]
     return "\n".join(lines)
+
+
+def _comm_lines(res: dict) -> list[str]:
+    """Each visit's all-reduce a step, where several processes train it."""
+    full = res.get("full")
+    if not full or full["gpus"] == 1:
+        return []
+    lines = ["", f"All-reduce a step on {full['cluster']} (ring: each GPU sends 2(n-1)/n of the gradients; exposed: "
+                 "what outlasts the backward that makes them):"]
+    for v in res["visits"]:
+        c = v["comm"]
+        lines.append(f"  b{v['block']}: {_gb(c['bytes'])} of gradients, {_gb(c['wire_bytes'])} sent a GPU, "
+                     f"{_sec(c['seconds'])} ({_sec(c['exposed_s'])} exposed) against a {_sec(v['step_s'])} step")
+    return lines
+
+
+def _sec(s: float) -> str:
+    """A step's seconds: ``24s``, ``0.31s``, ``<0.1s`` (core/runplan.duration_text below 10 s)."""
+    from bcdflow.core.runplan import duration_text
+
+    return f"{s:,.0f}s" if s >= 9.95 else duration_text(s)
+
+
+def _full_lines(res: dict) -> list[str]:
+    """Full training beside the run, on the same cluster, to the same loss."""
+    full = res.get("full")
+    if not full:
+        return []
+    lines = ["", f"Full training to the same loss on the same {full['cluster']} ({full['steps']:,.0f} steps; "
+                 "bcdflow's run: every stage counted):"]
+    bcd = full["bcd"]
+    from bcdflow.core.runplan import duration_text
+
+    head = f"  {'':<22}{'step':>9}{'of it, comm':>13}{'wall':>12}{'money':>13}"
+    lines += [head, f"  {'bcdflow (this plan)':<22}{'':>9}{'':>13}{duration_text(bcd['wall_s']):>12}"
+                    f"{_usd(bcd['usd']):>13}"]
+    for w in full["ways"]:
+        fits = "" if w["fits"] else f"  does not fit ({w['peak'] / GB:,.1f} GB a GPU)"
+        lines.append(f"  {w['way']:<22}{_sec(w['step_s']):>9}{_sec(w['comm']['exposed_s']):>13}"
+                     f"{duration_text(w['wall_s']):>12}{_usd(w['usd']):>13}{fits}")
+    b = full["best"]
+    if b is None:
+        lines.append("  full training fits no way on this card: bcdflow is the way that runs")
+    else:
+        t, u = b["time_x"], b["usd_x"]
+        lines.append(f"  bcdflow takes {t:.2f}x the time of {b['way']}" + (f" and {u:.2f}x its money" if u else "")
+                     + ("" if t < 1 else " (full training wins here)"))
+    return lines
 
 
 def cmd_plan(args) -> int:
     for flag, v in (("--gpu-gb", args.gpu_gb), ("--store-gbs", args.store_gbs), ("--write-gbs", args.write_gbs),
                     ("--read-gbs", args.read_gbs), ("--preinfer-gpus", args.preinfer_gpus),
                     ("--preinfer-tflops", args.preinfer_tflops), ("--tflops", args.tflops),
-                    ("--pcie-gbs", args.pcie_gbs)):
+                    ("--pcie-gbs", args.pcie_gbs), ("--nodes", args.nodes), ("--gpus", args.gpus),
+                    ("--link-gbs", args.link_gbs), ("--gpu-link-gbs", args.gpu_link_gbs), ("--bf", args.bf)):
         if v is not None and not (math.isfinite(v) and v > 0):
             raise BadInput(f"{flag}: must be a positive number, got {v:g}")
     if args.gpu_gb > MAX_MEMORY_GB:  # finite, but its bytes overflowed the planner's integers
         raise BadInput(f"--gpu-gb: must be a positive number of GB up to {MAX_MEMORY_GB:g} (past any card), got "
                        f"{args.gpu_gb:g}")
-    if args.preinfer_gpus is not None and args.preinfer_gpus != int(args.preinfer_gpus):
-        raise BadInput(f"--preinfer-gpus: must be a whole number of GPUs, got {args.preinfer_gpus:g}")
+    for flag, v, what in (("--preinfer-gpus", args.preinfer_gpus, "GPUs"), ("--nodes", args.nodes, "machines"),
+                          ("--gpus", args.gpus, "GPUs")):
+        if v is not None and v != int(v):
+            raise BadInput(f"{flag}: must be a whole number of {what}, got {v:g}")
     sets = list(args.set or [])
+    sets += [f"train.nodes={int(args.nodes)}"] if args.nodes else []
+    sets += [f"train.gpus={int(args.gpus)}"] if args.gpus else []
+    sets += [f"train.link_gbs={args.link_gbs}"] if args.link_gbs else []
+    sets += [f"train.gpu_link_gbs={args.gpu_link_gbs}"] if args.gpu_link_gbs else []
     sets += [f"train.pcie_gbs={args.pcie_gbs}"] if args.pcie_gbs else []
     sets += [f"train.tflops={args.tflops}"] if args.tflops else []
     res = build(like.like_config(args.config, sets, args.like, "bcd"), args)

@@ -84,7 +84,7 @@ def plan(cfg, gpu_gb: float) -> dict:
     mcfg = model_config(cfg)
     t, shape, split = cfg.train, cfg.step_shape(), cfg.bcd.split
     B, T, p, opt = shape.batch, shape.seq, shape.precision, shape.optim
-    budget = device_budget(gpu_gb * GB, gpus=t.gpus)
+    budget = device_budget(gpu_gb * GB, gpus=t.world)
     full = visit_memory(mcfg, None, None, shape)
 
     def visits(blocks: int, boundaries: list[int] | None, vocab_blocks: int) -> list[dict]:
@@ -122,7 +122,7 @@ def plan(cfg, gpu_gb: float) -> dict:
                            vocab_blocks=rec.vocab_blocks)
         out["recommendation"]["visits"] = [_visit_row(h, plan_, b) for b, h in enumerate(rec.holdings)]
         out["recommendation"].update(boundaries=rec.boundaries, settings=rec.settings)
-    if t.gpus > 1:  # per process, the batch split over the GPUs (as tasks/train_dist.choose_parallel plans one)
+    if t.world > 1:  # per process, the batch split over the GPUs (as tasks/train_dist.choose_parallel plans one)
         out["per_gpu"] = {mode: max(e.peak for e in plan_visits(
             mcfg, cfg.bcd.blocks, replace(shape, recompute="off", parallel=mode), split)) for mode in ("ddp", "fsdp")}
     return out

@@ -172,7 +172,8 @@ def stream_traffic(streamed: Sequence[int], grad_from: int | None, window: int, 
 
 def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: StepShape) -> Estimate:
     """Peak bytes of one step of block ``block``'s visit (``plan`` and ``block`` None: full training, every
-    parameter trainable, the whole model held, fp32 master weights throughout, nothing recomputed).
+    parameter trainable, the whole model held, fp32 master weights throughout, nothing recomputed unless
+    ``recompute=all``: activation checkpointing, every layer's forward again in backward).
 
     Of the ``shape``: ``preinfer``: a visit to block b > 0 reads the prefix's stored hidden states (fp32,
     ``(B, T, C)``) and holds layers >= b; off, it holds the whole model and runs the prefix under no_grad.
@@ -193,7 +194,7 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     preinfer, freeze, window, expand_rank = shape.preinfer, shape.freeze, shape.window, shape.expand_rank
     gpus, parallel = shape.gpus, shape.parallel
     recompute = shape.recompute in ("on", "all") and not full
-    recompute_active = shape.recompute == "all" and not full
+    recompute_active = shape.recompute == "all"  # full training too: activation checkpointing
     stream, streamed = shape.offload == "stream", shape.streamed
     if full:
         lo, hi, trainable = 0, n, set(shapes)

@@ -87,14 +87,37 @@ def empty_slice_batch(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, t
     return x[:1], torch.full_like(y[:1], IGNORE_INDEX)
 
 
+class CommCount:
+    """The bytes DDP hands its all-reduce (a communication hook's state): ``bytes`` in all, over ``calls`` buckets.
+    ``bcdflow plan`` prices the same bytes a step (core/cluster.py); the visit reports them (``comm_bytes``)."""
+
+    def __init__(self, group=None):
+        self.group, self.bytes, self.calls = group, 0, 0
+
+
+def _counting_allreduce(state: CommCount, bucket):
+    """DDP's own all-reduce hook (``default_hooks.allreduce_hook``: the mean over the processes), counting the
+    bucket's bytes first."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    buf = bucket.buffer()
+    state.bytes += buf.numel() * buf.element_size()
+    state.calls += 1
+    return default_hooks.allreduce_hook(state.group, bucket)
+
+
 def wrap_ddp(step: VisitStep, device: torch.device) -> nn.Module:
-    """DDP over the parameters that require gradients (the active block); frozen ones are left out entirely."""
+    """DDP over the parameters that require gradients (the active block); frozen ones are left out entirely. Its
+    all-reduce counts the bytes it moves (``module.comm``, :class:`CommCount`)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     frozen = [f"model.{n}" for n, p in step.model.named_parameters() if not p.requires_grad]
     frozen += [f"model.{n}" for n, _ in step.model.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(step, frozen)
-    return DDP(step, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    mod = DDP(step, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    mod.comm = CommCount()
+    mod.register_comm_hook(mod.comm, _counting_allreduce)
+    return mod
 
 
 def shard_fsdp(step: VisitStep, device: torch.device) -> VisitStep:

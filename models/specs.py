@@ -20,10 +20,12 @@ from bcdflow.models.optimizers import OPTIMIZERS
 @dataclass(frozen=True)
 class CardRates:
     """What the planner's time model assumes of one card kind: the dense matmul throughput a training step reaches,
-    TFLOP/s, by ``train.precision``, and the host-to-device copy bandwidth a streamed layer gets, GB/s."""
+    TFLOP/s, by ``train.precision``, the host-to-device copy bandwidth a streamed layer gets, GB/s, and the
+    all-reduce bandwidth between GPUs of one machine of that kind, GB/s (nccl-tests' bus bandwidth)."""
     bf16: float
     fp32: float
     pcie_gbs: float
+    link_gbs: float = 10.0
 
     def tflops(self, precision: str) -> float:
         """The throughput at ``precision`` (``bf16``; anything else computes in fp32)."""
@@ -34,14 +36,14 @@ DEFAULT_CARD = "rtx4090"
 """The kind whose rates the time model uses where nothing names one (a bare ``StepShape``; ``core/spend.DEFAULT_KIND``
 is the same kind: a run priced by default is planned as one)."""
 CARD_RATES: dict[str, CardRates] = {
-    "rtx4090": CardRates(bf16=80.0, fp32=40.0, pcie_gbs=25.0),
-    "rtx3090": CardRates(bf16=35.0, fp32=17.5, pcie_gbs=25.0),
-    "a6000": CardRates(bf16=77.0, fp32=19.0, pcie_gbs=25.0),
-    "l40s": CardRates(bf16=181.0, fp32=46.0, pcie_gbs=25.0),
-    "a100": CardRates(bf16=156.0, fp32=9.75, pcie_gbs=25.0),
-    "a800": CardRates(bf16=156.0, fp32=9.75, pcie_gbs=25.0),
-    "h100": CardRates(bf16=495.0, fp32=33.5, pcie_gbs=50.0),
-    "h200": CardRates(bf16=495.0, fp32=33.5, pcie_gbs=50.0),
+    "rtx4090": CardRates(bf16=80.0, fp32=40.0, pcie_gbs=25.0, link_gbs=10.0),
+    "rtx3090": CardRates(bf16=35.0, fp32=17.5, pcie_gbs=25.0, link_gbs=10.0),
+    "a6000": CardRates(bf16=77.0, fp32=19.0, pcie_gbs=25.0, link_gbs=10.0),
+    "l40s": CardRates(bf16=181.0, fp32=46.0, pcie_gbs=25.0, link_gbs=10.0),
+    "a100": CardRates(bf16=156.0, fp32=9.75, pcie_gbs=25.0, link_gbs=230.0),
+    "a800": CardRates(bf16=156.0, fp32=9.75, pcie_gbs=25.0, link_gbs=150.0),
+    "h100": CardRates(bf16=495.0, fp32=33.5, pcie_gbs=50.0, link_gbs=360.0),
+    "h200": CardRates(bf16=495.0, fp32=33.5, pcie_gbs=50.0, link_gbs=360.0),
 }
 """The time model's rates by card kind (the names ``spend.train_device`` and the price catalog use,
 ``core/spend.DEFAULT_PRICES``; every priced kind has rates, and a kind here needs a price, ``spend.prices``, to be
@@ -62,6 +64,13 @@ card's host link in practice: PCIe 4.0 x16 about 25 GB/s of its 32, PCIe 5.0 x16
 - ``h100`` (SXM5): datasheet, bf16 989 dense, fp32 67; PCIe 5.0. An H100 PCIe card is slower (bf16 756, fp32 51):
   price it as a kind of its own with ``train.tflops`` and ``train.pcie_gbs``.
 - ``h200`` (SXM): the H100 SXM's compute (989, 67) with more and faster memory; PCIe 5.0.
+
+The link between GPUs of one machine (``link_gbs``, what a data-parallel all-reduce gets; ``train.gpu_link_gbs``
+overrides it): about the bus bandwidth nccl-tests' ``all_reduce_perf`` reports at large messages. GeForce cards
+(4090, 3090) have no peer-to-peer over PCIe and rented boxes no NVLink bridge, so NCCL copies through host memory:
+about 10 GB/s; the A6000 and L40S in rented PCIe boxes the same. Over NVLink: A100 SXM4 (600 GB/s NVLink 3) about
+230, A800 (400 GB/s) about 150, H100 and H200 SXM (900 GB/s NVLink 4) about 360. Between machines:
+``train.link_gbs`` (default 10 Gbit/s Ethernet).
 
 Measured rates. ``make gpu-check`` (benchmarks/gpu_check.py) measures on the card it runs on the host-to-device copy
 of a page-locked buffer (GB/s) and a bf16 and an fp32 matmul of a Llama-3-8B MLP's shape (TFLOP/s), prints them
@@ -93,6 +102,14 @@ def card_rates(kind: str) -> CardRates:
 def tflops_for(precision: str, tflops: float | None = None, kind: str = DEFAULT_CARD) -> float:
     """The matmul throughput the time model uses: ``tflops`` where given, else ``kind``'s at ``precision``."""
     return float(tflops) if tflops else card_rates(kind).tflops(precision)
+
+
+def link_gbs_for(link_gbs: float | None = None, kind: str = DEFAULT_CARD) -> float:
+    """The all-reduce bandwidth between GPUs of one machine: ``link_gbs`` where given, else ``kind``'s (a kind the
+    table does not know: a PCIe card's, :data:`CARD_RATES`' default)."""
+    if link_gbs:
+        return float(link_gbs)
+    return CARD_RATES[kind].link_gbs if kind in CARD_RATES else CardRates.link_gbs
 
 
 def pcie_gbs_for(pcie_gbs: float | None = None, kind: str = DEFAULT_CARD) -> float:

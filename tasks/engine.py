@@ -71,6 +71,9 @@ class TrainResult(BaseModel):
     eval_seconds: float = 0.0
     rate: float | None = None
     """Training loss lowered per step on average over the visit (models/trainer.visit_rate; None: too short)."""
+    comm_bytes: int = 0
+    """Gradient bytes the visit's processes all-reduced a step (DDP's communication hook counted them; 0: one
+    process or FSDP), what ``bcdflow plan`` prices (core/cluster.py)."""
     moments_file: dict | None = None
     """``bcd.moments=keep``: the optimizer state the visit ended with (a content-addressed file's entry)."""
     suffix_files: dict[int, dict] = {}
@@ -379,6 +382,8 @@ class VisitHolding(Protocol):
     def block_tensors(self) -> dict[str, torch.Tensor]: ...
     def barrier(self) -> None: ...
     def peak(self) -> tuple[int, int, int] | None: ...
+    def comm_bytes(self, steps: int) -> int: ...
+    """Gradient bytes all-reduced a step over ``steps`` steps (0: nothing communicated)."""
     def close(self) -> None: ...
 
 
@@ -445,6 +450,9 @@ class Resident:
 
     def peak(self) -> tuple[int, int, int] | None:
         return device_peak(self.device)
+
+    def comm_bytes(self, steps: int) -> int:
+        return 0  # one process: nothing is all-reduced
 
     def close(self) -> None:
         if self.model.stream:
@@ -633,4 +641,5 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
         val_points=val_points, peak_mem_bytes=peak and peak[0], peak_reserved_bytes=peak and peak[1],
         alloc_retries=peak and peak[2], block_file=block_file, recompute=vs.recompute, gpus=held.world,
         streamed=len(vs.streamed), rate=res.rate, moments_file=moments_file, val_loss=val_loss, eval_seconds=eval_s,
+        comm_bytes=held.comm_bytes(res.steps - resumed_at),
         suffix_files=suffix_files, suffix_norms=suffix_norms, stored=ctx.plan.stored(block) if vs.rows else None)

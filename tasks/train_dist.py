@@ -284,6 +284,10 @@ class Distributed:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.sync.group)
         return tuple(int(v) for v in peak.tolist()) if mine is not None else None
 
+    def comm_bytes(self, steps: int) -> int:
+        count = getattr(self.mod, "comm", None)  # DDP's counting hook (models/parallel.wrap_ddp); FSDP: none
+        return count.bytes // steps if count is not None and steps > 0 else 0
+
     def close(self):
         pass
 

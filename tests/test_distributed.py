@@ -18,6 +18,7 @@ import torch
 
 from bcdflow.core import stop_signals
 from bcdflow.core.context import RunContext
+from bcdflow.core.plan_figures import figures
 from bcdflow.storage import checkpoints
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
@@ -67,6 +68,12 @@ def test_two_processes_give_the_one_process_weights(tiny_cfg, mode, block, famil
     assert (out.gpus, out.steps, out.tokens, out.stopped_by) == (2, ref.steps, ref.tokens, "max_steps")
     assert abs(out.train_loss - ref.train_loss) <= 1e-6
     assert max_diff(block_of(one, block, ref.block_file), block_of(one, block, out.block_file)) <= 1e-6
+    if mode == "ddp":  # the bytes DDP's hook all-reduced a step are those bcdflow plan prices (core/cluster.py)
+        ctx = RunContext.of(two, "r", ds)
+        planned = figures(two, ctx.model_cfg, ctx.plan, None).blocks[block].grad_bytes
+        assert out.comm_bytes > 0 and abs(out.comm_bytes - planned) <= 0.05 * planned, (out.comm_bytes, planned)
+    else:
+        assert out.comm_bytes == ref.comm_bytes == 0
     # the evaluation that follows a visit on several processes (the whole model, held within one device's budget)
     # gives the one-process visit's own validation loss
     whole = evaluate_version.fn(RunContext.of(two, "r", ds), 0, {block: out.block_file}).val_loss
