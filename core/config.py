@@ -337,9 +337,13 @@ class TrainSection(_Section):
     """Processes (GPUs) that train one visit, launched with torchrun on this machine; 1 = this process. Rank 0
     writes the checkpoints and the block; a SIGTERM to any rank checkpoints once. On the CPU: gloo processes."""
     nodes: int = Field(1, ge=1)
-    """Machines a visit spans, ``gpus`` GPUs on each (``bcdflow plan`` prices the cluster: each step all-reduces the
-    visit's trained gradients over ``link_gbs``; core/cluster.py). A run trains on one machine: a run with more is
-    refused before anything is written (visits across machines are not built yet)."""
+    """Machines a visit spans, ``gpus`` processes on each (``bcdflow plan`` prices the cluster: each step all-reduces
+    the visit's trained gradients over ``link_gbs``; core/cluster.py). The machine whose task trains the visit is the
+    first (torchrun node 0, rank 0 writes); each other one runs ``bcdflow join RUN --node-rank K`` (docs/guide/fleet.md),
+    which joins every visit of the run at ``rdzv_endpoint``."""
+    rdzv_endpoint: str = "127.0.0.1:29400"
+    """``host:port`` of the first machine as the others reach it (torchrun's rendezvous, ``--master-addr`` and
+    ``--master-port``) when ``nodes`` > 1."""
     link_gbs: float = Field(1.25, gt=0)
     """Bandwidth between two machines of the cluster, GB/s each way (1.25: 10 Gbit/s Ethernet, rented boxes'
     usual; 25 Gbit/s is 3.1, 100 Gbit/s InfiniBand 12.5). Only ``train.nodes`` > 1 uses it."""
@@ -377,6 +381,14 @@ class TrainSection(_Section):
     eval_batch_size: int | None = Field(None, ge=1)
     """Rows per validation forward (no gradients); None = the most that fit what a training step used (inside a
     visit) or the device's budget (a whole-model evaluation), up to ``eval_rows`` (16k tokens on the CPU)."""
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in v):
+            raise ValueError(f"must be HOST:PORT (e.g. 10.0.0.1:29400), got {v!r}")
+        return v
 
     @property
     def world(self) -> int:

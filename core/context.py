@@ -69,7 +69,7 @@ def open_store(cfg: RunConfig) -> Store:
 def memory_budget(cfg: RunConfig, device: torch.device) -> Budget | None:
     """What a visit may hold on ``device`` (models/memory.device_budget: the memory free once the CUDA context exists,
     less a reserve): a card of ``train.memory_gb``, else the CUDA device as measured, else (the CPU) None."""
-    gpus = cfg.train.gpus
+    gpus = cfg.train.world  # several processes reserve NCCL's buffers
     if cfg.train.memory_gb is not None:
         return device_budget(cfg.train.memory_gb * GB, gpus=gpus)
     if device.type == "cuda":
@@ -172,7 +172,7 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False, store: Store | None = No
             return
     # a peer method (models/peers.py): its package, one block (the baseline), one process; a lighter state
     # (models/light.py): its package, one process, a device and precision it runs with
-    OPTIMIZERS[cfg.optim.name].check(cfg.optim.name, cfg.n_blocks, cfg.train.gpus,
+    OPTIMIZERS[cfg.optim.name].check(cfg.optim.name, cfg.n_blocks, cfg.train.world,
                                      resolve_device(cfg.train.device).type, cfg.train.precision)
     if OPTIMIZERS[cfg.optim.name].peer:  # its settings against the model: LISA's layers, a rank (models/peers.py)
         from bcdflow.models import peers
@@ -180,9 +180,6 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False, store: Store | None = No
         mcfg = model_config(cfg)
         peers.check_model(cfg.optim.name, cfg.optim.rank, cfg.optim.lisa_layers, mcfg.n_layer,
                           param_shapes(mcfg.replace(n_layer=1)))
-    if cfg.train.nodes > 1:  # the planner prices a cluster (core/cluster.py); a visit runs on one machine
-        raise BadInput(f"train.nodes: a visit trains on one machine (train.nodes={cfg.train.nodes} is for bcdflow "
-                       "plan, which prices a cluster; visits across machines are not built yet): set train.nodes=1")
     if not cfg.fleet.visit_pool:
         check_gpus(cfg)  # the device, and train.gpus against this machine
         check_model_size(cfg)  # before the plan's fit: a model no machine builds says so, not its host peak
@@ -244,7 +241,7 @@ def check_plan_fits(cfg: RunConfig) -> None:
     (``models/memory.host_phases``: loading, a mid-visit checkpoint written or resumed, the commit); pre-inference's
     the same with its output buffers. The device fit is not checked on the
     CPU without ``train.memory_gb``."""
-    if cfg.train.gpus > 1:
+    if cfg.train.world > 1:
         return  # several processes: data parallel or sharded (tasks/train_dist.choose_parallel)
     budget = memory_budget(cfg, resolve_device(cfg.train.device))
     mcfg = model_config(cfg)

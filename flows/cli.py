@@ -357,6 +357,17 @@ def cmd_baseline(args) -> int:
     return 0
 
 
+def cmd_join(args) -> int:
+    """``bcdflow join RUN --node-rank K``: this machine's ``train.gpus`` processes join each of the run's visits
+    across machines (tasks/train_dist.join) as torchrun's node K."""
+    from bcdflow.tasks.train_dist import join
+
+    if args.node_rank < 1:
+        raise BadInput(f"--node-rank: must be 1 or more (node 0 is the machine whose task trains the visit), got "
+                       f"{args.node_rank}")
+    return 1 if join(_store(args.store, args), args.run_id, args.node_rank, once=args.once) else 0
+
+
 def cmd_resume(args) -> int:
     """Continue a run from its stored config: committed visits are skipped, complete shards reused, an
     interrupted visit continues from its last checkpoint, the MLflow run is continued."""
@@ -545,6 +556,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the widest bracket of a crossing, as a fraction of its step, that still gives a B-F "
                          f"(default {BRACKET_TOL})")
     sp.set_defaults(fn=cmd_compare)
+    sp = sub.add_parser("join", help="on another machine of a run's visits across train.nodes machines: join them",
+                        parents=[common])
+    store_opts(sp)
+    sp.add_argument("--node-rank", type=int, required=True,
+                    help="this machine's place among the visit's train.nodes machines: 1 to train.nodes - 1 (node 0 "
+                         "is the machine whose task trains the visit)")
+    sp.add_argument("--once", action="store_true", help="join one visit, then exit with its torchrun's exit code "
+                                                       "(default: every visit, until the run is done)")
+    sp.set_defaults(fn=cmd_join)
     sp = sub.add_parser("worker", help="a Prefect process worker whose flow runs checkpoint on SIGTERM (spot GPUs)",
                         parents=[common])
     sp.add_argument("--pool", required=True, help="the work pool (e.g. bcdflow-gpu)")

@@ -174,6 +174,11 @@ def train_ckpt_key(visit: str) -> str:
     return f"{visit}/train-ckpt"
 
 
+def nodes_key(run_id: str, cycle: int, block: int) -> str:
+    """A visit across machines: the job the other machines join (``bcdflow join``), there while it trains."""
+    return f"{visit_key(run_id, cycle, block)}/nodes.json"
+
+
 def outcome_key(run_id: str, cycle: int, block: int) -> str:
     return f"{visit_key(run_id, cycle, block)}/{OUTCOME}"
 

@@ -37,10 +37,10 @@ def train_block(ctx: RunContext, spec: VisitSpec, track: TrackTarget | None = No
     """Train block ``spec.block`` of ``spec.version`` to local convergence (a visit's training; ``spec``: what the
     run's state hands the visit, core/rules.visit_spec); returns its result, the block file written
     (content-addressed) but not committed. The recipe is ``tasks.engine.run_visit``; this task picks how the model is
-    held: in this process, or (``train.gpus`` > 1) in one torchrun process per GPU, rank 0 committing
-    (tasks/train_dist.py). ``progress``: the visit's live line (tasks/progress.py), closed when the loop ends."""
+    held: in this process, or (``train.gpus`` or ``train.nodes`` > 1) in one torchrun process per GPU, rank 0
+    committing (tasks/train_dist.py). ``progress``: the visit's live line (tasks/progress.py), closed when the loop ends."""
     cfg = ctx.cfg
-    if cfg.train.gpus > 1:
+    if cfg.train.world > 1:
         return launch(ctx, spec, track)
     try:
         res = run_visit(ctx, spec, Resident, track=track, progress=progress)

@@ -1,7 +1,13 @@
-"""A visit on several GPUs of this machine (``train.gpus=N``): the train task launches ``torchrun`` with one process
-per GPU, each runs :func:`train_rank`, and rank 0 writes the checkpoints, the block file and the result.
+"""A visit on several GPUs (``train.gpus=N`` on this machine, ``train.nodes=M`` machines): the train task launches
+``torchrun`` with one process per GPU, each runs :func:`train_rank`, and rank 0 writes the checkpoints, the block file
+and the result.
 
     train.gpus=2 -> python -m torch.distributed.run --standalone --nproc-per-node 2 -m bcdflow.tasks.train_dist SPEC.json
+    train.nodes=2 -> node 0 (the task): torchrun --nnodes 2 --node-rank 0 --master-addr H --master-port P ...;
+                     each other machine: bcdflow join RUN --node-rank 1 (reads the job from the store, runs the same)
+
+Across machines a lost machine fails the whole visit (gloo and NCCL collectives fail when a peer goes away): the
+visit resumes from its last mid-visit checkpoint on its next attempt, as after any failure.
 
 The engines (models/parallel.py): ``ddp`` when a replica of the visit fits ``train.memory_gb`` (the planner says),
 ``fsdp`` (FSDP2) when it does not, or as ``train.parallel`` says. Each process reads its slice of every batch: the
@@ -30,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -44,6 +51,7 @@ from bcdflow.models import parallel as par
 from bcdflow.models.errors import ConfigError, Diverged
 from bcdflow.models.memory import visit_memory
 from bcdflow.storage import checkpoints
+from bcdflow.storage.layout import nodes_key
 from bcdflow.storage.lease import lost_lease
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.tasks import preemption
@@ -67,28 +75,75 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGTERM to torchru
 
 def launch(ctx: RunContext, spec: VisitSpec, track: TrackTarget | None = None) -> TrainResult:
     """Train visit ``spec`` with ``train.gpus`` processes and return rank 0's result (as ``train_block`` does). Their
-    ``spec.json`` is the visit's record (``visit``: ``VisitSpec.to_dict``) with the run's config, ids and tracking."""
+    ``spec.json`` is the visit's record (``visit``: ``VisitSpec.to_dict``) with the run's config, ids and tracking.
+    Across ``train.nodes`` machines this one is torchrun's node 0 (rank 0: it writes): the job goes to the store
+    (``storage/layout.nodes_key``) for the others' ``bcdflow join`` (:func:`join`) while it trains."""
     cfg, run_id, dataset_id = ctx.cfg, ctx.run_id, ctx.dataset_id
     cycle, block = spec.cycle, spec.block
-    n = cfg.train.gpus
     check_gpus(cfg)  # a worker that picked this visit up may have fewer GPUs than the one that planned it
-    base = os.environ.get("BCDFLOW_DIST_DIR")
-    work = tempfile.mkdtemp(prefix=f"visit-c{cycle}-b{block}-", dir=base) if base else tempfile.mkdtemp(
-        prefix="bcdflow-visit-")
+    work = _work_dir(f"visit-c{cycle}-b{block}-")
     job = {"visit": spec.to_dict(), "cfg": cfg.model_dump(mode="json"), "run_id": run_id, "dataset_id": dataset_id,
            "work": work,
            "track": None if track is None else {f.name: getattr(track, f.name) for f in dataclasses.fields(track)
                                                 if not f.name.startswith("_")}}
     with open(os.path.join(work, "spec.json"), "w") as f:
         json.dump(job, f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           "-m", "bcdflow.tasks.train_dist", os.path.join(work, "spec.json")]
+    shared = nodes_key(run_id, cycle, block) if cfg.train.nodes > 1 else None
+    if shared:  # what the other machines join: no tracking (rank 0's), a new attempt each launch
+        ctx.store.write_json({**job, "work": None, "track": None, "attempt": uuid.uuid4().hex}, shared)
+    try:
+        returncode, lost = _torchrun(_command(cfg, 0, work), work, lost_lease)
+        if lost is not None:
+            raise lost
+        try:
+            return _result(work, returncode, run_id, cfg.fleet.reschedule_delay_s)
+        except RuntimeError as e:
+            if not shared:
+                raise
+            first = (str(e).splitlines() or [""])[0][:400]
+            raise RuntimeError(f"visit c{cycle}-b{block} across {cfg.train.nodes} machines failed: a machine's "
+                               f"processes failed or went away ({first}); its next attempt resumes from its last "
+                               f"checkpoint, joined by `bcdflow join {run_id} --node-rank K` on the other machines"
+                               ) from None
+    finally:
+        if shared:
+            try:
+                ctx.store.rm(shared)
+            except OSError:
+                pass  # a store that went away: the next launch writes a new attempt over it
+        if not os.environ.get("BCDFLOW_DIST_KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _work_dir(prefix: str) -> str:
+    base = os.environ.get("BCDFLOW_DIST_DIR")
+    return tempfile.mkdtemp(prefix=prefix, dir=base) if base else tempfile.mkdtemp(prefix="bcdflow-visit-")
+
+
+def _command(cfg: RunConfig, node_rank: int, work: str) -> list[str]:
+    """torchrun for this machine's ``train.gpus`` processes: standalone on one machine, else node ``node_rank`` of
+    ``train.nodes`` meeting at ``train.rdzv_endpoint`` (global rank = node rank x gpus + local rank: node 0 holds
+    rank 0)."""
+    t = cfg.train
+    if t.nodes == 1:
+        where = ["--standalone"]
+    else:
+        host, _, port = t.rdzv_endpoint.rpartition(":")
+        where = [f"--nnodes={t.nodes}", f"--node-rank={node_rank}", f"--master-addr={host}", f"--master-port={port}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={t.gpus}",
+            "-m", "bcdflow.tasks.train_dist", os.path.join(work, "spec.json")]
+
+
+def _torchrun(cmd: list[str], work: str, lease=lambda: None) -> tuple[int, BaseException | None]:
+    """Run torchrun and wait: a SIGTERM or SIGINT to this process is forwarded to each of its processes as SIGTERM
+    (they stop after the same step, rank 0 checkpoints); a lease that could expire (``lease()`` not None) kills
+    them all at once. Returns torchrun's exit code and the lost lease, if any."""
     forwarded: set[int] = set()
     lost = None
     with stop_signals.training():  # the task's own SIGTERM/SIGINT: forwarded to every process as SIGTERM
         proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
         while proc.poll() is None:
-            if (lost := lost_lease()) is not None:  # it could expire: every process stops now, no checkpoint (§9)
+            if (lost := lease()) is not None:  # it could expire: every process stops now, no checkpoint (§9)
                 for pid in [*_pids(work), -proc.pid]:  # the ranks, then torchrun's process group
                     _signal(pid, signal.SIGKILL)
                 proc.wait()
@@ -99,10 +154,49 @@ def launch(ctx: RunContext, spec: VisitSpec, track: TrackTarget | None = None) -
                         forwarded.add(pid)
                         _signal(pid)
             time.sleep(0.1)
+    return proc.returncode, lost
+
+
+def join(store, run_id: str, node_rank: int, once: bool = False, poll_s: float = 1.0) -> int:
+    """``bcdflow join RUN --node-rank K``: on another machine of a visit across ``train.nodes`` machines, join every
+    visit of run ``run_id`` as torchrun's node ``node_rank`` (its ``train.gpus`` processes), until the run is done
+    (``once``: after one visit; its torchrun's exit code). A visit that fails or loses a machine fails as a whole
+    and resumes from its last checkpoint on its next attempt, which this joins again."""
+    from bcdflow.storage import runs
+    from bcdflow.storage.layout import config_key, parse_visit, visits_key
+
+    joined: set[str] = set()
+    while True:
+        state = runs.read_state(store, run_id) if store.exists(config_key(run_id)) else None
+        if state is not None and state.status == "done":
+            return 0
+        names = store.listdir(visits_key(run_id)) if store.exists(visits_key(run_id)) else []
+        for name in sorted(n for n in names if parse_visit(n)):
+            key = f"{visits_key(run_id)}/{name}/nodes.json"
+            try:
+                job = store.read_json(key)
+            except (FileNotFoundError, OSError, ValueError):
+                continue  # not across machines, or its attempt ended meanwhile
+            if job.get("attempt") in joined:
+                continue
+            joined.add(job["attempt"])
+            code = _join_one(job, node_rank)
+            if once:
+                return code
+        time.sleep(poll_s)
+
+
+def _join_one(job: dict, node_rank: int) -> int:
+    cfg = RunConfig.model_validate(job["cfg"])
+    if not 0 < node_rank < cfg.train.nodes:
+        raise BadInput(f"--node-rank: {node_rank} is not one of the other machines of a visit on "
+                       f"train.nodes={cfg.train.nodes} (1 to {cfg.train.nodes - 1}; node 0 is the visit's task)")
+    check_gpus(cfg)
+    work = _work_dir(f"join-c{job['visit']['cycle']}-b{job['visit']['block']}-")
     try:
-        if lost is not None:
-            raise lost
-        return _result(work, proc.returncode, run_id, cfg.fleet.reschedule_delay_s)
+        with open(os.path.join(work, "spec.json"), "w") as f:
+            json.dump({**job, "work": work}, f)
+        return _torchrun(_command(cfg, node_rank, work), work)[0]
     finally:
         if not os.environ.get("BCDFLOW_DIST_KEEP"):
             shutil.rmtree(work, ignore_errors=True)

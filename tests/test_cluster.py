@@ -1,7 +1,7 @@
 """Communication in the plan (issue 42): each visit's all-reduce on a cluster of ``train.nodes`` machines of
 ``train.gpus`` GPUs (core/cluster.py), and full training on the same cluster to the same loss beside the run. The
 bytes DDP's hook all-reduces in a real two-process visit are checked against the plan's in
-tests/test_distributed.py."""
+tests/test_distributed.py and tests/test_nodes.py (two machines)."""
 from __future__ import annotations
 
 import json
@@ -102,11 +102,17 @@ def test_bad_cluster_input_is_one_line_exit_2(args, line, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
-def test_a_run_across_machines_is_refused_before_anything_is_written(tmp_path, capsys):
+@pytest.mark.parametrize("args, line", [
+    (["join", "r", "--node-rank", "0"], "--node-rank: must be 1 or more (node 0 is the machine whose task trains"),
+    (["train", "--set", "train.nodes=2", "--set", "train.rdzv_endpoint=host-without-port"],
+     "train.rdzv_endpoint: must be HOST:PORT"),
+    (["train", "--set", "train.nodes=2", "--set", "train.rdzv_endpoint=h:99999"], "train.rdzv_endpoint: must be"),
+])
+def test_bad_join_and_endpoint_input_is_one_line_exit_2(args, line, tmp_path, capsys):
     from tests.helpers import TINY
 
-    sets = [x for s in [*TINY, "train.nodes=2", "tracking_uri=none"] for x in ("--set", s)]
-    assert main(["train", *sets, "--store", str(tmp_path / "store")]) == 2
+    sets = [x for s in [*TINY, "tracking_uri=none"] for x in ("--set", s)] if args[0] == "train" else []
+    assert main([*args, *sets, "--store", str(tmp_path / "store")]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(err) == 1 and "train.nodes: a visit trains on one machine" in err[0], err
+    assert len(err) == 1 and line in err[0], err
     assert not (tmp_path / "store").exists()
