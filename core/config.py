@@ -201,6 +201,14 @@ class BcdSection(_Section):
     """The dtype pre-inferred activations are stored in (bfloat16 halves the bytes, rounding them)."""
     act_compression: Literal["none", "zstd"] = "none"
     """Activations barely compress; zstd (level 1) trades CPU for bytes on a slow link."""
+    act_store: str | None = None
+    """Where pre-inference writes a visit's activations and training reads them back: a local path (the training
+    box's own disk: they never cross a paid link) or a bucket beside the GPUs; None = the run's ``store``. Versions,
+    checkpoints and records stay on the run's store. A visit's activations (and their shards' markers) are its
+    working objects: a visit that resumes on a machine without them pre-infers them again."""
+    act_store_gbs: float = Field(2.0, gt=0)
+    """The activation store's bandwidth both ways, GB/s, that ``bcdflow plan`` and ``bcd.preinfer=auto`` assume
+    where ``act_store`` is set (2: a rented box's NVMe disk)."""
     preinfer_batch_size: int | None = Field(None, ge=1)
     """Rows per pre-inference forward (no gradients); None = the most that fit the device's budget with the
     prefix held as it must be (models/holding.no_grad_holding), up to ``shard_rows`` (16k tokens on the CPU)."""
@@ -583,6 +591,16 @@ class RunConfig(_Section):
         elif self.data.format == "chat":
             raise ValueError("data.format: chat needs model.from_hf (a checkpoint whose tokenizer has a chat "
                              "template)")
+        if self.bcd.act_store is not None:
+            try:
+                check_url(self.bcd.act_store)
+            except BadInput as e:  # it names the run's store: this is the activations'
+                raise BadInput("bcd.act_store" + str(e).removeprefix("store")) from None
+            if (backend_of(self.bcd.act_store) is None and self.fleet.preinfer == "dask"
+                    and self.fleet.dask_address):
+                raise ValueError("bcd.act_store: a local path is the training box's disk, but pre-inference runs on "
+                                 "the Dask cluster's machines (fleet.dask_address); use a bucket beside them, or "
+                                 "fleet.preinfer=local")
         if self.train.world > self.train.batch_size:
             key = "train.gpus" if self.train.nodes == 1 else "train.nodes"
             raise ValueError(f"{key}: {self.train.world} processes need at least one row each of a batch, but "
@@ -671,6 +689,25 @@ class RunConfig(_Section):
         if self.spend.egress_usd_gb is not None:
             return self.spend.egress_usd_gb
         return EGRESS_USD_GB if self.object_store() else 0.0
+
+    def act_object_store(self) -> bool:
+        """Whether activations go to an object store (billed: storage, requests, egress): ``bcd.act_store``'s, else
+        the run's store's."""
+        return backend_of(self.bcd.act_store) is not None if self.bcd.act_store else self.object_store()
+
+    def act_egress_usd_gb(self) -> float:
+        """What a GB of activations read back costs in egress: a local ``bcd.act_store`` nothing, else as
+        :meth:`egress_usd_gb` says of the store they are on (``spend.egress_usd_gb`` where set)."""
+        if not self.bcd.act_store:
+            return self.egress_usd_gb()
+        if backend_of(self.bcd.act_store) is None:
+            return 0.0
+        return self.spend.egress_usd_gb if self.spend.egress_usd_gb is not None else EGRESS_USD_GB
+
+    def act_storage_options(self) -> dict:
+        """fsspec options for ``bcd.act_store`` (its backend's section, as :meth:`storage_options`)."""
+        backend = backend_of(self.bcd.act_store)
+        return backend.options(getattr(self, backend.name)) if backend is not None else {}
 
     def storage_options(self) -> dict:
         """fsspec options for the store URL: its backend's, from the section named as the backend

@@ -66,6 +66,15 @@ def open_store(cfg: RunConfig) -> Store:
     return Store(cfg.store, cfg.storage_options())
 
 
+def open_act_store(cfg: RunConfig) -> Store:
+    """Where a visit's activations live: ``bcd.act_store`` (a local disk, a bucket beside the GPUs), else the run's
+    store."""
+    if not cfg.bcd.act_store:
+        return open_store(cfg)
+    zarr.config.set({"async.concurrency": cfg.bcd.store_concurrency})
+    return Store(cfg.bcd.act_store, cfg.act_storage_options())
+
+
 def memory_budget(cfg: RunConfig, device: torch.device) -> Budget | None:
     """What a visit may hold on ``device`` (models/memory.device_budget: the memory free once the CUDA context exists,
     less a reserve): a card of ``train.memory_gb``, else the CUDA device as measured, else (the CPU) None."""
@@ -196,6 +205,12 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False, store: Store | None = No
             raise BadInput(f"data.files: corpus is empty (0 bytes in {len(files)} files)")
         check_text_files(files)
     (store if store is not None else open_store(cfg)).probe()  # one clear line (no retries) when it cannot be used
+    if cfg.bcd.act_store:  # the activations' store too, before anything is written, one line naming its key
+        try:
+            open_act_store(cfg).probe()
+        except BadInput as e:
+            msg = str(e)
+            raise BadInput("bcd.act_store" + msg[5:] if msg.startswith("store") else f"bcd.act_store: {msg}") from None
     if not in_flow:
         with _checked_lock:
             _checked[:] = [key]
@@ -330,6 +345,11 @@ class RunContext:
     @cached_property
     def store(self) -> Store:
         return open_store(self.cfg)
+
+    @cached_property
+    def act_store(self) -> Store:
+        """Where this run's activations are written and read (:func:`open_act_store`)."""
+        return open_act_store(self.cfg) if self.cfg.bcd.act_store else self.store
 
     @cached_property
     def dataset(self) -> TokenDataset:

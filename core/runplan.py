@@ -396,6 +396,8 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     v = VisitPlan(bf.block, bf.layers, rows, steps, pre, "")
     prices = catalog(sp)
     wr, rd = rates.write_gbs * GB, rates.read_gbs * GB
+    act_wr, act_rd = (b.act_store_gbs * GB,) * 2 if b.act_store else (wr, rd)  # the activations' own store
+    act_puts = act_gets = 0
     if pre:
         lay = group_layout(rows, T, figs.d_model, b.shard_rows, b.act_dtype)
         epochs = steps * t.batch_size / rows  # the reader fetches each chunk object once per pass over the rows
@@ -404,14 +406,13 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
         v.written, v.chunk_rows, v.objects_written = lay.array_bytes, lay.chunk_rows, lay.objects
         v.read = whole * lay.array_bytes + min(rest, lay.n_chunks) * (lay.hidden_chunk_bytes + lay.targets_chunk_bytes)
         v.preinfer_compute_s = rows * T * bf.prefix_flops / (rates.preinfer_tflops * 1e12 * rates.preinfer_gpus)
-        v.preinfer_write_s = v.written / wr
+        v.preinfer_write_s = v.written / act_wr
         prefix_params = figs.params - bf.loaded_params
         v.prefix_load_s = prefix_params * STORED_BYTES / rd
         v.preinfer_s = v.prefix_load_s + max(v.preinfer_compute_s, v.preinfer_write_s)
         v.step_s, v.fits, v.holding = bf.step_s, bf.fits, bf.holding
         v.loaded_bytes = bf.loaded_params * STORED_BYTES
-        v.gets = whole * 2 * lay.n_chunks + 2 * min(rest, lay.n_chunks)
-        v.puts = lay.objects
+        act_gets, act_puts = whole * 2 * lay.n_chunks + 2 * min(rest, lay.n_chunks), lay.objects
     else:
         v.step_s = bf.step_s if bf.layers[0] == 0 else bf.step_computed_s
         v.fits = bf.fits if bf.layers[0] == 0 else bf.fits_computed
@@ -426,7 +427,7 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
         comm = cluster.allreduce(bf.grad_bytes, bf.backward_share * v.step_s)
     v.comm = comm.to_dict()
     v.train_compute_s = steps * (v.step_s + comm.exposed_s)
-    v.read_s = v.read / rd
+    v.read_s = v.read / act_rd
     v.train_s = max(v.train_compute_s, v.read_s)
     state = OPTIMIZERS[cfg.optim.name].state
     v.checkpoint_bytes = bf.trainable * (STORED_BYTES + 4 * state)  # what trains (fp32) and its state
@@ -457,25 +458,65 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
         _add(v.gpu_hours, pre_kind, v.preinfer_s * box_gpus / 3600)
     _add(v.gpu_hours, box_kind, box * box_gpus / 3600)
     v.gpu_usd = sum(h * prices[k] for k, h in v.gpu_hours.items())
-    v.request_usd = cfg.object_store() * (v.puts / 1000 * sp.put_usd_per_1k + v.gets / 1000 * sp.get_usd_per_1k)
-    v.egress_usd = (v.read + v.loaded_bytes) / GB * cfg.egress_usd_gb()
-    held_usd = cfg.object_store() * v.written / GB * (v.wall_s - v.load_s) / MONTH_S * sp.storage_usd_gb_month
+    v.request_usd = (cfg.object_store() * (v.puts / 1000 * sp.put_usd_per_1k + v.gets / 1000 * sp.get_usd_per_1k)
+                     + cfg.act_object_store() * (act_puts / 1000 * sp.put_usd_per_1k
+                                                 + act_gets / 1000 * sp.get_usd_per_1k))
+    v.puts, v.gets = v.puts + act_puts, v.gets + act_gets
+    v.egress_usd = v.read / GB * cfg.act_egress_usd_gb() + v.loaded_bytes / GB * cfg.egress_usd_gb()
+    held_usd = cfg.act_object_store() * v.written / GB * (v.wall_s - v.load_s) / MONTH_S * sp.storage_usd_gb_month
     v.usd = v.gpu_usd + v.request_usd + v.egress_usd + held_usd
     return v
 
 
+def _both(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates
+          ) -> tuple[VisitPlan, VisitPlan]:
+    """Block ``bf``'s visit pre-inferred and with its prefix on the card, with the same checkpoints: those of the
+    longer training (a visit that trains faster from stored activations would otherwise also write fewer
+    checkpoints, and win on protection it gave up)."""
+    guard = max(_visit(cfg, figs, bf, ds, rates, p).train_s for p in (True, False))
+    return _visit(cfg, figs, bf, ds, rates, True, guard), _visit(cfg, figs, bf, ds, rates, False, guard)
+
+
+def _auto_preinfers(on: VisitPlan, off: VisitPlan) -> bool:
+    """``bcd.preinfer=auto``'s rule: the way that fits; where both do, pre-inference only where it is faster by more
+    than :data:`TIE` and no dearer."""
+    if on.fits != off.fits:
+        return on.fits
+    return on.wall_s < (1 - TIE) * off.wall_s and on.usd <= off.usd
+
+
+def _flip(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates, now: bool) -> str:
+    """What would flip ``auto``'s choice for this visit: the bandwidth of the store the activations cross
+    (``bcd.act_store_gbs``, else the store's both ways) at which it would choose the other way, found by bisection on
+    a log scale within 1e-4x..1e4x of today's; or that none in that range does."""
+    gbs = cfg.bcd.act_store_gbs if cfg.bcd.act_store else rates.read_gbs
+
+    def preinfers(f: float) -> bool:
+        if cfg.bcd.act_store:
+            c = cfg.model_copy(update={"bcd": cfg.bcd.model_copy(update={"act_store_gbs": cfg.bcd.act_store_gbs * f})})
+            return _auto_preinfers(*_both(c, figs, bf, ds, rates))
+        r = Rates(**{**rates.__dict__, "write_gbs": rates.write_gbs * f, "read_gbs": rates.read_gbs * f})
+        return _auto_preinfers(*_both(cfg, figs, bf, ds, r))
+
+    lo, hi = (1e-4, 1.0) if now else (1.0, 1e4)
+    if preinfers(lo if now else hi) == now:
+        return "; no store bandwidth within 10,000x of this one changes that"
+    for _ in range(30):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if preinfers(mid) else (mid, hi)
+    return (f"; it would compute the prefix on the card below {gbs * lo:.3g} GB/s" if now
+            else f"; it would pre-infer from {gbs * hi:.3g} GB/s")
+
+
 def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates) -> VisitPlan:
     """Block ``bf``'s visit as ``bcd.preinfer`` says: on, off, or ``auto``: the faster of the two (then the cheaper),
-    with the reason in words."""
+    with the reason in words and, for ``auto``, the store bandwidth that would flip it (:func:`_flip`)."""
     setting = cfg.bcd.preinfer
     if bf.layers[0] == 0:
         v = _visit(cfg, figs, bf, ds, rates, False)
         v.why = "the first block has no prefix"
         return v
-    # the same checkpoints for both ways: those of the longer training (a visit that trains faster from stored
-    # activations would otherwise also write fewer checkpoints, and win on protection it gave up)
-    guard = max(_visit(cfg, figs, bf, ds, rates, p).train_s for p in (True, False))
-    on, off = _visit(cfg, figs, bf, ds, rates, True, guard), _visit(cfg, figs, bf, ds, rates, False, guard)
+    on, off = _both(cfg, figs, bf, ds, rates)
 
     def words(a: VisitPlan, b: VisitPlan) -> str:
         return (f"pre-inference {duration_text(on.wall_s)} {usd_text(on.usd)} (writes {on.written / GB:.1f} GB), "
@@ -483,19 +524,19 @@ def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Da
 
     if setting == "auto":
         faster = on.wall_s < (1 - TIE) * off.wall_s
+        pick = on if _auto_preinfers(on, off) else off
         if on.fits != off.fits:
-            pick, how = (on if on.fits else off), "the only way that fits"
-        elif faster and on.usd <= off.usd:
-            pick, how = on, "faster and not dearer"
+            how = "the only way that fits"
+        elif pick is on:
+            how = "faster and not dearer"
         elif faster:  # time against money: the card's way stores nothing and crosses no paid link
-            pick = off
             how = (f"cheaper by {usd_text(on.usd - off.usd)} (pre-inference is {duration_text(off.wall_s - on.wall_s)} "
                    "faster; it pre-infers where it is both)")
         else:
-            pick, how = off, (f"as fast (within {TIE:.0%})" if on.wall_s <= off.wall_s else "faster") + \
-                " and stores nothing"
+            how = (f"as fast (within {TIE:.0%})" if on.wall_s <= off.wall_s else "faster") + " and stores nothing"
+        flip = _flip(cfg, figs, bf, ds, rates, pick is on) if on.fits == off.fits else ""
         pick.why = ("auto: " + ("pre-infer" if pick is on else "compute the prefix on the card") + f" is {how}: "
-                    + words(on, off))
+                    + words(on, off) + flip)
     else:
         pick = on if setting else off
         pick.why = f"bcd.preinfer={'true' if setting else 'false'}: {words(on, off)}"
@@ -516,11 +557,13 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: 
     model_bytes = figs.params * STORED_BYTES + figs.tensors * HEADER_BYTES
     cycle = Totals()
     start = held = dataset_bytes + model_bytes  # the store before the first visit: the token dataset and version 0
-    gb_s = 0.0  # GB-seconds held in the first cycle, for the storage bill
+    gb_s = act_gb_s = 0.0  # GB-seconds held in the first cycle, for the storage bill (the run's store, the acts')
+    here = 0 if cfg.bcd.act_store else 1  # activations on a store of their own (bcd.act_store) are not the run's
     for v in visits:
-        working = v.written + min(2, v.checkpoints) * v.checkpoint_bytes
+        working = here * v.written + min(2, v.checkpoints) * v.checkpoint_bytes
         cycle.store_peak = max(cycle.store_peak, held + working + v.block_bytes)
         gb_s += (held + working) / GB * v.wall_s
+        act_gb_s += (1 - here) * v.written / GB * v.wall_s
         held += v.block_bytes
         cycle.wall_s += v.wall_s
         for k, h in v.gpu_hours.items():
@@ -528,11 +571,12 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: 
         cycle.gpu_usd += v.gpu_usd
         cycle.written += v.written
         cycle.read += v.read
-        cycle.store_written += v.written + v.checkpoints * v.checkpoint_bytes + v.block_bytes
+        cycle.store_written += here * v.written + v.checkpoints * v.checkpoint_bytes + v.block_bytes
         cycle.request_usd += v.request_usd
         cycle.egress_usd += v.egress_usd
     billed = sp.storage_usd_gb_month * cfg.object_store()  # a local path or memory:// bills no storage
-    cycle.storage_usd = gb_s * billed / MONTH_S
+    act_billed = sp.storage_usd_gb_month * cfg.act_object_store()
+    cycle.storage_usd = (gb_s * billed + act_gb_s * act_billed) / MONTH_S
     # every cycle repeats the first but for the store, which holds one cycle's block files more each time (``grown``
     # bytes): the run's figures are the first cycle's times the cycles, in closed form (a loop over cycles never
     # answered at bcd.cycles=1e9); the k-th later cycle holds k * grown more for its whole wall time
@@ -541,9 +585,15 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: 
                  gpu_usd=cycle.gpu_usd * n, request_usd=cycle.request_usd * n, egress_usd=cycle.egress_usd * n,
                  written=cycle.written * n, read=cycle.read * n, store_written=cycle.store_written * n,
                  store_peak=cycle.store_peak + (n - 1) * grown)
-    run.storage_usd = (gb_s * n + grown / GB * cycle.wall_s * n * (n - 1) / 2) * billed / MONTH_S
+    run.storage_usd = ((gb_s * n + grown / GB * cycle.wall_s * n * (n - 1) / 2) * billed
+                       + act_gb_s * n * act_billed) / MONTH_S
     notes = [f"steps are the cap bcd.max_steps={cfg.bcd.max_steps} per visit (a visit may stop sooner: the plateau "
              "or the adaptive budget), so times and money are upper bounds"]
+    if cfg.bcd.act_store and any(v.preinfer for v in visits):
+        most = max(v.written for v in visits)
+        notes.append(f"activations on bcd.act_store={cfg.bcd.act_store} at {cfg.bcd.act_store_gbs:g} GB/s (at most "
+                     f"{most / GB:,.1f} GB at once, not in the run store's peak); a visit resumed on a machine "
+                     "without them pre-infers them again (its pre-inference time once more)")
     if cfg.bcd.act_compression != "none":
         notes.append("bcd.act_compression=zstd: activation bytes are before compression (they barely compress)")
     if any(v.preinfer for v in visits) and cfg.bcd.act_dtype == "float32":

@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, open_store, preflight
+from bcdflow.core.context import RunContext, open_act_store, open_store, preflight
 from bcdflow.core.rules import blocks_to_visit, end_reason, stop_reason, stop_words
 from bcdflow.flows import artifacts
 from bcdflow.flows.params import RunParams, new_run_id
@@ -80,6 +80,10 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
     if dropped := checkpoints.drop_uncommitted(store, run_id, state.version):
         log.warning("dropped manifests of versions %s: written by a commit that crashed before its state", dropped)
     if gone := runs.drop_committed_visits(store, state):  # a visit not yet committed keeps its folder (§2.6)
+        if cfg.bcd.act_store:  # and their activations on the activations' own store
+            act = open_act_store(cfg)
+            for name in gone:
+                act.rm(layout.visits_key(run_id), name)
         log.info("removed the working objects of committed visits %s: left by a process that ended between a "
                  "commit and its cleanup", ", ".join(gone))
     ctx = RunContext.of(cfg, run_id, dataset_id)

@@ -25,7 +25,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from bcdflow.core import spend
 from bcdflow.core.config import RunConfig
-from bcdflow.core.context import RunContext, open_store, resolve_device
+from bcdflow.core.context import RunContext, open_act_store, open_store, resolve_device
 from bcdflow.core.rules import visit_spec
 from bcdflow.models.trainer import FINAL_LOSS_STEPS, stop_words
 from bcdflow.errors import BadInput, DamagedArtifact
@@ -124,6 +124,8 @@ def visit(run_id: str, cycle: int, block: int, base_version: int, dataset_id: st
         with lease.held():
             record = _visit(cfg, store, lease, run_id, cycle, block, base_version, dataset_id, run_epoch)
         store.rm(layout.visit_key(run_id, cycle, block))  # activations, checkpoints, lease: dead once committed
+        if cfg.bcd.act_store:  # the activations' own store
+            open_act_store(cfg).rm(layout.acts_key(run_id, cycle, block))
         return record
     except LeaseLost:  # another process holds the visit or the run now: this one writes nothing more (I7)
         raise

@@ -12,13 +12,15 @@
     runs/{run_id}/blocks/{sha256[:32]}.safetensors  one block's tensors, content-addressed
     runs/{run_id}/hf/{name}                       a fine-tuned checkpoint's config and tokenizer files
     runs/{run_id}/visits/c{c}-b{b}/               one visit's working objects, removed once it is committed:
-        activations.zarr/                         pre-inference output (one shard = one writer)
+        activations.zarr/                         pre-inference output (one shard = one writer; on
+                                                  ``bcd.act_store`` where set, at the same key)
         activations.zarr/done/{shard}.json        a shard's completion marker and checksums
         train-ckpt/                               the mid-visit checkpoint
         lease/{epoch}.json                        the visit's lease (every visit takes one)
         outcome.json                              why a visit failed, for a dispatcher (bad input, damage, busy)
         mlflow.json                               the visit's MLflow run id (an interrupted visit continues it)
         spent.json                                what the visit had spent when its latest attempt started
+        nodes.json                                a visit across machines: its attempt's job (``bcdflow join``)
     runs/{run_id}/retention.json                  versions a user pinned and versions ``bcdflow prune`` removed
 
 Beside these, a local store's root holds ``mlflow.db`` and ``mlartifacts/`` when MLflow defaults to SQLite there

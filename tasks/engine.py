@@ -557,7 +557,7 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
 
     rows = visit_rows(cfg, ds.n_train, vs.cycle, block)
     if vs.from_acts:
-        read = activations.ActivationReader(ctx.store, ctx.acts_key(vs.cycle, block)).read  # (B, T, C), (B, T)
+        read = activations.ActivationReader(ctx.act_store, ctx.acts_key(vs.cycle, block)).read  # (B, T, C), (B, T)
     else:
         def read(a: int, b: int):
             return ds.train_pairs(rows[a:b])  # (B, T) inputs, (B, T) targets (masked: IGNORE_INDEX)

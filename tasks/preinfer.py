@@ -1,5 +1,6 @@
 """Pre-inference (paper §3.2.2): run the frozen prefix (blocks 0..b-1 of version v) over the visit's
-sampled rows, shard by shard, and store the hidden states and targets in the visit's Zarr group.
+sampled rows, shard by shard, and store the hidden states and targets in the visit's Zarr group (on
+``bcd.act_store`` where set: ``RunContext.act_store``).
 
 The coordinator creates the arrays once (``plan_shards``); each ``preinfer_shard`` task owns whole
 storage objects, so any number of them can write concurrently (docs/DESIGN.md §5). A shard that is already
@@ -24,12 +25,12 @@ def plan_shards(ctx: RunContext, cycle: int, block: int) -> list[int]:
     cfg = ctx.cfg
     n = len(visit_rows(cfg, ctx.dataset.n_train, cycle, block))
     key = ctx.acts_key(cycle, block)
-    activations.create_group(ctx.store, key, n_rows=n, seq_len=ctx.dataset.seq_len, d_model=ctx.model_cfg.d_model,
+    activations.create_group(ctx.act_store, key, n_rows=n, seq_len=ctx.dataset.seq_len, d_model=ctx.model_cfg.d_model,
                              shard_rows=cfg.bcd.shard_rows, dtype=cfg.bcd.act_dtype,
                              compression=cfg.bcd.act_compression)
     n_shards = -(-n // cfg.bcd.shard_rows)
-    marked = activations.complete_shards(ctx.store, key)  # one listing: a shard with no marker is not read at all
-    return [s for s in range(n_shards) if s not in marked or not activations.shard_complete(ctx.store, key, s)]
+    marked = activations.complete_shards(ctx.act_store, key)  # one listing: a shard with no marker is not read at all
+    return [s for s in range(n_shards) if s not in marked or not activations.shard_complete(ctx.act_store, key, s)]
 
 
 @task(name="preinfer-shard", task_run_name="shard-{shard}", **retrying())
@@ -57,7 +58,7 @@ def preinfer_shard(ctx: RunContext, cycle: int, block: int, version: int, shard:
                 torch.cuda.current_stream(ctx.device).synchronize()  # once per shard: the states are on the host
         failpoints.hit("preinfer-computed")
         # the targets go with the activations, mask included: the visit trains from this group alone
-        marker = activations.write_shard(ctx.store, ctx.acts_key(cycle, block), shard, hidden, targets.int())
+        marker = activations.write_shard(ctx.act_store, ctx.acts_key(cycle, block), shard, hidden, targets.int())
     failpoints.hit("preinfer-shard")
     return marker
 
