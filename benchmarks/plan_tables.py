@@ -22,35 +22,37 @@ GUIDE = ROOT / "docs" / "guide" / "planning-a-run.md"
 BEGIN, END = "<!-- plan-tables: begin (python -m benchmarks.plan_tables --write) -->", "<!-- plan-tables: end -->"
 LLAMA = ["--set", "model.from_hf=benchmarks/shapes/llama-3-8b", "--set", "data.seq_len=1024",
          "--set", "train.precision=bf16"]
+B_PER_VISIT = "steps sized from the tokens: one epoch of full training at the same tokens a step, x B-F 0.93, over "
+EIGHT = ["--set", "optim.name=adamw8bit-bf16", "--set", "bcd.blocks=8"]  # the planner's count with 8-bit state
+CUT = ["--set", "bcd.boundaries=[3,7,11,15,19,23,28]"]  # and its cut for one process (streaming its frozen layers)
 SCALES = [
     ("1. Llama-3-8B fine-tune on 100M tokens on one rented RTX 4090, the bucket in S3 (store at 0.2 GB/s: the box's "
-     "~1.6 Gbit/s; its reads pay egress, 0.09 USD/GB by default for an s3:// store)",
-     [*LLAMA, "--set", "bcd.blocks=18", "--set", "train.batch_size=8", "--set", "bcd.max_steps=10000",
+     "~1.6 Gbit/s; its reads pay egress, 0.09 USD/GB by default for an s3:// store); the planner's 8 blocks of 8-bit "
+     "state (bcdflow plan-memory's recommendation); " + B_PER_VISIT + "8 blocks x 2 cycles: 12,207 x 0.93 / 16 = "
+     "710 a visit",
+     [*LLAMA, *EIGHT, *CUT, "--set", "train.batch_size=8", "--set", "bcd.max_steps=710",
       "--set", "store=s3://my-bucket/runs", "--tokens", "100e6", "--gpu-gb", "24", "--store-gbs", "0.2"]),
-    ("2. the same on 8 rented 4090s (FSDP) with 16 cheap pre-inference GPUs (an RTX 3090 at $0.13/h, 35 TFLOP/s "
-     "each; they write 1.6 GB/s together, the training box reads at 0.2 GB/s)",
-     [*LLAMA, "--set", "bcd.blocks=18", "--set", "train.batch_size=16", "--set", "train.gpus=8",
-      "--set", "train.parallel=fsdp", "--set", "bcd.expand=off", "--set", "bcd.max_steps=5000",
-      "--set", "spend.prices=[rtx3090=0.13]", "--set", "spend.preinfer_device=rtx3090",
-      "--set", "store=s3://my-bucket/runs", "--preinfer-gpus", "16", "--preinfer-tflops", "35",
-      "--write-gbs", "1.6", "--read-gbs", "0.2", "--tokens", "100e6", "--gpu-gb", "24"]),
+    ("2. the same on one box of 8 rented 4090s (10 GB/s between cards, no NVLink; a replica a card, 8 equal blocks), "
+     "the activations on the box's own NVMe disk (bcd.act_store, 2 GB/s: no egress on them), the bucket in S3 as "
+     "above; batch 16: 6,104 x 0.93 / 16 = 355 a visit",
+     [*LLAMA, *EIGHT, "--set", "train.batch_size=16", "--set", "train.gpus=8", "--set", "bcd.expand=off",
+      "--set", "bcd.max_steps=355", "--set", "bcd.act_store=/scratch/acts", "--set", "store=s3://my-bucket/runs",
+      "--tokens", "100e6", "--gpu-gb", "24", "--store-gbs", "0.2"]),
     ("3. Qwen2.5-32B pre-training on 10B tokens on 64 A100-80GB in 8 boxes (400 Gbit/s between them: 50 GB/s) in "
      "the bucket's cloud (FSDP; 150 TFLOP/s; store at 1.25 GB/s = 10 Gbit/s, no egress; checkpoints every 5000 steps "
-     "or hour)",
+     "or hour); batch 64 x 2048: 76,294 x 0.93 / (8 blocks x 2 cycles) = 4,435 a visit",
      ["--set", "model.from_hf=benchmarks/shapes/qwen2.5-32b", "--set", "data.seq_len=2048",
       "--set", "train.precision=bf16", "--set", "train.batch_size=64", "--nodes", "8", "--gpus", "8",
       "--link-gbs", "50",
       "--set", "train.parallel=fsdp", "--set", "bcd.expand=off", "--set", "bcd.blocks=8",
-      "--set", "bcd.max_steps=68000", "--set", "checkpoint.every_steps=5000", "--set", "checkpoint.every_seconds=3600",
+      "--set", "bcd.max_steps=4435", "--set", "checkpoint.every_steps=5000", "--set", "checkpoint.every_seconds=3600",
       "--set", "spend.train_device=a100", "--set", "spend.preinfer_device=a100", "--set", "store=s3://my-bucket/runs",
       "--set", "spend.egress_usd_gb=0", "--tokens", "10e9", "--gpu-gb", "80", "--tflops", "150",
       "--store-gbs", "1.25"]),
     ("4. Llama-3-8B on 100M tokens on 16 rented RTX 4090s in 4 boxes joined by 10 Gbit/s (1.25 GB/s; 10 GB/s "
-     "between the 4 cards of a box), the bucket beside them (no egress), 8-bit state: steps sized from the tokens, "
-     "one epoch of full training at 16 x 1024 tokens a step is 6,100 steps, x B-F 0.93 over 8 blocks x 2 cycles is "
-     "360 a visit",
-     [*LLAMA, "--set", "bcd.blocks=8", "--set", "train.batch_size=16", "--set", "optim.name=adamw8bit-bf16",
-      "--set", "bcd.expand=off", "--set", "bcd.max_steps=360", "--set", "store=s3://my-bucket/runs",
+     "between the 4 cards of a box), the bucket beside them (no egress), 8-bit state: batch 16: 6,104 x 0.93 / 16 = "
+     "355 a visit",
+     [*LLAMA, *EIGHT, "--set", "train.batch_size=16", "--set", "bcd.expand=off", "--set", "bcd.max_steps=355", "--set", "store=s3://my-bucket/runs",
       "--set", "spend.egress_usd_gb=0", "--nodes", "4", "--gpus", "4", "--link-gbs", "1.25", "--tokens", "100e6",
       "--gpu-gb", "24", "--store-gbs", "1.25"]),
 ]

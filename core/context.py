@@ -182,7 +182,7 @@ def preflight(cfg: RunConfig, *, in_flow: bool = False, store: Store | None = No
     # a peer method (models/peers.py): its package, one block (the baseline), one process; a lighter state
     # (models/light.py): its package, one process, a device and precision it runs with
     OPTIMIZERS[cfg.optim.name].check(cfg.optim.name, cfg.n_blocks, cfg.train.world,
-                                     resolve_device(cfg.train.device).type, cfg.train.precision)
+                                     resolve_device(cfg.train.device).type, cfg.train.precision, cfg.train.parallel)
     if OPTIMIZERS[cfg.optim.name].peer:  # its settings against the model: LISA's layers, a rank (models/peers.py)
         from bcdflow.models import peers
 

@@ -31,11 +31,11 @@ What it counts, and from where (so the figures are the product's, not a second m
 - the store's peak: the token dataset, every block file written so far (versions are kept until ``bcdflow prune``),
   one visit's activations and its two newest mid-visit checkpoints (the one before stays as a fallback).
 
-``bcd.preinfer=auto`` (:func:`choose_preinfer`): per block, pre-infer where the visit with it is both faster than
-computing the prefix on the training card every step (streamed or resident, as the holding says), by more than
-:data:`TIE`, and no dearer in all (GPUs, requests, egress, storage: ``VisitPlan.usd``), else compute it (a way that
-fits the card first); both ways with the same mid-visit checkpoints; the reason is one line, with what the other way
-would have saved.
+``bcd.preinfer=auto`` (:func:`choose_preinfer`): per block, pre-infer where the visit with it is faster than
+computing the prefix on the training card every step (streamed or resident, as the holding says) by more than
+:data:`TIE` and no dearer in all (GPUs, requests, egress, storage: ``VisitPlan.usd``), or as fast (within
+:data:`TIE`) and cheaper; else compute it (a way that fits the card first); both ways with the same mid-visit
+checkpoints; the reason is one line, with both ways' figures and the store bandwidth that would flip it.
 """
 from __future__ import annotations
 
@@ -479,10 +479,12 @@ def _both(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rat
 
 def _auto_preinfers(on: VisitPlan, off: VisitPlan) -> bool:
     """``bcd.preinfer=auto``'s rule: the way that fits; where both do, pre-inference only where it is faster by more
-    than :data:`TIE` and no dearer."""
+    than :data:`TIE` and no dearer, or as fast (within :data:`TIE`) and cheaper."""
     if on.fits != off.fits:
         return on.fits
-    return on.wall_s < (1 - TIE) * off.wall_s and on.usd <= off.usd
+    if on.wall_s < (1 - TIE) * off.wall_s:
+        return on.usd <= off.usd
+    return on.wall_s <= (1 + TIE) * off.wall_s and on.usd < off.usd
 
 
 def _flip(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates, now: bool) -> str:
@@ -528,12 +530,14 @@ def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Da
         if on.fits != off.fits:
             how = "the only way that fits"
         elif pick is on:
-            how = "faster and not dearer"
+            how = "faster and not dearer" if faster else f"as fast (within {TIE:.0%}) and cheaper"
         elif faster:  # time against money: the card's way stores nothing and crosses no paid link
             how = (f"cheaper by {usd_text(on.usd - off.usd)} (pre-inference is {duration_text(off.wall_s - on.wall_s)} "
                    "faster; it pre-infers where it is both)")
+        elif on.wall_s <= (1 + TIE) * off.wall_s:
+            how = f"as fast (within {TIE:.0%}) and not dearer"
         else:
-            how = (f"as fast (within {TIE:.0%})" if on.wall_s <= off.wall_s else "faster") + " and stores nothing"
+            how = "faster and stores nothing"
         flip = _flip(cfg, figs, bf, ds, rates, pick is on) if on.fits == off.fits else ""
         pick.why = ("auto: " + ("pre-infer" if pick is on else "compute the prefix on the card") + f" is {how}: "
                     + words(on, off) + flip)

@@ -94,17 +94,19 @@ class Optimizer:
         element, a vector in fp32."""
         return math.prod(shape) * (self.master if len(shape) >= 2 else 4)
 
-    def check(self, name: str, blocks: int, gpus: int, device: str = "cpu", precision: str = "fp32") -> None:
+    def check(self, name: str, blocks: int, gpus: int, device: str = "cpu", precision: str = "fp32",
+              parallel: str = "auto") -> None:
         """A peer's needs, before a run writes anything: its package (the ``peers`` extra), one block (the
-        baseline: ``bcdflow baseline``) and one process. A lighter state's: its package (the ``light`` extra), one
-        process (its state is not sharded), a device its library runs on (``device``: the run's device type),
-        bf16 compute for bf16 master weights."""
+        baseline: ``bcdflow baseline``) and one process. A lighter state's: its package (the ``light`` extra), on
+        several processes a replica each (``parallel``: ddp or auto, not fsdp: its state is not sharded), a device
+        its library runs on (``device``: the run's device type), bf16 compute for bf16 master weights."""
         if self.light:
             if importlib.util.find_spec("bitsandbytes") is None:
                 raise ConfigError(f"optim.name: {name} needs the 'light' extra (bitsandbytes not installed): "
                                   "pip install 'bcdflow[light]' (with -c constraints.txt)")
-            if gpus != 1:
-                raise ConfigError(f"optim.name: {name} trains in one process (set train.gpus=1, or optim.name=adamw)")
+            if gpus != 1 and parallel == "fsdp":
+                raise ConfigError(f"optim.name: {name} keeps its 8-bit state whole on each process (FSDP would shard "
+                                  "it): set train.parallel=ddp or auto, or optim.name=adamw")
             if device not in LIGHT_DEVICES:
                 raise ConfigError(f"optim.name: {name} runs on {' and '.join(LIGHT_DEVICES)} (bitsandbytes), not "
                                   f"on {device!r}; use optim.name=adamw there")

@@ -50,6 +50,7 @@ from bcdflow.models import build_model
 from bcdflow.models import parallel as par
 from bcdflow.models.errors import ConfigError, Diverged
 from bcdflow.models.memory import visit_memory
+from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.storage import checkpoints
 from bcdflow.storage.layout import nodes_key
 from bcdflow.storage.lease import lost_lease
@@ -290,6 +291,10 @@ def choose_parallel(cfg: RunConfig, ctx: RunContext, block: int, world: int, rec
         raise ConfigError(f"bcd.expand: a replica of block {block}'s visit does not fit the device "
                           f"({est.peak / 1e9:.1f} GB predicted) and FSDP does not shard the adapters; set "
                           "bcd.expand=off, or more blocks, or bcd.recompute=on")
+    if est.peak > budget and OPTIMIZERS[cfg.optim.name].light:
+        raise ConfigError(f"optim.name: a replica of block {block}'s visit does not fit the device "
+                          f"({est.peak / 1e9:.1f} GB predicted) and FSDP does not shard {cfg.optim.name}'s 8-bit "
+                          "state; use more blocks, bcd.recompute=on, or optim.name=adamw")
     return "ddp" if est.peak <= budget else "fsdp"
 
 

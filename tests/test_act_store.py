@@ -132,3 +132,20 @@ def test_a_bad_activation_store_is_one_line_exit_2_and_nothing_written(sets, lin
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and line.format(afile=afile) in err[0], err
     assert _files(tmp_path) == ["afile"]
+
+
+def test_at_the_guides_first_scale_auto_pre_infers_only_where_cheaper_and_not_slower():
+    """Issue 42: with the S3 store's egress (0.09 USD/GB by default) at scale 1 of docs/guide/planning-a-run.md,
+    ``auto`` pre-infers no visit that is not both cheaper (or as cheap and faster) and not slower; with the
+    activations on the box's own disk and a visit that reads its small sample many times, it pre-infers."""
+    from benchmarks.plan_tables import SCALES, plan_json
+
+    args = [*SCALES[0][1], "--set", "bcd.preinfer=auto"]
+    assert "store=s3://my-bucket/runs" in args
+    p = plan_json(args)
+    for v in p["visits"][1:]:
+        other = v["alternative"]
+        assert not v["preinfer"] or (v["usd"] <= other["usd"] and v["wall_s"] <= 1.01 * other["wall_s"]), v["why"]
+    assert not any(v["preinfer"] for v in p["visits"])
+    local = plan_json([*args, "--set", "bcd.act_store=/scratch/acts", "--set", "bcd.sample_rate=0.02"])
+    assert any(v["preinfer"] for v in local["visits"]), [v["why"] for v in local["visits"]]

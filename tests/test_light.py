@@ -119,8 +119,9 @@ def test_a_light_state_where_it_cannot_run_is_one_line_naming_the_setting(name):
 
     opt = OPTIMIZERS[name]
     opt.check(name, 3, 1, "cpu", "bf16")  # runs here
-    with pytest.raises(ConfigError, match=rf"^optim\.name: {name} trains in one process"):
-        opt.check(name, 3, 2, "cuda", "bf16")
+    opt.check(name, 3, 2, "cuda", "bf16", "ddp")  # a replica a process: each holds the whole state
+    with pytest.raises(ConfigError, match=rf"^optim\.name: {name} keeps its 8-bit state whole on each process"):
+        opt.check(name, 3, 2, "cuda", "bf16", "fsdp")
     with pytest.raises(ConfigError, match=rf"^optim\.name: {name} runs on cpu and cuda .*not on 'mps'"):
         opt.check(name, 3, 1, "mps", "bf16")
     if opt.master == 2:
