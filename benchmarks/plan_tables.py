@@ -1,12 +1,12 @@
-"""The planning guide's four scales (docs/guide/planning-a-run.md), generated: the ``bcdflow plan`` commands and the
-tables of what they print, with ``bcd.preinfer`` true and auto, and full training on the same cluster to the same
-loss beside each. ``--check`` fails (exit 1, naming the first differing
-line) when the guide's block differs from what the code prints today (tests/test_docs.py runs it); ``--write``
-rewrites the block between its markers.
+"""The planning guide's four scales (docs/guide/planning-a-run.md) and the peers page's 8B table
+(docs/guide/peers.md), generated: the ``bcdflow plan`` commands and the tables of what they print, with
+``bcd.preinfer`` true and auto, and full training on the same cluster to the same loss beside each. ``--check``
+fails (exit 1, naming the first differing line) when a page's block differs from what the code prints today
+(tests/test_docs.py runs it); ``--write`` rewrites the blocks between their markers.
 
-    python -m benchmarks.plan_tables            # the block, to stdout
-    python -m benchmarks.plan_tables --check    # the guide against it
-    python -m benchmarks.plan_tables --write    # the guide updated
+    python -m benchmarks.plan_tables            # the blocks, to stdout
+    python -m benchmarks.plan_tables --check    # the pages against them
+    python -m benchmarks.plan_tables --write    # the pages updated
 """
 from __future__ import annotations
 
@@ -127,28 +127,61 @@ def block() -> str:
     return "\n".join([BEGIN, "", "\n".join(cmds), "", "\n".join(rows), "", "\n".join(full), "", END])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.plan_tables", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 where the guide's block differs from the code's")
-    ap.add_argument("--write", action="store_true", help="rewrite the guide's block")
-    a = ap.parse_args(argv)
-    new = block()
-    if not (a.check or a.write):
-        print(new)
-        return 0
-    text = GUIDE.read_text()
-    i, j = text.index(BEGIN), text.index(END) + len(END)
-    if a.write:
-        GUIDE.write_text(text[:i] + new + text[j:])
+PEERS = ROOT / "docs" / "guide" / "peers.md"
+PEERS_BEGIN, PEERS_END = ("<!-- peers-8b: begin (python -m benchmarks.plan_tables --write) -->",
+                          "<!-- peers-8b: end -->")
+
+
+def peers_block() -> str:
+    """The peers page's time-to-quality table at 8B on one 4090: scale 1's plan (``auto``) with full training's exact
+    single-card recipes beside it (``bcdflow plan``'s ``full``)."""
+    title, args = SCALES[0]
+    p = plan_json([*args, "--set", "bcd.preinfer=auto"])
+    f = p["full"]
+    rows = ["| way | device GB | host GB | a step | steps | wall | money |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    mem = p["memory"]["recommendation"]
+    bcd_steps = f["bcd_steps"]
+    rows.append(f"| **bcdflow** (this plan: 8 blocks, 8-bit state) | {mem['worst_peak'] / 1e9:.1f} | "
+                f"{mem['host_bytes'] / 1e9:.1f} pinned | {p['run']['wall_s'] / bcd_steps:.1f} s (all stages) | "
+                f"{bcd_steps:,} | {p['run']['wall_s'] / 3600:.1f} h | {_usd(p['run']['usd'])} |")
+    for w in f["ways"]:
+        fits = "" if w["fits"] else " (does not fit)"
+        host = f"{w['host_bytes'] / 1e9:.0f}" if w["host_bytes"] else "–"
+        rows.append(f"| {w['way']}{fits} | {w['peak'] / 1e9:.1f} | {host} | {w['step_s']:.1f} s | {w['steps']:,.0f} | "
+                    f"{w['wall_s'] / 3600:.1f} h | {_usd(w['usd'])} |")
+    b = f["best"]
+    line = (f"bcdflow takes {b['time_x']:.2f}x the time of {b['way']} and {b['usd_x']:.2f}x its money, at B-F "
+            f"{f['bf']:g}." if b else "Full training fits no way on this card.")
+    cmd = "bcdflow plan " + " ".join(a if "[" not in a else f'"{a}"' for a in args) + " --set bcd.preinfer=auto"
+    return "\n".join([PEERS_BEGIN, "", "```", cmd, "```", "", "\n".join(rows), "", line, "", PEERS_END])
+
+
+def _check(path: Path, begin: str, end: str, new: str, write: bool) -> int:
+    text = path.read_text()
+    i, j = text.index(begin), text.index(end) + len(end)
+    if write:
+        path.write_text(text[:i] + new + text[j:])
         return 0
     old = text[i:j]
     if old != new:
         for k, (x, y) in enumerate(zip(old.splitlines() + [""] * 99, new.splitlines() + [""] * 99)):
             if x != y:
-                print(f"{GUIDE}: the plan tables differ from what the code prints (line {k + 1} of the block):\n"
-                      f"  guide: {x}\n  code:  {y}\n(python -m benchmarks.plan_tables --write)", file=sys.stderr)
+                print(f"{path}: the plan tables differ from what the code prints (line {k + 1} of the block):\n"
+                      f"  page: {x}\n  code: {y}\n(python -m benchmarks.plan_tables --write)", file=sys.stderr)
                 return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.plan_tables", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 where the guide's block differs from the code's")
+    ap.add_argument("--write", action="store_true", help="rewrite the guide's block")
+    a = ap.parse_args(argv)
+    new, peers = block(), peers_block()
+    if not (a.check or a.write):
+        print(new + "\n\n" + peers)
+        return 0
+    return _check(GUIDE, BEGIN, END, new, a.write) or _check(PEERS, PEERS_BEGIN, PEERS_END, peers, a.write)
 
 
 if __name__ == "__main__":

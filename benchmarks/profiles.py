@@ -77,7 +77,19 @@ _SUITE_QUICK = {
                  # rate and at a quarter of it
                  "sign": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=sign"],
                  "sign-lr-quarter": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=sign",
-                                     "bcd.expand_lr=5e-4"]},
+                                     "bcd.expand_lr=5e-4"],
+                 # issue 41: the block-count curve on the defaults (lora-r16 is 3 blocks): 2, 4 and 8 (one layer a
+                 # block on l8-d128), the cycle cap scaled so each setting gets about the same steps
+                 "lora-r16-b2": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=lora",
+                                 "bcd.expand_rank=16", "bcd.blocks=2"],
+                 "lora-r16-b4": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=15", "bcd.expand=lora",
+                                 "bcd.expand_rank=16", "bcd.blocks=4"],
+                 "lora-r16-b8": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=8", "bcd.expand=lora",
+                                 "bcd.expand_rank=16", "bcd.blocks=8"],
+                 # the 8-bit state every 8B recommendation rests on (adamw8bit: bitsandbytes' blockwise 8-bit
+                 # moments, fp32 weights on the CPU) at the defaults' 3 blocks
+                 "lora-r16-8bit": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=lora",
+                                   "bcd.expand_rank=16", "optim.name=adamw8bit"]},
     "tol": 0.02,
 }
 

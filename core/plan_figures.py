@@ -98,7 +98,57 @@ def full_figures(cfg: RunConfig, mcfg: ModelConfig, budget: float | None) -> Ful
 
     params = sum(math.prod(s) for s in shapes.values())
     compute = compute_bytes(cfg)
-    return FullFigures(ddp=held("ddp"), zero3=held("fsdp"), grad_bytes=params * compute, param_bytes=params * compute)
+    single = single_card(cfg, mcfg, budget, base) if world == 1 else {}
+    return FullFigures(ddp=held("ddp"), zero3=held("fsdp"), grad_bytes=params * compute, param_bytes=params * compute,
+                       **single)
+
+
+CPU_ADAM_PARAMS_S = 2.5e9
+"""Parameters a second a host's AdamW steps (DeepSpeed's CPU Adam, AVX-512 on a rented box's cores; it reads and
+writes about 16 bytes a parameter, so the host's memory bandwidth bounds it). Chosen so that the offload recipe's
+step at Llama-3-8B, 8 x 1024 tokens on an RTX 4090 comes within 5% of the published 914 tokens/s (876: 6.15 s of
+compute at the time model's 80 TFLOP/s + 3.2 s of host AdamW); at 32 x 1024 the time model gives 1,179 tokens/s
+against the published 1,791, its 80 TFLOP/s being below what a long step reaches (docs/results/peers-2026-11-26)."""
+
+
+def single_card(cfg: RunConfig, mcfg: ModelConfig, budget: float | None, base) -> dict:
+    """The exact full-training recipes users run on one card too small for the model (issue 41's anchors), as this
+    time and memory model sees them, with activation checkpointing (both recipes use it):
+
+    - ``offload``: ZeRO-3 with parameters and optimizer on the host (ZeRO-Infinity). The card holds two layers' bf16
+      weights (the current and the prefetched), the largest layer's gradients and the step's activations; each step
+      copies the bf16 weights in twice (forward, backward) and the bf16 gradients out, overlapped with compute, then
+      the host steps AdamW (:data:`CPU_ADAM_PARAMS_S`); the host holds fp32 masters and moments and the bf16 copy
+      (18 bytes a parameter).
+    - ``paged``: torchtune's single-device full fine-tune: bf16 weights on the card, each gradient applied and freed
+      in backward (optimizer in backward), 8-bit AdamW state (2 bytes a parameter) paged: what does not fit the card
+      moves out and back over PCIe every step.
+    """
+    shapes = model_shapes(mcfg)
+    P = sum(math.prod(s) for s in shapes.values())
+    layers: dict[int, int] = {}
+    for k, s in shapes.items():
+        if (i := layer_of(k)) is not None:
+            layers[i] = layers.get(i, 0) + math.prod(s)
+    layer = max(layers.values())
+    shape = replace(base, recompute="all")
+    est = visit_memory(mcfg, None, None, shape)
+    compute_s = step_time(mcfg, None, None, shape).resident_s
+    pcie = shape.pcie_gbs * 1e9
+    acts = est.activations + est.logits + est.input + est.temporaries
+    off_peak = acts + 2 * 2 * layer + 2 * layer
+    off_s = max(compute_s, 3 * 2 * P / pcie) + P / CPU_ADAM_PARAMS_S
+    paged_peak = acts + 2 * P + 2 * layer  # bf16 weights, one layer's gradients at a time
+    room = budget - paged_peak if budget is not None else 2 * P
+    overflow = max(0.0, 2 * P - room)  # the 8-bit state the card cannot keep
+    paged_s = compute_s + 2 * overflow / pcie
+
+    def fits(peak: float) -> bool:
+        return budget is None or peak <= budget
+
+    return {"offload": FullHeld(off_s, int(off_peak), fits(off_peak), True, host_bytes=18 * P),
+            "paged": FullHeld(paged_s, int(min(paged_peak + 2 * P, budget or paged_peak + 2 * P)), fits(paged_peak),
+                              True, host_bytes=int(overflow))}
 
 
 def compute_bytes(cfg: RunConfig) -> int:

@@ -140,12 +140,15 @@ class BlockFigures:
 
 @dataclass(frozen=True)
 class FullHeld:
-    """One way of holding full training: one process's step on its slice of the batch (compute only), its peak,
-    and whether activation checkpointing was needed to fit (tried only where the step without it does not)."""
+    """One way of holding full training: one process's step on its slice of the batch (compute, and for the
+    single-card recipes their host traffic and CPU optimizer), its peak, and whether activation checkpointing was
+    needed to fit (tried only where the step without it does not)."""
     step_s: float
     peak: int
     fits: bool
     checkpointed: bool = False
+    host_bytes: int = 0
+    """Host memory the recipe holds (its offloaded or paged state)."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,11 @@ class FullFigures:
     mixed-precision recipes reduce bf16 gradients; a BCD visit reduces what its optimizer keeps, fp32 masters')."""
     param_bytes: int
     """Every weight at the dtype it computes in (what ZeRO-3 gathers)."""
+    offload: FullHeld | None = None
+    """One card: ZeRO-3 with parameters and optimizer offloaded to the host (DeepSpeed ZeRO-Infinity's recipe)."""
+    paged: FullHeld | None = None
+    """One card: bf16 weights, 8-bit AdamW paged to the host, the optimizer in backward, checkpointing (torchtune's
+    single-device full fine-tune)."""
 
 
 @dataclass(frozen=True)
@@ -363,14 +371,17 @@ def full_training(cfg: RunConfig, figs: ModelFigures, visits: list[VisitPlan], r
     steps = bcd_steps / positive("--bf", bf)
     price = catalog(cfg.spend)[cfg.spend.train_device]
     d, z = f.ddp, f.zero3
-    held = [("one card", d, c.allreduce(0, 0.0))] if c.world == 1 else [
+    single = [(name, h, c.allreduce(0, 0.0)) for name, h in (
+        ("ZeRO-3 + CPU offload", f.offload), ("bf16 + 8-bit paged (torchtune)", f.paged)) if h is not None]
+    held = [("one card", d, c.allreduce(0, 0.0)), *single] if c.world == 1 else [
         ("data parallel (DDP)", d, c.allreduce(f.grad_bytes, 2 * d.step_s / 3)),  # backward: twice the forward
         ("ZeRO-3", z, c.zero3(f.param_bytes, f.grad_bytes, figs.layer_bytes, z.step_s / 3, 2 * z.step_s / 3))]
     ways = []
     for name, h, comm in held:
         step = h.step_s + comm.exposed_s
         wall = steps * step
-        ways.append({"way": name, "fits": h.fits, "peak": h.peak, "checkpointed": h.checkpointed, "step_s": step,
+        ways.append({"way": name, "fits": h.fits, "peak": h.peak, "checkpointed": h.checkpointed,
+                     "host_bytes": h.host_bytes, "step_s": step,
                      "compute_s": h.step_s, "comm": comm.to_dict(), "steps": steps, "wall_s": wall,
                      "gpu_hours": wall * c.world / 3600, "usd": wall * c.world / 3600 * price})
     fit = [w for w in ways if w["fits"]]

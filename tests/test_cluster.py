@@ -116,3 +116,23 @@ def test_bad_join_and_endpoint_input_is_one_line_exit_2(args, line, tmp_path, ca
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and line in err[0], err
     assert not (tmp_path / "store").exists()
+
+
+def test_on_one_4090_the_plan_sets_the_exact_single_card_recipes_beside_the_run(capsys, tmp_path):
+    """Issue 41, item 4: beside a one-card plan, full training's recipes that fit a card too small for the model:
+    ZeRO-3 with parameters and optimizer on the host (host memory 18 bytes a parameter, the host's AdamW in each
+    step) and torchtune's bf16 weights with 8-bit AdamW paged (what the card cannot keep moves over PCIe each step),
+    each at the run's steps / B-F; plain full training does not fit."""
+    p = _plan(capsys, "--set", f"store={tmp_path}/s", "--set", "train.batch_size=8", "--bf", "2")
+    f = p["full"]
+    ways = {w["way"]: w for w in f["ways"]}
+    assert list(ways) == ["one card", "ZeRO-3 + CPU offload", "bf16 + 8-bit paged (torchtune)"]
+    assert not ways["one card"]["fits"] and ways["ZeRO-3 + CPU offload"]["fits"]
+    off, paged = ways["ZeRO-3 + CPU offload"], ways["bf16 + 8-bit paged (torchtune)"]
+    from bcdflow.core.plan_figures import CPU_ADAM_PARAMS_S
+
+    assert off["host_bytes"] == pytest.approx(18 * 8.03e9, rel=0.01)
+    assert off["step_s"] > 8.03e9 / CPU_ADAM_PARAMS_S  # the host's AdamW is in every step
+    assert paged["fits"] and paged["host_bytes"] > 0 and paged["step_s"] > ways["one card"]["step_s"]
+    assert f["bf"] == 2 and all(w["steps"] == pytest.approx(f["bcd_steps"] / 2) for w in f["ways"])
+    assert f["best"]["way"] == "bf16 + 8-bit paged (torchtune)"  # the fastest that fits
