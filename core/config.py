@@ -12,11 +12,12 @@ from __future__ import annotations
 import codecs
 import copy
 import difflib
+import enum
 import json
 import math
 import os
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -39,6 +40,26 @@ from bcdflow.storage.store import check_url
 ModelName = Literal[tuple(REGISTRY)]
 Order = Literal[tuple(ORDERS)]
 OptimName = Literal[tuple(OPTIMIZERS)]
+
+
+class Resume(enum.Enum):
+    """Whether a resumed run must keep a config field (``Annotated[type, SAME]``) or may change it (``FREE``)."""
+    SAME = "same"
+    """It defines what the run computes: the model, the data, the block plan, the optimizer and its schedule's
+    shape, the batch, the seed, when a visit stops and what it starts from. A resume that differs is refused."""
+    FREE = "free"
+    """Where and how the run runs (device, precision, memory, parallelism, machines, stores, checkpoint cadence, the
+    fleet), what it is billed, the rates it may lower after a divergence (``optim.lr``, ``bcd.lr_scales``,
+    ``bcd.expand_lr``), or how far a finished run is trained further (``bcd.cycles``, ``train.steps``, ``stop.*``,
+    ``spend.budget_usd``: core/rules.FURTHER)."""
+
+
+SAME, FREE = Resume.SAME, Resume.FREE
+
+
+def field_resume(field) -> Resume | None:
+    """The mark a pydantic field carries (None: none)."""
+    return next((m for m in field.metadata if isinstance(m, Resume)), None)
 
 
 class _Section(BaseModel):
@@ -129,9 +150,9 @@ class DataSection(_Section):
 
 
 class BcdSection(_Section):
-    blocks: int = Field(3, ge=1)
+    blocks: Annotated[int, SAME] = Field(3, ge=1)
     """How many blocks the layers are cut into (one trains per visit)."""
-    boundaries: list[int] | None = None
+    boundaries: Annotated[list[int] | None, SAME] = None
     """Explicit layer cut points (e.g. [4, 8] for 12 layers); overrides ``blocks``. ``bcdflow plan-memory``
     recommends them where blocks sized to fit need fewer than equal splits."""
 
@@ -146,85 +167,85 @@ class BcdSection(_Section):
                 raise ValueError(f"bcd.boundaries: cut points are layer indices, a block is whole layers (a cut "
                                  f"cannot split a layer), got {c!r} in {v}")
         return v
-    split: Literal["params", "layers"] = "params"
+    split: Annotated[Literal["params", "layers"], SAME] = "params"
     """How ``blocks`` cuts the layers: equal parameter counts (embeddings and head included; the
     paper updates one third of the parameters per visit) or equal layer counts."""
-    freeze: list[Literal["embeddings", "head"]] = []
+    freeze: Annotated[list[Literal["embeddings", "head"]], SAME] = []
     """Parameters no visit trains: ``embeddings`` (token and position), ``head`` (the output projection; a tied head
     is the token embedding). BAdam's default: the 128k-row embedding and untied head of a Llama-3-sized model are
     a large part of the blocks that own them, so freezing them makes those visits as small as the others, and a
     ``params`` split balances what trains. A trade-off: the run is no longer full-parameter training."""
-    vocab_blocks: int = Field(1, ge=1)
+    vocab_blocks: Annotated[int, SAME] = Field(1, ge=1)
     """Row blocks per vocabulary matrix: > 1 splits the token embedding and an untied head (not one ``freeze`` keeps)
     each into that many blocks of rows, numbered after the layer blocks; a visit trains its rows only (gradient and
     optimizer state for those rows), the block that stores the matrix trains the rest of its parameters, and the
     rows' visit commits the whole matrix (its other rows unchanged) into that block's file. Full-parameter training
     where a 128k-row matrix would not fit whole (docs/guide/row-blocks.md)."""
-    cycles: int = Field(2, ge=1)
+    cycles: Annotated[int, FREE] = Field(2, ge=1)
     """Passes over all blocks."""
-    order: Order = "cyclic"
+    order: Annotated[Order, SAME] = "cyclic"
     """The order of the blocks in a cycle: ``cyclic``, ``reverse``, ``random`` (seeded per cycle) or ``greedy``
     (the largest gradient norm first)."""
-    sample_rate: float = 0.9
+    sample_rate: Annotated[float, SAME] = 0.9
     """Per-visit data sampling rate (paper §3.2.3)."""
-    preinfer: bool | Literal["auto"] = True
+    preinfer: Annotated[bool | Literal["auto"], SAME] = True
     """Pre-compute the frozen prefix's activations to Zarr (paper §3.2.2). ``auto``: per visit, where the run planner
     (core/runplan.choose_preinfer, ``bcdflow plan``) says the visit is faster with it than computing the prefix on the
     training card every step, at ``train.store_gbs``; the visit's record says why."""
-    max_steps: int = Field(200, ge=1)
+    max_steps: Annotated[int, SAME] = Field(200, ge=1)
     """A visit's step cap (local convergence: it may end sooner on a plateau or its budget)."""
-    eval_every: int | None = Field(None, ge=1)
+    eval_every: Annotated[int | None, FREE] = Field(None, ge=1)
     """Also validate every N steps within a visit, at the end of the first window past each multiple (None = once,
     after the visit); the baseline's is ``train.eval_every``."""
-    patience: int = Field(3, ge=0)
+    patience: Annotated[int, SAME] = Field(3, ge=0)
     """Plateau rule (models/trainer.StopRule): a visit has converged once a least-squares line through its last
     ``patience`` windows of step losses (half the visit once that is longer) lowers the loss by less than
     ``min_delta`` per window even at the optimistic end of its noise (two standard errors); 0 = off."""
-    min_delta: float = Field(1e-2, ge=0)
+    min_delta: Annotated[float, SAME] = Field(1e-2, ge=0)
     """The plateau rule's smallest fall of the loss per window that still counts as progress."""
-    window: int = Field(20, ge=1)
+    window: Annotated[int, SAME] = Field(20, ge=1)
     """Steps per window: the loss is synced to the host and the stop rules are read once per window."""
-    budget: Literal["fixed", "adaptive"] = "adaptive"
+    budget: Annotated[Literal["fixed", "adaptive"], SAME] = "adaptive"
     """``adaptive``: a visit also ends (``stopped_by: budget``) once it lowers the training loss more slowly per
     step than the other blocks did on average over their last visits, so steps go where the loss falls; ``fixed``:
     visits run to ``max_steps`` or the plateau rule."""
-    moments: Literal["reset", "keep"] = "keep"
+    moments: Annotated[Literal["reset", "keep"], SAME] = "keep"
     """The optimizer state a visit starts from: ``reset`` (a fresh optimizer, paper Algorithm 1 and BAdam);
     ``keep``: the block's own state (AdamW moments and step count) from its last visit, stored with the committed
     version, so a block picks up where it left off (a visit on several GPUs gathers and cuts it like a mid-visit
     checkpoint)."""
-    lr_scales: list[float] | None = None
+    lr_scales: Annotated[list[float] | None, FREE] = None
     """Per-block multipliers of ``optim.lr`` (one per block), e.g. a lower rate for the embedding block."""
-    shard_rows: int = Field(256, ge=1)
+    shard_rows: Annotated[int, FREE] = Field(256, ge=1)
     """Rows per pre-inference shard (the unit of work and of concurrent writes)."""
-    act_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    act_dtype: Annotated[Literal["float32", "float16", "bfloat16"], FREE] = "float32"
     """The dtype pre-inferred activations are stored in (bfloat16 halves the bytes, rounding them)."""
-    act_compression: Literal["none", "zstd"] = "none"
+    act_compression: Annotated[Literal["none", "zstd"], FREE] = "none"
     """Activations barely compress; zstd (level 1) trades CPU for bytes on a slow link."""
-    act_store: str | None = None
+    act_store: Annotated[str | None, FREE] = None
     """Where pre-inference writes a visit's activations and training reads them back: a local path (the training
     box's own disk: they never cross a paid link) or a bucket beside the GPUs; None = the run's ``store``. Versions,
     checkpoints and records stay on the run's store. A visit's activations (and their shards' markers) are its
     working objects: a visit that resumes on a machine without them pre-infers them again."""
-    act_store_gbs: float = Field(2.0, gt=0)
+    act_store_gbs: Annotated[float, FREE] = Field(2.0, gt=0)
     """The activation store's bandwidth both ways, GB/s, that ``bcdflow plan`` and ``bcd.preinfer=auto`` assume
     where ``act_store`` is set (2: a rented box's NVMe disk)."""
-    preinfer_batch_size: int | None = Field(None, ge=1)
+    preinfer_batch_size: Annotated[int | None, FREE] = Field(None, ge=1)
     """Rows per pre-inference forward (no gradients); None = the most that fit the device's budget with the
     prefix held as it must be (models/holding.no_grad_holding), up to ``shard_rows`` (16k tokens on the CPU)."""
-    preinfer_workers: int | None = Field(None, ge=1)
+    preinfer_workers: Annotated[int | None, FREE] = Field(None, ge=1)
     """Pre-inference shard tasks run at once in this process; None = 1 on CPU (torch already uses every
     core per shard), 2 on GPU (one shard's I/O overlaps the next one's compute)."""
-    store_concurrency: int = Field(16, ge=1)
+    store_concurrency: Annotated[int, FREE] = Field(16, ge=1)
     """Zarr's async concurrency: object-store requests in flight per shard read/write."""
-    recompute: Literal["auto", "on", "off", "all"] = "auto"
+    recompute: Annotated[Literal["auto", "on", "off", "all"], FREE] = "auto"
     """Recompute the frozen layers after the active block in backward instead of keeping their activations
     (activation checkpointing; the gradients are bitwise the same). ``auto``: per visit, off when it fits the device's budget as
     it is, else whichever of recompute or streaming frozen layers (``train.offload=auto``) the planner says fits and
     is faster (models/holding.choose_holding); ``all``: the active block's own layers too (long sequences:
     each layer keeps only its input, at the cost of a second forward of the block)."""
 
-    expand: Literal["off", "lora", "sign"] = "lora"
+    expand: Annotated[Literal["off", "lora", "sign"], SAME] = "lora"
     """Landscape expansion, partial (BREAD): ``lora``: low-rank adapters on the linear maps of the frozen layers
     after the active block (its suffix) train beside it, on the gradients its backward computes anyway, and the
     visit's end merges them into those layers (in fp32, cast to each block's stored dtype): a visit then commits
@@ -236,9 +257,9 @@ class BcdSection(_Section):
     one process, every suffix layer on the device (not with ``train.offload=stream``, ``train.gpus`` > 1 or
     ``bcd.vocab_blocks`` > 1). ``off``: a visit changes its block only (a run stored before ``lora`` was the default
     ran ``off``)."""
-    expand_rank: int = Field(16, ge=1)
+    expand_rank: Annotated[int, SAME] = Field(16, ge=1)
     """The adapters' rank (``bcd.expand=lora``): each adapted (out, in) matrix trains r × (out + in) numbers."""
-    expand_lr: float | None = Field(None, gt=0)
+    expand_lr: Annotated[float | None, FREE] = Field(None, gt=0)
     """The adapters' learning rate, or the suffix's sign-descent step with ``sign`` (warmed up and decayed as the
     block's); None = the block's own (``optim.lr`` × its ``bcd.lr_scales`` entry)."""
 
@@ -277,34 +298,34 @@ MIN_LR = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny: the smallest
 
 
 class OptimSection(_Section):
-    name: OptimName = "adamw"
+    name: Annotated[OptimName, SAME] = "adamw"
     """The optimizer of the active block (paper §4.2.1; models/optimizers.py)."""
-    lr: float | None = Field(None, gt=0)
+    lr: Annotated[float | None, FREE] = Field(None, gt=0)
     """None = the paper's §4.2.1 default (AdamW 1e-4, SGD 0.1)."""
-    weight_decay: float = Field(1e-5, ge=0)
+    weight_decay: Annotated[float, SAME] = Field(1e-5, ge=0)
     """Decoupled weight decay (AdamW) or L2 (SGD); the paper's 1e-5."""
-    momentum: float = Field(0.9, ge=0)
+    momentum: Annotated[float, SAME] = Field(0.9, ge=0)
     """SGD's momentum (unused by AdamW)."""
-    grad_clip: float = Field(1.0, ge=0)
+    grad_clip: Annotated[float, SAME] = Field(1.0, ge=0)
     """Clip the active block's gradient norm to this before each step; 0 = off."""
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: Annotated[int, SAME] = Field(0, ge=0)
     """Linear warmup over each visit's first steps (a visit starts with a fresh optimizer); the baseline's run is
     one visit."""
-    schedule: Literal["constant", "cosine"] = "constant"
+    schedule: Annotated[Literal["constant", "cosine"], SAME] = "constant"
     """``cosine``: decay the rate over ``decay_steps`` optimizer steps, counted across visits, down to
     ``min_lr_ratio`` × ``lr`` (and stay there)."""
-    decay_steps: int | None = Field(None, ge=1)
+    decay_steps: Annotated[int | None, SAME] = Field(None, ge=1)
     """The planned step count a cosine schedule decays over, the same for the baseline and BCD (so a BCD run that
     stops at a target or on the adaptive budget decays as the baseline does); None = ``train.steps``."""
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    min_lr_ratio: Annotated[float, SAME] = Field(0.1, ge=0, le=1)
     """Where ``cosine`` ends, as a fraction of ``lr``."""
-    switch_every: int | None = Field(None, ge=1)
+    switch_every: Annotated[int | None, SAME] = Field(None, ge=1)
     """``badam``/``lisa`` (baseline peers): steps between block or layer switches; None = the authors' (BAdam 100,
     LISA 20)."""
-    rank: int | None = Field(None, ge=1)
+    rank: Annotated[int | None, SAME] = Field(None, ge=1)
     """``galore``/``apollo``: projection rank (None = a quarter of the model width; ``apollo-mini``: 1); ``lora``:
     the adapters' rank (None = 8)."""
-    lisa_layers: int = Field(1, ge=1)
+    lisa_layers: Annotated[int, SAME] = Field(1, ge=1)
     """``lisa``: decoder layers sampled per period (gamma; LMFlow's 1)."""
 
     @field_validator("lr")
@@ -319,74 +340,74 @@ class OptimSection(_Section):
 
 
 class TrainSection(_Section):
-    batch_size: int = Field(16, ge=1)
+    batch_size: Annotated[int, SAME] = Field(16, ge=1)
     """Sequences per optimizer step (the global batch, however many processes train it)."""
-    steps: int = Field(300, ge=1)
+    steps: Annotated[int, FREE] = Field(300, ge=1)
     """Step count of the full-parameter baseline: it trains them all unless ``patience`` asks for a stop rule."""
-    patience: int = Field(0, ge=0)
+    patience: Annotated[int, FREE] = Field(0, ge=0)
     """The baseline's plateau rule (as ``bcd.patience``, with ``bcd.min_delta`` and ``bcd.window``); 0 = off."""
-    eval_every: int | None = Field(None, ge=1)
+    eval_every: Annotated[int | None, FREE] = Field(None, ge=1)
     """Baseline: validate every N steps (at the end of the first window past each multiple); None = ``steps`` / 25,
     so ``bcdflow compare`` can place where the baseline crosses L* (BCD validates after each visit)."""
-    eval_rows: int = Field(256, ge=1)
+    eval_rows: Annotated[int, FREE] = Field(256, ge=1)
     """Validation rows every validation loss is measured on."""
-    device: str = "auto"
+    device: Annotated[str, FREE] = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; checked against the machine
     that trains before anything runs."""
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Annotated[Literal["fp32", "bf16"], FREE] = "fp32"
     """``bf16``: autocast, fp32 master weights and optimizer state for the active block, frozen weights stored in
     bf16 on the device (the stored block files are unchanged)."""
-    memory_gb: float | None = Field(None, gt=0, le=MAX_MEMORY_GB)
+    memory_gb: Annotated[float | None, FREE] = Field(None, gt=0, le=MAX_MEMORY_GB)
     """The device's memory, in GB (1e9 bytes; at most a petabyte, past any device), to plan for (a 24 GB card on a
     bigger one): a visit may use it less the CUDA context and a reserve for workspaces and fragmentation
     (models/memory.device_budget); ``bcd.recompute=auto``, ``offload=auto`` and the choice between data parallel and
     sharding use it. None = the CUDA device's free memory as measured (less the reserve), unlimited on the CPU."""
-    gpus: int = Field(1, ge=1)
+    gpus: Annotated[int, FREE] = Field(1, ge=1)
     """Processes (GPUs) that train one visit, launched with torchrun on this machine; 1 = this process. Rank 0
     writes the checkpoints and the block; a SIGTERM to any rank checkpoints once. On the CPU: gloo processes."""
-    nodes: int = Field(1, ge=1)
+    nodes: Annotated[int, FREE] = Field(1, ge=1)
     """Machines a visit spans, ``gpus`` processes on each (``bcdflow plan`` prices the cluster: each step all-reduces
     the visit's trained gradients over ``link_gbs``; core/cluster.py). The machine whose task trains the visit is the
     first (torchrun node 0, rank 0 writes); each other one runs ``bcdflow join RUN --node-rank K`` (docs/guide/fleet.md),
     which joins every visit of the run at ``rdzv_endpoint``."""
-    rdzv_endpoint: str = "127.0.0.1:29400"
+    rdzv_endpoint: Annotated[str, FREE] = "127.0.0.1:29400"
     """``host:port`` of the first machine as the others reach it (torchrun's rendezvous, ``--master-addr`` and
     ``--master-port``) when ``nodes`` > 1."""
-    link_gbs: float = Field(1.25, gt=0)
+    link_gbs: Annotated[float, FREE] = Field(1.25, gt=0)
     """Bandwidth between two machines of the cluster, GB/s each way (1.25: 10 Gbit/s Ethernet, rented boxes'
     usual; 25 Gbit/s is 3.1, 100 Gbit/s InfiniBand 12.5). Only ``train.nodes`` > 1 uses it."""
-    gpu_link_gbs: float | None = Field(None, gt=0)
+    gpu_link_gbs: Annotated[float | None, FREE] = Field(None, gt=0)
     """All-reduce bandwidth between the GPUs of one machine, GB/s (nccl-tests' bus bandwidth); None =
     ``spend.train_device``'s (models/specs.CARD_RATES: about 10 for PCIe cards without NVLink, 230-360 over NVLink)."""
-    parallel: Literal["auto", "ddp", "fsdp"] = "auto"
+    parallel: Annotated[Literal["auto", "ddp", "fsdp"], FREE] = "auto"
     """With ``gpus`` > 1: ``ddp`` replicates the visit and all-reduces the active block's gradients (each process
     holds every weight), ``fsdp`` shards weights, gradients and optimizer state (FSDP2); ``auto``: ddp when the
     planner says a replica fits ``memory_gb``, else fsdp."""
-    offload: Literal["auto", "off", "stream"] = "auto"
+    offload: Annotated[Literal["auto", "off", "stream"], FREE] = "auto"
     """Where a visit's frozen layers live: ``off``: on the device; ``stream``: all in pinned host memory, copied
     through ``stream_window`` device slots ahead of use (forward, backward and recompute; models/stream.py);
     ``auto``: as many resident as the budget allows and only the rest streamed, per visit (and with
     ``bcd.recompute=auto``, whichever of recompute or streaming the planner's time model says is faster). The
     no-grad passes (pre-inference, evaluation) hold their model the same way. One process per visit (not with
     ``train.gpus`` > 1 or ``train.compile``)."""
-    stream_window: int = Field(2, ge=1)
+    stream_window: Annotated[int, FREE] = Field(2, ge=1)
     """Device slots for streamed layers (the one computing and the ones copied in ahead of it)."""
-    pcie_gbs: float | None = Field(None, gt=0)
+    pcie_gbs: Annotated[float | None, FREE] = Field(None, gt=0)
     """Host-to-device bandwidth the planner's time model assumes, GB/s; None = ``spend.train_device``'s host link in
     practice (models/specs.CARD_RATES: PCIe 4.0 x16 25, PCIe 5.0 50); ``make gpu-check`` measures it."""
-    store_gbs: float = Field(0.2, gt=0)
+    store_gbs: Annotated[float, FREE] = Field(0.2, gt=0)
     """The store's bandwidth the planner assumes, GB/s, both ways (``bcd.preinfer=auto``, ``bcdflow plan``'s default;
     0.2: a rented box's ~1.6 Gbit/s)."""
-    tflops: float | None = Field(None, gt=0)
+    tflops: Annotated[float | None, FREE] = Field(None, gt=0)
     """Matmul throughput the planner's time model assumes, TFLOP/s, at ``precision``; None = ``spend.train_device``'s
     (models/specs.CARD_RATES: about half its dense peak, e.g. an RTX 4090 fp32 40, bf16 80; an A100 9.75, 156);
     ``make gpu-check`` measures a matmul's."""
-    compile: bool = False
+    compile: Annotated[bool, FREE] = False
     """torch.compile each layer of the visit (CUDA graphs are left to ``mode=reduce-overhead`` users: batches of a
     visit are not all the same shape)."""
-    loss_chunk_rows: int | None = Field(None, ge=1)
+    loss_chunk_rows: Annotated[int | None, FREE] = Field(None, ge=1)
     """Rows of the loss over the vocabulary computed at once; None = 128 MB of fp32 logits per chunk."""
-    eval_batch_size: int | None = Field(None, ge=1)
+    eval_batch_size: Annotated[int | None, FREE] = Field(None, ge=1)
     """Rows per validation forward (no gradients); None = the most that fit what a training step used (inside a
     visit) or the device's budget (a whole-model evaluation), up to ``eval_rows`` (16k tokens on the CPU)."""
 
@@ -420,22 +441,22 @@ class S3Section(_Section):
     """Object-store connection for ``s3://`` stores. Credentials are never config values: they come from
     the standard AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) or a
     named ``profile``, so they cannot leak into the store, MLflow params or logs."""
-    endpoint_url: str | None = None
+    endpoint_url: Annotated[str | None, FREE] = None
     """S3-compatible endpoint (MinIO, R2, a test server); None = AWS."""
-    region: str | None = None
+    region: Annotated[str | None, FREE] = None
     """The bucket's region; None = the endpoint's default."""
-    profile: str | None = None
+    profile: Annotated[str | None, FREE] = None
     """A named AWS profile to take credentials from."""
-    anon: bool = False
+    anon: Annotated[bool, FREE] = False
     """Read a public bucket without credentials."""
 
 
 class CheckpointSection(_Section):
-    every_steps: int = Field(50, ge=1)
+    every_steps: Annotated[int, FREE] = Field(50, ge=1)
     """Mid-visit checkpoint every N optimizer steps ..."""
-    every_seconds: float = Field(300.0, gt=0, le=86400)
+    every_seconds: Annotated[float, FREE] = Field(300.0, gt=0, le=86400)
     """... and at least every S seconds (whichever comes first)."""
-    max_share: float = Field(0.1, gt=0, le=1)
+    max_share: Annotated[float, FREE] = Field(0.1, gt=0, le=1)
     """... but writing them takes at most this share of a visit's time: after a checkpoint that took W seconds, one
     that falls due waits (postponed, not dropped) for W x (1 - share) / share seconds of training (a 2.7B-parameter
     block's 32 GB at 0.2 GB/s: 160 s to write, so one every 24 min at 0.1, at most that much training lost to a
@@ -448,32 +469,32 @@ EGRESS_USD_GB = 0.09
 
 class SpendSection(_Section):
     """What the GPUs cost (docs/DESIGN.md §7): spend of a stage = wall seconds x GPUs x USD per GPU-hour."""
-    prices: list[str] = []
+    prices: Annotated[list[str], FREE] = []
     """Catalog additions/overrides as KIND=USD per GPU-hour, e.g. ["h100=2.49"]; built in (paper §4.4.2):
     rtx4090=0.29, a800=0.69, a100=1.20. A YAML mapping {h100: 2.49} works too."""
-    preinfer_device: str = DEFAULT_KIND
+    preinfer_device: Annotated[str, FREE] = DEFAULT_KIND
     """Device kind of pre-inference (a key of the price catalog)."""
-    preinfer_gpus: int | None = Field(None, ge=1)
+    preinfer_gpus: Annotated[int | None, FREE] = Field(None, ge=1)
     """GPUs billed for pre-inference; None = what the run uses (``fleet.dask_workers`` on a local Dask cluster,
     else the training box's ``train.gpus``)."""
-    train_device: str = DEFAULT_KIND
+    train_device: Annotated[str, FREE] = DEFAULT_KIND
     """Device kind of block training; the planner's time model takes its rates (models/specs.CARD_RATES) unless
     ``train.tflops`` and ``train.pcie_gbs`` say otherwise."""
-    train_gpus: int | None = Field(None, ge=1)
+    train_gpus: Annotated[int | None, FREE] = Field(None, ge=1)
     """GPUs billed for training; None = ``train.gpus``."""
-    eval_device: str = DEFAULT_KIND
+    eval_device: Annotated[str, FREE] = DEFAULT_KIND
     """Device kind of validation."""
-    eval_gpus: int | None = Field(None, ge=1)
+    eval_gpus: Annotated[int | None, FREE] = Field(None, ge=1)
     """GPUs billed for validation (it runs on the training box); None = ``train.gpus``."""
-    budget_usd: float | None = Field(None, gt=0)
+    budget_usd: Annotated[float | None, FREE] = Field(None, gt=0)
     """Stop before a visit whose predicted spend (the block's last visit) exceeds what is left; None = no budget."""
-    storage_usd_gb_month: float = Field(0.023, ge=0)
+    storage_usd_gb_month: Annotated[float, FREE] = Field(0.023, ge=0)
     """Object storage, USD per GB-month held (``bcdflow plan``; default: S3 Standard's first tier, us-east-1)."""
-    put_usd_per_1k: float = Field(0.005, ge=0)
+    put_usd_per_1k: Annotated[float, FREE] = Field(0.005, ge=0)
     """Object storage, USD per 1,000 writes (PUT; S3 Standard's)."""
-    get_usd_per_1k: float = Field(0.0004, ge=0)
+    get_usd_per_1k: Annotated[float, FREE] = Field(0.0004, ge=0)
     """Object storage, USD per 1,000 reads (GET; S3 Standard's)."""
-    egress_usd_gb: float | None = Field(None, ge=0)
+    egress_usd_gb: Annotated[float | None, FREE] = Field(None, ge=0)
     """USD per GB read out of the store's region; None = by where the store is: 0 for a local path or
     ``memory://`` (nothing crosses a paid link), :data:`EGRESS_USD_GB` (S3's first tier to the internet) for an object
     store, since the box this tool is for is a rented GPU off the bucket's cloud; set 0 where the GPUs sit beside
@@ -503,40 +524,40 @@ class SpendSection(_Section):
 class StopSection(_Section):
     """Global stop rules (docs/DESIGN.md §2): a run ends at the first of cycles done, target validation loss,
     budget (``spend.budget_usd``), no validation improvement over whole cycles."""
-    target_val_loss: float | None = Field(None, gt=0)
+    target_val_loss: Annotated[float | None, FREE] = Field(None, gt=0)
     """Stop once a visit's validation loss is at or below this; None = off."""
-    patience_cycles: int = Field(1, ge=0)
+    patience_cycles: Annotated[int, FREE] = Field(1, ge=0)
     """Stop after this many whole cycles without a new best validation loss; 0 = off."""
-    min_delta: float = Field(0.0, ge=0)
+    min_delta: Annotated[float, FREE] = Field(0.0, ge=0)
     """How much lower than the best so far a validation loss must be to count as an improvement."""
 
 
 class FleetSection(_Section):
     """Where a run's work goes beyond this process (docs/DESIGN.md §6). Unset, everything runs here (the default)."""
-    visit_pool: str | None = None
+    visit_pool: Annotated[str | None, FREE] = None
     """A Prefect work pool of GPU machines: each visit runs as a run of the deployment ``bcd-visit/{visit_pool}``
     (prefect.yaml), picked up by any worker on the pool, the store being all they share; None = each visit is
     an in-process subflow."""
-    visit_retries: int = Field(2, ge=0)
+    visit_retries: Annotated[int, FREE] = Field(2, ge=0)
     """Resubmissions of a visit whose flow run crashed or failed for a machine reason (its worker killed, its
     box gone); it continues from its mid-visit checkpoint. Bad input is never resubmitted."""
-    job_variables: str = "{}"
+    job_variables: Annotated[str, FREE] = "{}"
     """Job variables of the visit runs, a JSON object (e.g. {"env": {"NCCL_DEBUG": "WARN"}}), merged over the
     deployment's."""
-    poll_seconds: float = Field(5.0, gt=0, le=86400)
+    poll_seconds: Annotated[float, FREE] = Field(5.0, gt=0, le=86400)
     """How often the parent polls a dispatched visit's state."""
-    preinfer: Literal["local", "dask"] = "local"
+    preinfer: Annotated[Literal["local", "dask"], FREE] = "local"
     """Where a visit's pre-inference shards run: threads of the visit's process, or a Dask cluster
     (prefect-dask; one worker per GPU, Dask resource GPU=1)."""
-    dask_address: str | None = None
+    dask_address: Annotated[str | None, FREE] = None
     """An existing Dask scheduler (tcp://host:8786); None = a LocalCluster of ``dask_workers`` processes."""
-    dask_workers: int = Field(2, ge=1)
+    dask_workers: Annotated[int, FREE] = Field(2, ge=1)
     """Worker processes of the local Dask cluster (no ``dask_address``)."""
-    lease_seconds: float = Field(60.0, ge=2, le=MAX_LEASE_SECONDS)
+    lease_seconds: Annotated[float, FREE] = Field(60.0, ge=2, le=MAX_LEASE_SECONDS)
     """How long a run's (or a visit's) lease lasts without renewal (renewed every third of it): after a crash
     elsewhere, the wait before another process may take the run over. At most a day: longer can only be a
     mistake (and overflows the keep-alive thread's timer)."""
-    reschedule_delay_s: float = Field(30.0, ge=0, le=86400)
+    reschedule_delay_s: Annotated[float, FREE] = Field(30.0, ge=0, le=86400)
     """A preempted visit (SIGTERM under a worker) is rescheduled this far ahead, so the worker of the machine
     going away does not pick it up again."""
 
@@ -553,26 +574,30 @@ class FleetSection(_Section):
 
 
 class RunConfig(_Section):
-    model: ModelSection = ModelSection()
-    data: DataSection = DataSection()
-    bcd: BcdSection = BcdSection()
-    optim: OptimSection = OptimSection()
-    train: TrainSection = TrainSection()
-    s3: S3Section = S3Section()
-    checkpoint: CheckpointSection = CheckpointSection()
-    spend: SpendSection = SpendSection()
-    stop: StopSection = StopSection()
-    fleet: FleetSection = FleetSection()
-    seed: int = Field(0, ge=0)
+    """The run's settings. Each field says whether a resumed run must match it (``SAME``: it defines what the run
+    computes) or may change it (``FREE``: where and how the run runs, what it is billed, how far it trains); a
+    section either says so as a whole (``model``, ``data``) or field by field. ``tasks/run.IDENTITY`` is derived from
+    the marks (:func:`identity_keys`); tests/test_config.py fails on a field with none."""
+    model: Annotated[ModelSection, SAME] = ModelSection()
+    data: Annotated[DataSection, SAME] = DataSection()
+    bcd: BcdSection = BcdSection()  # its fields say
+    optim: OptimSection = OptimSection()  # its fields say
+    train: TrainSection = TrainSection()  # its fields say
+    s3: S3Section = S3Section()  # its fields say
+    checkpoint: CheckpointSection = CheckpointSection()  # its fields say
+    spend: SpendSection = SpendSection()  # its fields say
+    stop: StopSection = StopSection()  # its fields say
+    fleet: FleetSection = FleetSection()  # its fields say
+    seed: Annotated[int, SAME] = Field(0, ge=0)
     """Seeds every random choice (numpy's SeedSequence takes non-negative integers only)."""
-    store: str = "./bcdflow-store"
+    store: Annotated[str, FREE] = "./bcdflow-store"
     """Any fsspec URL: a local path, memory://, s3://bucket/prefix."""
-    tracking_uri: str | None = None
+    tracking_uri: Annotated[str | None, FREE] = None
     """MLflow tracking URI; None = ``MLFLOW_TRACKING_URI`` from the environment, else a SQLite file next to a local
     store; "none" = tracking off."""
-    experiment: str = "bcdflow"
+    experiment: Annotated[str, FREE] = "bcdflow"
     """The MLflow experiment runs are logged to."""
-    log_model: bool = True
+    log_model: Annotated[bool, FREE] = True
     """Log the final model (model.safetensors + config.json, as ``bcdflow export`` writes) to MLflow."""
 
     @field_validator("store")
@@ -908,6 +933,19 @@ def _read_config_file(file: str) -> dict:
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {file!r} must hold a mapping of sections")
     return loaded
+
+
+def identity_keys() -> tuple[str, ...]:
+    """The config keys a resumed run must match, in declaration order: each field marked ``SAME``, a section marked
+    as a whole by its name (``model``, ``data``). Every field carries a mark (tests/test_config.py)."""
+    keys = []
+    for name, f in RunConfig.model_fields.items():
+        mark = field_resume(f)
+        if mark is SAME:
+            keys.append(name)
+        elif mark is None:  # a section whose fields say
+            keys += [f"{name}.{k}" for k, g in f.annotation.model_fields.items() if field_resume(g) is SAME]
+    return tuple(keys)
 
 
 def load_config(file: str | None = None, sets: list[str] | None = None, base: dict | None = None) -> RunConfig:

@@ -17,7 +17,7 @@ import torch
 from prefect import task
 
 from bcdflow.core import failpoints, hf_import
-from bcdflow.core.config import RunConfig, with_former_defaults
+from bcdflow.core.config import RunConfig, identity_keys, with_former_defaults
 from bcdflow.core.context import RunContext, open_store
 from bcdflow.models import build_model
 from bcdflow.models.errors import ConfigError
@@ -27,23 +27,12 @@ from bcdflow.storage.hf_checkpoint import Checkpoint
 from bcdflow.storage.runs import RUN_FORMAT, RunState, VisitRecord
 from bcdflow.tasks.retry import retrying
 
-# keys that define what a run computes; a resumed run must match them exactly. ``dataset`` is the token dataset's
-# content id: the same data.files glob holding new contents is another run. optim.lr is not among them:
-# a run that diverged continues with a lower learning rate (the stored config then records the new one).
-# The peers' settings are (issue 45): optim.rank shapes LoRA's adapters and GaLore's projections (a checkpoint of
-# another rank does not load), optim.lisa_layers and optim.switch_every choose which layers or blocks each step
-# trains; so are the schedule's shape (the rate of every step; only its scale, optim.lr, may change), and
-# bcd.budget and bcd.moments (when a visit stops; whether it starts from the stored optimizer state). Keys left out
-# are where and how a run runs (the device and its precision, memory and parallelism, checkpoint cadence, the fleet:
-# a run may move to another machine), what it is billed, or how a finished run is trained further (bcd.cycles,
-# stop.*, spend.budget_usd: core/rules.FURTHER).
-IDENTITY = ("model", "data", "bcd.blocks", "bcd.boundaries", "bcd.split", "bcd.freeze", "bcd.vocab_blocks", "bcd.order",
-            "bcd.sample_rate", "bcd.preinfer", "bcd.max_steps", "bcd.patience", "bcd.min_delta", "bcd.window",
-            "bcd.expand", "bcd.expand_rank", "bcd.budget", "bcd.moments",
-            "optim.name", "optim.weight_decay", "optim.momentum", "optim.grad_clip", "optim.warmup_steps",
-            "optim.schedule", "optim.decay_steps", "optim.min_lr_ratio",
-            "optim.rank", "optim.lisa_layers", "optim.switch_every",
-            "train.batch_size", "seed", "mode", "format", "hf.fingerprint", "dataset")
+# keys that define what a run computes; a resumed run must match them exactly: the config fields marked SAME
+# (core/config.Resume: each field says, with the reasons on FREE; tests/test_config.py fails on a field with no
+# mark), and what the run records beside its config: ``mode`` (bcd or full), the run ``format``, a from_hf
+# checkpoint's ``hf.fingerprint``, and ``dataset``, the token dataset's content id (the same data.files glob holding
+# new contents is another run).
+IDENTITY = (*identity_keys(), "mode", "format", "hf.fingerprint", "dataset")
 # what the command line checks before a run starts (flows/cli.py): the settings; the data's id has its own check
 # there (_check_same_data), and the checkpoint's fingerprint needs the checkpoint opened (init_run)
 SETTINGS_IDENTITY = tuple(k for k in IDENTITY if k not in ("dataset", "hf.fingerprint"))

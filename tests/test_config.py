@@ -251,3 +251,26 @@ def test_a_run_stored_with_a_priced_only_kind_reads_back_with_the_rates_it_plann
     stored["train"].update(tflops=30.0, pcie_gbs=12.0)
     again = stored_config(stored, "config.json").train
     assert (again.tflops, again.pcie_gbs) == (30.0, 12.0)
+
+
+def test_every_config_field_says_whether_a_resumed_run_must_keep_it():
+    """Issue 44: the identity a resume checks was a hand-kept list that could not say whether a key was left out on
+    purpose. Each field now carries ``SAME`` or ``FREE`` (a section marked as a whole: ``model``, ``data``); a new
+    field without a mark fails here, and ``tasks/run.IDENTITY`` is derived from the marks."""
+    from bcdflow.core.config import RunConfig, field_resume, identity_keys
+    from bcdflow.tasks.run import IDENTITY
+
+    unmarked = []
+    for name, f in RunConfig.model_fields.items():
+        sub = getattr(f.annotation, "model_fields", None)
+        if field_resume(f) is None:
+            assert sub, f"{name}: a plain field with no Resume mark"
+            unmarked += [f"{name}.{k}" for k, g in sub.items() if field_resume(g) is None]
+        elif sub:  # a section marked as a whole: its fields carry none of their own
+            assert all(field_resume(g) is None for g in sub.values()), name
+    assert not unmarked, f"config fields that do not say whether a resume must keep them: {unmarked}"
+    assert IDENTITY == (*identity_keys(), "mode", "format", "hf.fingerprint", "dataset")
+    # what the hand-kept list held is what the marks give (the peers' knobs, the schedule's shape, budget, moments)
+    assert {"optim.rank", "optim.lisa_layers", "optim.switch_every", "optim.schedule", "bcd.budget",
+            "bcd.moments", "train.batch_size", "seed", "model", "data"} <= set(IDENTITY)
+    assert not {"optim.lr", "bcd.cycles", "train.device", "train.nodes", "bcd.act_store", "store"} & set(IDENTITY)
