@@ -19,7 +19,7 @@ import time
 import torch
 
 from bcdflow.models import build_model, get_config
-from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
+from bcdflow.models.trainer import LoopHooks, OptimSpec, StopRule, make_optimizer, run_steps
 from bcdflow.tasks.progress import Progress
 
 
@@ -42,7 +42,7 @@ def main() -> None:
         opt = make_optimizer(params, spec)
         t0 = time.perf_counter()
         run_steps(lambda b: model(*b), params, itertools.repeat(batch), opt, spec,
-                  StopRule(max_steps=args.steps, window=20), progress=progress)
+                  StopRule(max_steps=args.steps, window=20), LoopHooks(progress=progress))
         return (time.perf_counter() - t0) / args.steps * 1e3
 
     ms_per_step(None)  # warm-up

@@ -30,8 +30,8 @@ from bcdflow.models.model_config import MAX_VOCAB, REGISTRY, SIZE_LIMITS, ModelC
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import layer_bounds
-from bcdflow.models.specs import (CARD_RATES, PCIE_GBS, OptimSpec, StepShape, StopRule, card_rates, pcie_gbs_for,
-                                  tflops_for)
+from bcdflow.models.specs import (CARD_RATES, PCIE_GBS, CheckpointSchedule, OptimSpec, StepShape, StopRule,
+                                  card_rates, pcie_gbs_for, tflops_for)
 from bcdflow.storage import layout, runs
 from bcdflow.storage.backends import backend_of
 from bcdflow.storage.store import check_url
@@ -687,6 +687,11 @@ class RunConfig(_Section):
         b = self.bcd
         return StopRule(b.max_steps, b.patience, b.min_delta, b.window,
                         min_rate=min_rate if b.budget == "adaptive" else None)
+
+    def checkpoint_schedule(self) -> CheckpointSchedule:
+        """When a visit's loop writes its mid-visit checkpoint (the ``checkpoint`` section)."""
+        c = self.checkpoint
+        return CheckpointSchedule(c.every_steps, c.every_seconds, c.max_share)
 
     def step_shape(self, no_grad: bool = False, preinfer: bool | None = None) -> StepShape:
         """One training step of a visit as the planner sees it (models/memory.py, models/holding.py). Several

@@ -442,13 +442,9 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     v.train_s = max(v.train_compute_s, v.read_s)
     state = OPTIMIZERS[cfg.optim.name].state
     v.checkpoint_bytes = bf.trainable * (STORED_BYTES + 4 * state)  # what trains (fp32) and its state
-    # every checkpoint.every_steps steps or every_seconds seconds, whichever comes first, but at most
-    # checkpoint.max_share of the time: n writes of W seconds each with n x W <= share x (train_s + n x W)
-    ck, guarded = cfg.checkpoint, v.train_s if protect_s is None else protect_s
-    v.checkpoints = max(steps // ck.every_steps, int(guarded // ck.every_seconds))
-    write_s = v.checkpoint_bytes / wr
-    if ck.max_share < 1 and write_s > 0 and v.checkpoints:  # the first due is never held back
-        v.checkpoints = min(v.checkpoints, max(1, int(ck.max_share * guarded / (write_s * (1 - ck.max_share)))))
+    # the loop's own rule (models/specs.CheckpointSchedule) in closed form: by steps or seconds, held to its share
+    guarded = v.train_s if protect_s is None else protect_s
+    v.checkpoints = cfg.checkpoint_schedule().count(steps, guarded, v.checkpoint_bytes / wr)
     v.checkpoint_s = v.checkpoints * v.checkpoint_bytes / wr
     suffix = [o for o in figs.blocks if o.block > bf.block and not o.row] if b.expand != "off" and not bf.row else []
     v.block_bytes = sum(o.params * STORED_BYTES for o in [bf, *suffix])

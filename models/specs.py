@@ -197,6 +197,8 @@ class OptimSpec:
     """LISA's decoder layers sampled per period (gamma)."""
     seed: int = 0
     """The run's seed: BAdam's block order and LISA's draws derive from it."""
+    first_step: int = 0
+    """The run's steps before this loop's first: the clock of a schedule over the run (``cosine``)."""
 
     @property
     def base_lr(self) -> float:
@@ -215,6 +217,82 @@ class OptimSpec:
     @property
     def scheduled(self) -> bool:
         return bool(self.warmup_steps) or (self.schedule == "cosine" and bool(self.total_steps))
+
+
+@dataclass(frozen=True)
+class CheckpointSchedule:
+    """When a loop writes its mid-visit checkpoint (the ``checkpoint`` section): every ``every_steps`` steps or
+    ``every_seconds`` seconds, whichever comes first (0: never by that), but writing them takes at most
+    ``max_share`` of the loop's time: after a checkpoint that took W seconds, one that falls due is written once
+    W x (1 - share) / share seconds of training have passed (postponed, not dropped). A signal's checkpoint is never
+    held back, and the last step's state is the loop's result, not a checkpoint. ``models/trainer.run_steps`` asks
+    a :meth:`timer` once per step; the forecast (``core/runplan``) counts the same rule in closed form
+    (:meth:`count`)."""
+    every_steps: int = 0
+    every_seconds: float = 0.0
+    max_share: float = 1.0
+
+    def hold(self, write_s: float) -> float:
+        """Seconds of training a checkpoint that took ``write_s`` holds the next one back."""
+        return write_s * (1 - self.max_share) / self.max_share
+
+    def timer(self, now: float, write_s: float = 0.0) -> "CheckpointTimer":
+        """The loop's timer from clock reading ``now``; ``write_s``: the last checkpoint's write (a resumed loop's)."""
+        return CheckpointTimer(self, last=now, held_until=now + self.hold(write_s), write_s=write_s, prev_now=now)
+
+    def count(self, steps: int, train_s: float, write_s: float) -> int:
+        """Checkpoints a loop of ``steps`` steps over ``train_s`` seconds writes when each takes ``write_s``: by
+        steps or seconds, whichever gives more, then at most ``max_share`` of the time (n writes of W seconds with
+        n x W <= share x (train_s + n x W)); the first that falls due is never held back."""
+        n = max(steps // self.every_steps if self.every_steps else 0,
+                int(train_s // self.every_seconds) if self.every_seconds else 0)
+        if self.max_share < 1 and write_s > 0 and n:
+            n = min(n, max(1, int(self.max_share * train_s / (write_s * (1 - self.max_share)))))
+        return n
+
+
+@dataclass
+class CheckpointTimer:
+    """A loop's checkpoint clock (:meth:`CheckpointSchedule.timer`): which checkpoint falls due after a step."""
+    schedule: CheckpointSchedule
+    last: float
+    """When the last checkpoint was written (or the loop began)."""
+    held_until: float
+    """No checkpoint by steps or seconds before this clock reading (``max_share``)."""
+    write_s: float
+    """The last checkpoint's write, seconds (kept in the loop state: a resumed loop holds as it would have)."""
+    prev_now: float
+    ckpt_at: float | None = None
+    """When the last checkpoint began, until its write is timed at the next step's end."""
+    step_before: float = 0.0
+    owed: str | None = None
+    """A checkpoint that fell due while held back: written when the hold ends."""
+
+    def due(self, step: int, now: float, last_step: bool, interrupted: bool) -> str | None:
+        """After step ``step`` ended at ``now``: ``"signal"``, ``"steps"``, ``"seconds"`` or None. The write of the
+        checkpoint before is timed here: to this step's end less the step before it, on a clock every process of a
+        distributed visit agrees on, so each holds back the same checkpoints."""
+        sc = self.schedule
+        if self.ckpt_at is not None:
+            self.write_s = max(0.0, now - self.ckpt_at - self.step_before)
+            self.held_until, self.ckpt_at = now + sc.hold(self.write_s), None
+        why = "signal" if interrupted else None
+        if not last_step and not why:
+            why = ("steps" if sc.every_steps and step % sc.every_steps == 0 else
+                   "seconds" if sc.every_seconds and now - self.last >= sc.every_seconds else self.owed)
+            if why and now < self.held_until:
+                self.owed, why = why, None
+        return why
+
+    def written(self, now: float) -> None:
+        """The checkpoint due at ``now`` was written."""
+        self.last, self.owed = now, None
+        if self.schedule.max_share < 1:
+            self.ckpt_at, self.step_before = now, now - self.prev_now
+
+    def stepped(self, now: float) -> None:
+        """A step's bookkeeping done at ``now``."""
+        self.prev_now = now
 
 
 @dataclass

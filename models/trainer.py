@@ -15,7 +15,7 @@ import torch
 from bcdflow.constants import IGNORE_INDEX
 from bcdflow.models.errors import ConfigError, Diverged
 from bcdflow.models.optimizers import OPTIMIZERS
-from bcdflow.models.specs import OptimSpec, StopRule
+from bcdflow.models.specs import CheckpointSchedule, OptimSpec, StopRule
 
 
 def make_optimizer(params: list, spec: OptimSpec) -> torch.optim.Optimizer:
@@ -120,40 +120,42 @@ class LoopResult:
         return sum(tail) / len(tail) if tail else float("nan")
 
 
-def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.Parameter],
-              batches: Iterable, optimizer: torch.optim.Optimizer, spec: OptimSpec, stop: StopRule,
-              on_window: Callable[[int, list[float]], None] | None = None,
-              should_stop: Callable[[], bool] | None = None, state: LoopState | None = None,
-              checkpoint: Callable[[LoopState, str], None] | None = None, ckpt_steps: int = 0,
-              ckpt_seconds: float = 0.0, ckpt_share: float = 1.0, clock: Callable[[], float] | None = None,
-              progress: Callable[[int, int, float | None], None] | None = None, global_step: int = 0,
+@dataclass
+class LoopHooks:
+    """What a loop calls out to, all optional. ``on_window(step, losses)``: each window's per-step losses (for
+    tracking). ``should_stop()``: a SIGTERM or Ctrl-C arrived (the loop checkpoints with ``why="signal"`` and ends
+    ``interrupted``). ``checkpoint(state, why)``: write a mid-visit checkpoint (``why``: ``steps``, ``seconds``,
+    ``signal``). ``clock()``: replaces ``time.perf_counter`` (the processes of one distributed visit share rank 0's,
+    so they checkpoint by seconds at the same step). ``progress(step, tokens, loss)``: a live display, called once
+    before the first step (``loss`` None), after every step with the last synced window's mean loss (before the
+    first window the last step's loss as a 0-dim tensor, which syncs a GPU when read: the display throttles itself)
+    and once when the loop ends with ``final_loss``."""
+    on_window: Callable[[int, list[float]], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    checkpoint: Callable[[LoopState, str], None] | None = None
+    clock: Callable[[], float] | None = None
+    progress: Callable[[int, int, float | None], None] | None = None
+
+
+def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.Parameter], batches: Iterable,
+              optimizer: torch.optim.Optimizer, spec: OptimSpec, stop: StopRule, hooks: LoopHooks | None = None,
+              state: LoopState | None = None, schedule: CheckpointSchedule | None = None,
               extra: list[torch.nn.Parameter] | None = None) -> LoopResult:
     """Train ``params`` with ``optimizer`` on ``batches`` until the stop rule fires.
 
     ``loss_fn(batch)`` runs the forward pass and returns a scalar loss. Losses (and gradient norms) are
     synced to the host once per window and before each checkpoint, not every step, so a GPU never waits
     on ``.item()``; a non-finite loss or gradient norm then raises :class:`Diverged` naming the first bad
-    step, before any checkpoint of it can be written. ``on_window(step, losses)``
-    receives each window's per-step losses (for tracking). ``state`` continues a loop from a
-    checkpoint (``batches`` must then start at batch ``state.steps``); ``checkpoint(state, why)`` is called
-    every ``ckpt_steps`` steps (``why="steps"``) or ``ckpt_seconds`` seconds (``"seconds"``), and when
-    ``should_stop()`` turns true (``"signal"``: SIGTERM or Ctrl-C), after which the loop ends with
-    ``stopped_by="interrupted"``. ``ckpt_share`` below 1 holds the checkpoints by steps or seconds back so that
-    writing them takes at most that share of the loop's time: after a checkpoint that took W seconds, one that
-    falls due is written once W x (1 - share) / share seconds of training have passed (postponed, not dropped). W is
-    the clock from the checkpoint to the next step's end less the step before it, on ``clock`` (so every process of
-    a distributed visit holds back the same checkpoints), and is kept in the state (a resumed loop holds as the
-    interrupted one would have); a signal's checkpoint is never held back. ``clock`` replaces ``time.perf_counter``
-    (processes of one distributed visit share rank 0's, so they checkpoint by seconds at the same step). Sharded
-    (DTensor) gradient norms are gathered whole. ``progress(step, tokens, loss)`` is called once before the first
-    step (the starting point, ``loss`` None) and after every step, with the last synced window's mean loss, or before
-    the first window the last step's loss as a 0-dim tensor: a live display, which must throttle itself (reading
-    that tensor syncs a GPU, so it reads it only when it draws); and once more when the loop ends, whatever ended it,
-    with ``final_loss`` (the visit's ``train_loss``).
-    ``global_step``: the run's steps before this loop's first (the learning-rate schedule's clock). ``extra``: more
-    parameters ``optimizer`` trains (``bcd.expand``'s adapters), their gradients clipped apart from ``params``'.
+    step, before any checkpoint of it can be written. ``state`` continues a loop from a checkpoint (``batches``
+    must then start at batch ``state.steps``). ``hooks`` (:class:`LoopHooks`): tracking, preemption, checkpoints,
+    the clock and the live display. ``schedule`` (``models/specs.CheckpointSchedule``): when ``hooks.checkpoint``
+    is called by steps or seconds, held back to its share of the loop's time (None: only on a signal). Sharded
+    (DTensor) gradient norms are gathered whole. ``spec.first_step``: the run's steps before this loop's first
+    (the learning-rate schedule's clock). ``extra``: more parameters ``optimizer`` trains (``bcd.expand``'s
+    adapters), their gradients clipped apart from ``params``'.
     """
-    clock = clock or time.perf_counter
+    h = hooks or LoopHooks()
+    clock = h.clock or time.perf_counter
     st = state or LoopState()
     before = st.seconds  # what the attempts this loop continues took; res.seconds counts them too
     res = LoopResult(steps=st.steps, losses=list(st.losses), tokens=st.tokens, window=stop.window)
@@ -171,23 +173,16 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
         return losses.tolist()
 
     it: Iterator = iter(batches)
-    t0 = last_ckpt = prev_now = clock()
-
-    def hold(write_s: float) -> float:
-        return write_s * (1 - ckpt_share) / ckpt_share
-
-    write_s = st.write_s
-    held_until = t0 + hold(write_s)  # by ckpt_share: no checkpoint by steps or seconds before this clock reading
-    ckpt_at, step_before = None, 0.0  # when the last checkpoint began and the step before it took, until timed
-    owed = None  # a checkpoint that fell due while held back: written when the hold ends
+    t0 = clock()
+    timer = (schedule or CheckpointSchedule()).timer(t0, st.write_s)
     window_loss: float | None = None
-    if progress:
-        progress(res.steps, res.tokens, None)
+    if h.progress:
+        h.progress(res.steps, res.tokens, None)
     while res.steps < stop.max_steps:
         batch = next(it)
         if spec.scheduled:
             for g in optimizer.param_groups:  # a group's lr_ratio: its rate over the block's (the adapters')
-                g["lr"] = spec.lr_at(res.steps, global_step + res.steps) * g.get("lr_ratio", 1.0)
+                g["lr"] = spec.lr_at(res.steps, spec.first_step + res.steps) * g.get("lr_ratio", 1.0)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(batch)
         loss.backward()
@@ -206,40 +201,30 @@ def run_steps(loss_fn: Callable[[object], torch.Tensor], params: list[torch.nn.P
             norms.clear()
             res.losses.extend(window)
             window_loss = sum(window) / len(window)
-            if on_window:
-                on_window(res.steps, window)
+            if h.on_window:
+                h.on_window(res.steps, window)
             if len(window) == stop.window and res.steps < stop.max_steps and (verdict := stop.verdict(res.losses)):
                 res.stopped_by = verdict
                 break
-        if progress:  # before the first window is synced: the last step's loss, still a tensor (read when drawn)
-            progress(res.steps, res.tokens, window_loss if window_loss is not None else pending[-1])
-        interrupted = bool(should_stop and should_stop())
+        if h.progress:  # before the first window is synced: the last step's loss, still a tensor (read when drawn)
+            h.progress(res.steps, res.tokens, window_loss if window_loss is not None else pending[-1])
+        interrupted = bool(h.should_stop and h.should_stop())
         now = clock()
-        if ckpt_at is not None:  # the write: to this step's end less a step, on a clock every process agrees on
-            write_s = max(0.0, now - ckpt_at - step_before)
-            held_until, ckpt_at = now + hold(write_s), None
-        why = "signal" if interrupted else None
-        if res.steps < stop.max_steps and not why:  # the last step's state is the visit's result, not a checkpoint
-            why = ("steps" if ckpt_steps and res.steps % ckpt_steps == 0 else
-                   "seconds" if ckpt_seconds and now - last_ckpt >= ckpt_seconds else owed)
-            if why and now < held_until:
-                owed, why = why, None
-        if checkpoint and why:
+        why = timer.due(res.steps, now, res.steps >= stop.max_steps, interrupted)
+        if h.checkpoint and why:
             st.steps, st.tokens, st.losses, st.seconds = res.steps, res.tokens, list(res.losses), before + now - t0
             st.pending = synced() if pending else []  # never checkpoint a diverged step
-            st.write_s = write_s
-            checkpoint(st, why)
-            last_ckpt, owed = now, None
-            if ckpt_share < 1:
-                ckpt_at, step_before = now, now - prev_now
-        prev_now = now
+            st.write_s = timer.write_s
+            h.checkpoint(st, why)
+            timer.written(now)
+        timer.stepped(now)
         if interrupted:
             res.stopped_by = "interrupted"
             break
     if pending and res.stopped_by != "interrupted":
         res.losses.extend(synced())
-    if progress:  # the loop's last figures whatever ended it (a stop verdict breaks before the call above): its
-        progress(res.steps, res.tokens, res.final_loss if res.losses else None)  # train_loss, as the visit records it
+    if h.progress:  # the loop's last figures whatever ended it (a stop verdict breaks before the call above): its
+        h.progress(res.steps, res.tokens, res.final_loss if res.losses else None)  # train_loss, as the visit records it
     res.seconds = before + clock() - t0
     return res
 

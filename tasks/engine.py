@@ -33,7 +33,7 @@ from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.plan import block_tensors
 from bcdflow.models.rows import attach_rows
 from bcdflow.models.stream import BatchStage
-from bcdflow.models.trainer import LoopState, make_optimizer, run_steps
+from bcdflow.models.trainer import LoopHooks, LoopState, make_optimizer, run_steps
 from bcdflow.models.visit_compute import autocast, prefix_hidden, visit_loss
 from bcdflow.storage import activations, checkpoints, trainckpt
 from bcdflow.storage.lease import check_leases, lost_lease
@@ -600,12 +600,12 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
     check_leases()  # a lease that lapsed while the visit set up (a slow load): not one step is trained
     try:
         with stop_signals.training():
-            res = run_steps(held.loss, params, prefetched(ranges, held.fetch(read, rows), device), opt, spec,
-                            cfg.stop_rule(spec_in.min_rate), on_window=on_window, should_stop=held.should_stop,
-                            state=state, checkpoint=checkpoint, ckpt_steps=cfg.checkpoint.every_steps,
-                            ckpt_seconds=cfg.checkpoint.every_seconds,
-                            ckpt_share=cfg.checkpoint.max_share, clock=held.clock, progress=progress,
-                            global_step=spec_in.global_step, extra=None if adapters is None else [p for _, p in adapters.named()])
+            hooks = LoopHooks(on_window=on_window, should_stop=held.should_stop, checkpoint=checkpoint,
+                              clock=held.clock, progress=progress)
+            res = run_steps(held.loss, params, prefetched(ranges, held.fetch(read, rows), device),
+                            opt, dataclasses.replace(spec, first_step=spec_in.global_step),
+                            cfg.stop_rule(spec_in.min_rate), hooks, state, cfg.checkpoint_schedule(),
+                            extra=None if adapters is None else [p for _, p in adapters.named()])
     finally:
         if progress is not None:
             progress.close()

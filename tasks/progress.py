@@ -1,7 +1,7 @@
 """Live progress of a visit while it runs: its training steps and its pre-inference shards (docs/DESIGN.md §2.3).
 
     prog = visit_progress(ctx, cycle, block, log=get_run_logger(), spend_before=state.spend_usd)
-    run_steps(..., progress=prog)      # called once before the first step and after each step: (step, tokens, loss)
+    run_steps(..., LoopHooks(progress=prog))   # called once before the first step and after each step: (step, tokens, loss)
     prog.close()                       # the bar goes; the visit's summary line takes its place
     prog.finish(res.steps, "stopped by budget: ...")   # the artifact's last word: the stage's real end, at 100%
 

@@ -15,7 +15,8 @@ from bcdflow.models import build_model, get_config
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.peers import LISA, blocks_of, layer_of
 from bcdflow.models.visit_compute import visit_loss
-from bcdflow.models.trainer import LoopState, OptimSpec, StopRule, make_optimizer, run_steps
+from bcdflow.models.specs import CheckpointSchedule
+from bcdflow.models.trainer import LoopHooks, LoopState, OptimSpec, StopRule, make_optimizer, run_steps
 
 PEERS = sorted(n for n, o in OPTIMIZERS.items() if o.peer)
 CFG = get_config("tiny", n_layer=4, d_model=32, n_head=2, vocab_size=97)
@@ -64,9 +65,10 @@ def _train(name: str, steps: int, spec: OptimSpec, stop_at: int | None = None, m
                      params={n: p.detach().clone() for n, p in named}, rng=torch.get_rng_state())
 
     start = state.steps if state else 0
-    run_steps(loss, params, iter(_batches()[start:]), opt, spec, StopRule(max_steps=steps, window=2),
-              state=state, checkpoint=checkpoint if stop_at else None, ckpt_steps=stop_at or 0,
-              should_stop=(lambda: bool(saved)) if stop_at else None)
+    hooks = LoopHooks(checkpoint=checkpoint if stop_at else None,
+                      should_stop=(lambda: bool(saved)) if stop_at else None)
+    run_steps(loss, params, iter(_batches()[start:]), opt, spec, StopRule(max_steps=steps, window=2), hooks, state,
+              CheckpointSchedule(every_steps=stop_at or 0))
     return model, opt, named, saved
 
 

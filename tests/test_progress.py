@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bcdflow.constants import IGNORE_INDEX
-from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
+from bcdflow.models.trainer import LoopHooks, OptimSpec, StopRule, make_optimizer, run_steps
 from bcdflow.tasks.engine import counted
 from bcdflow.tasks.progress import Progress, hms
 
@@ -34,7 +34,7 @@ def _loop(progress, steps=12, window=4, clock=None):
         return (w ** 2).sum()
 
     return run_steps(loss_fn, [w], itertools.repeat(batch), make_optimizer([w], spec), spec,
-                     StopRule(max_steps=steps, window=window), progress=progress)
+                     StopRule(max_steps=steps, window=window), LoopHooks(progress=progress))
 
 
 def test_progress_callback_fires_with_monotone_steps_and_a_time_left_estimate():
@@ -195,7 +195,8 @@ def test_the_last_progress_is_the_loops_end_whatever_ended_it(ending):
 
     stop = StopRule(max_steps=12, window=4, patience=2 if ending == "plateau" else 0, min_delta=10.0)
     res = run_steps(loss_fn, [w], itertools.repeat(torch.zeros(1, 3, dtype=torch.long)), make_optimizer([w], spec),
-                    spec, stop, progress=spy, should_stop=(lambda: len(calls) > 6) if ending == "interrupted" else None)
+                    spec, stop, LoopHooks(progress=spy,
+                                          should_stop=(lambda: len(calls) > 6) if ending == "interrupted" else None))
     assert res.stopped_by == ending and res.steps == {"plateau": 8, "max_steps": 12, "interrupted": 6}[ending]
     assert calls[-1] == (res.steps, pytest.approx(res.final_loss))
     if ending != "interrupted":

@@ -105,7 +105,7 @@ def test_an_interrupted_loop_counts_the_seconds_of_every_attempt():
     each step takes 1 s here, so 4 steps, an interruption, and 6 more are 10 s whatever each attempt's clock says."""
     import torch
 
-    from bcdflow.models.trainer import LoopState, OptimSpec, StopRule, make_optimizer, run_steps
+    from bcdflow.models.trainer import LoopHooks, LoopState, OptimSpec, StopRule, make_optimizer, run_steps
 
     def attempt(state, stop_after, t0):
         t = [t0]
@@ -117,10 +117,10 @@ def test_an_interrupted_loop_counts_the_seconds_of_every_attempt():
             t[0] += 1.0
             return (w * 0).sum() + 1.0
         calls = itertools.count(1)
+        hooks = LoopHooks(clock=lambda: t[0], checkpoint=lambda st, why: saved.append(LoopState.from_dict(st.to_dict())),
+                          should_stop=(lambda: next(calls) >= stop_after) if stop_after else None)
         res = run_steps(loss, [w], itertools.repeat(torch.zeros(1)), make_optimizer([w], spec), spec,
-                        StopRule(max_steps=10, window=5), state=state, clock=lambda: t[0],
-                        checkpoint=lambda st, why: saved.append(LoopState.from_dict(st.to_dict())),
-                        should_stop=(lambda: next(calls) >= stop_after) if stop_after else None)
+                        StopRule(max_steps=10, window=5), hooks, state)
         return res, saved
 
     first, (ck,) = attempt(None, 4, t0=100.0)

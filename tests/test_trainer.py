@@ -8,6 +8,7 @@ plateau rule; a small linear model with AdamW checks that a continued loop equal
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import types
 
@@ -19,7 +20,8 @@ import bcdflow.models.trainer as trainer_mod
 from bcdflow.models.errors import Diverged
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.specs import loss_trend
-from bcdflow.models.trainer import (LoopState, OptimSpec, StopRule, make_optimizer, run_steps,
+from bcdflow.models.specs import CheckpointSchedule
+from bcdflow.models.trainer import (LoopHooks, LoopState, OptimSpec, StopRule, make_optimizer, run_steps,
                                     visit_rate)
 
 
@@ -29,8 +31,10 @@ def scripted(values, **loop):
     spec = loop.pop("spec", OptimSpec("sgd", lr=0.0, grad_clip=0.0))
     saved: list[tuple[int, str]] = []
     batches = (torch.tensor(v) for v in values)  # one "token" per step
-    res = run_steps(lambda v: (w * 0).sum() + v, [w], batches, make_optimizer([w], spec), spec,
-                    checkpoint=lambda st, why: saved.append((st.steps, why)), **loop)
+    stop = loop.pop("stop")
+    schedule = CheckpointSchedule(loop.pop("every_steps", 0), loop.pop("every_seconds", 0.0))
+    res = run_steps(lambda v: (w * 0).sum() + v, [w], batches, make_optimizer([w], spec), spec, stop,
+                    LoopHooks(checkpoint=lambda st, why: saved.append((st.steps, why)), **loop), schedule=schedule)
     return res, saved
 
 
@@ -97,8 +101,8 @@ def test_cosine_schedule_decays_over_the_run_across_loops():
         seen.append(opt.param_groups[0]["lr"])
         return (w ** 2).sum()
 
-    run_steps(loss_fn, [w], itertools.repeat(torch.zeros(1)), opt, spec, StopRule(max_steps=3, window=3),
-              global_step=50)
+    run_steps(loss_fn, [w], itertools.repeat(torch.zeros(1)), opt, dataclasses.replace(spec, first_step=50),
+              StopRule(max_steps=3, window=3))
     assert seen == pytest.approx([spec.lr_at(i, 50 + i) for i in range(3)])
     assert OptimSpec("adamw", lr=2.0, lr_scale=0.5).base_lr == 1.0
 
@@ -146,14 +150,14 @@ def test_warmup_ramps_the_learning_rate_linearly():
 
 
 def test_checkpoint_cadence_by_steps_never_at_the_last_step():
-    _, saved = scripted([1.0] * 10, stop=StopRule(max_steps=10, window=5), ckpt_steps=3)
+    _, saved = scripted([1.0] * 10, stop=StopRule(max_steps=10, window=5), every_steps=3)
     assert saved == [(3, "steps"), (6, "steps"), (9, "steps")]
 
 
 def test_checkpoint_cadence_by_seconds(monkeypatch):
     clock = itertools.count()  # every perf_counter() call is one second later
     monkeypatch.setattr(trainer_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
-    _, saved = scripted([1.0] * 10, stop=StopRule(max_steps=10, window=5), ckpt_seconds=2.5)
+    _, saved = scripted([1.0] * 10, stop=StopRule(max_steps=10, window=5), every_seconds=2.5)
     assert saved == [(3, "seconds"), (6, "seconds"), (9, "seconds")]
 
 
@@ -172,9 +176,10 @@ def _timed_run(share: float, stop_at: int | None = None, every: int = 1, state=N
 
     w = torch.nn.Parameter(torch.zeros(1))
     spec = OptimSpec("sgd", lr=0.0, grad_clip=0.0)
+    hooks = LoopHooks(checkpoint=checkpoint, clock=lambda: t[0],
+                      should_stop=(lambda: len(saved) and t[0] >= stop_at) if stop_at else None)
     run_steps(step, [w], (torch.tensor(1.0) for _ in range(30)), make_optimizer([w], spec), spec,
-              StopRule(max_steps=30, window=5), checkpoint=checkpoint, ckpt_steps=every, ckpt_share=share, state=state,
-              clock=lambda: t[0], should_stop=(lambda: len(saved) and t[0] >= stop_at) if stop_at else None)
+              StopRule(max_steps=30, window=5), hooks, state, CheckpointSchedule(every, max_share=share))
     return saved
 
 
@@ -210,9 +215,10 @@ def _linear_run(state=None, stop_after=None, saved=None, start=0):
                       "opt": copy.deepcopy(opt.state_dict())})
 
     res = run_steps(lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]), list(model.parameters()),
-                    iter(data[start:]), opt, spec, StopRule(max_steps=12, window=5), state=state,
-                    checkpoint=checkpoint, ckpt_steps=100,
-                    should_stop=(lambda: next(calls) >= stop_after) if stop_after else None)
+                    iter(data[start:]), opt, spec, StopRule(max_steps=12, window=5),
+                    LoopHooks(checkpoint=checkpoint,
+                              should_stop=(lambda: next(calls) >= stop_after) if stop_after else None),
+                    state, CheckpointSchedule(every_steps=100))
     return res, model, ckpts
 
 
@@ -232,7 +238,7 @@ def test_interruption_checkpoints_once_and_the_continuation_is_bitwise_equal():
 def test_a_non_finite_loss_raises_diverged_before_it_is_checkpointed():
     values = [1.0, 1.0, float("nan"), 1.0, 1.0, 1.0]
     with pytest.raises(Diverged) as e:
-        scripted(values, stop=StopRule(max_steps=6, window=5), ckpt_steps=1)
+        scripted(values, stop=StopRule(max_steps=6, window=5), every_steps=1)
     assert e.value.step == 3 and "training diverged at step 3: loss nan" in str(e.value)
     # the checkpoints of steps 1 and 2 were written; step 3's never was
     saved: list = []
@@ -240,8 +246,8 @@ def test_a_non_finite_loss_raises_diverged_before_it_is_checkpointed():
     spec = OptimSpec("sgd", lr=0.0, grad_clip=0.0)
     with pytest.raises(Diverged):
         run_steps(lambda v: (w * 0).sum() + v, [w], (torch.tensor(v) for v in values), make_optimizer([w], spec),
-                  spec, StopRule(max_steps=6, window=5), checkpoint=lambda st, why: saved.append(st.steps),
-                  ckpt_steps=1)
+                  spec, StopRule(max_steps=6, window=5), LoopHooks(checkpoint=lambda st, why: saved.append(st.steps)),
+                  schedule=CheckpointSchedule(every_steps=1))
     assert saved == [1, 2]
 
 
