@@ -22,37 +22,48 @@ GUIDE = ROOT / "docs" / "guide" / "planning-a-run.md"
 BEGIN, END = "<!-- plan-tables: begin (python -m benchmarks.plan_tables --write) -->", "<!-- plan-tables: end -->"
 LLAMA = ["--set", "model.from_hf=benchmarks/shapes/llama-3-8b", "--set", "data.seq_len=1024",
          "--set", "train.precision=bf16"]
-B_PER_VISIT = "steps sized from the tokens: one epoch of full training at the same tokens a step, x B-F 0.93, over "
+def per_visit(tokens: float, batch: int, seq: int, visits: int) -> tuple[int, str]:
+    """A visit's step cap sized from the tokens: one epoch of full training at the same tokens a step, times the
+    measured B-F (``core/runplan.MEASURED_BF``), shared over the run's visits; and the arithmetic in words."""
+    from bcdflow.core.runplan import MEASURED_BF
+
+    epoch = int(tokens // (batch * seq))
+    steps = round(epoch * MEASURED_BF / visits)
+    return steps, f"{epoch:,} x {MEASURED_BF:g} / {visits} = {steps:,} a visit"
+
+
+S1, S1_WORDS = per_visit(100e6, 8, 1024, 16)
+S2, S2_WORDS = per_visit(100e6, 16, 1024, 16)
+S3, S3_WORDS = per_visit(10e9, 64, 2048, 16)
+B_PER_VISIT = "steps sized from the tokens: one epoch of full training at the same tokens a step, x B-F, over "
 EIGHT = ["--set", "optim.name=adamw8bit-bf16", "--set", "bcd.blocks=8"]  # the planner's count with 8-bit state
 CUT = ["--set", "bcd.boundaries=[3,7,11,15,19,23,28]"]  # and its cut for one process (streaming its frozen layers)
 SCALES = [
     ("1. Llama-3-8B fine-tune on 100M tokens on one rented RTX 4090, the bucket in S3 (store at 0.2 GB/s: the box's "
      "~1.6 Gbit/s; its reads pay egress, 0.09 USD/GB by default for an s3:// store); the planner's 8 blocks of 8-bit "
-     "state (bcdflow plan-memory's recommendation); " + B_PER_VISIT + "8 blocks x 2 cycles: 12,207 x 0.93 / 16 = "
-     "710 a visit",
-     [*LLAMA, *EIGHT, *CUT, "--set", "train.batch_size=8", "--set", "bcd.max_steps=710",
+     "state (bcdflow plan-memory's recommendation); " + B_PER_VISIT + "8 blocks x 2 cycles: " + S1_WORDS,
+     [*LLAMA, *EIGHT, *CUT, "--set", "train.batch_size=8", "--set", f"bcd.max_steps={S1}",
       "--set", "store=s3://my-bucket/runs", "--tokens", "100e6", "--gpu-gb", "24", "--store-gbs", "0.2"]),
     ("2. the same on one box of 8 rented 4090s (10 GB/s between cards, no NVLink; a replica a card, 8 equal blocks), "
      "the activations on the box's own NVMe disk (bcd.act_store, 2 GB/s: no egress on them), the bucket in S3 as "
-     "above; batch 16: 6,104 x 0.93 / 16 = 355 a visit",
+     "above; batch 16: " + S2_WORDS,
      [*LLAMA, *EIGHT, "--set", "train.batch_size=16", "--set", "train.gpus=8", "--set", "bcd.expand=off",
-      "--set", "bcd.max_steps=355", "--set", "bcd.act_store=/scratch/acts", "--set", "store=s3://my-bucket/runs",
+      "--set", f"bcd.max_steps={S2}", "--set", "bcd.act_store=/scratch/acts", "--set", "store=s3://my-bucket/runs",
       "--tokens", "100e6", "--gpu-gb", "24", "--store-gbs", "0.2"]),
     ("3. Qwen2.5-32B pre-training on 10B tokens on 64 A100-80GB in 8 boxes (400 Gbit/s between them: 50 GB/s) in "
      "the bucket's cloud (FSDP; 150 TFLOP/s; store at 1.25 GB/s = 10 Gbit/s, no egress; checkpoints every 5000 steps "
-     "or hour); batch 64 x 2048: 76,294 x 0.93 / (8 blocks x 2 cycles) = 4,435 a visit",
+     "or hour); batch 64 x 2048, 8 blocks x 2 cycles: " + S3_WORDS,
      ["--set", "model.from_hf=benchmarks/shapes/qwen2.5-32b", "--set", "data.seq_len=2048",
       "--set", "train.precision=bf16", "--set", "train.batch_size=64", "--nodes", "8", "--gpus", "8",
       "--link-gbs", "50",
       "--set", "train.parallel=fsdp", "--set", "bcd.expand=off", "--set", "bcd.blocks=8",
-      "--set", "bcd.max_steps=4435", "--set", "checkpoint.every_steps=5000", "--set", "checkpoint.every_seconds=3600",
+      "--set", f"bcd.max_steps={S3}", "--set", "checkpoint.every_steps=5000", "--set", "checkpoint.every_seconds=3600",
       "--set", "spend.train_device=a100", "--set", "spend.preinfer_device=a100", "--set", "store=s3://my-bucket/runs",
       "--set", "spend.egress_usd_gb=0", "--tokens", "10e9", "--gpu-gb", "80", "--tflops", "150",
       "--store-gbs", "1.25"]),
     ("4. Llama-3-8B on 100M tokens on 16 rented RTX 4090s in 4 boxes joined by 10 Gbit/s (1.25 GB/s; 10 GB/s "
-     "between the 4 cards of a box), the bucket beside them (no egress), 8-bit state: batch 16: 6,104 x 0.93 / 16 = "
-     "355 a visit",
-     [*LLAMA, *EIGHT, "--set", "train.batch_size=16", "--set", "bcd.expand=off", "--set", "bcd.max_steps=355", "--set", "store=s3://my-bucket/runs",
+     "between the 4 cards of a box), the bucket beside them (no egress), 8-bit state: batch 16: " + S2_WORDS,
+     [*LLAMA, *EIGHT, "--set", "train.batch_size=16", "--set", "bcd.expand=off", "--set", f"bcd.max_steps={S2}", "--set", "store=s3://my-bucket/runs",
       "--set", "spend.egress_usd_gb=0", "--nodes", "4", "--gpus", "4", "--link-gbs", "1.25", "--tokens", "100e6",
       "--gpu-gb", "24", "--store-gbs", "1.25"]),
 ]
