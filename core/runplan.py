@@ -60,11 +60,24 @@ TIE = 0.01
 """``bcd.preinfer=auto``: wall times within this fraction are as fast (then the prefix is computed on the card)."""
 HEADER_BYTES = 256
 """A safetensors header's bytes per tensor (models/memory.file_bytes)."""
-MEASURED_BF = 0.93
-"""B-F: BCD's steps to full AdamW's loss over full AdamW's, the figure ``bcdflow plan`` compares full training with
-(``--bf`` gives the user's own, from ``bcdflow compare``): the validity suite's ``l8-d128`` (8 layers, d=128, its
-vocabulary 7.7% of the parameters), 3 blocks, the defaults, pysrc, 3 seeds: 0.93 [0.78-1.15]
-(docs/results/suffix-2026-11-28). Measured at 3 blocks only, and at one untuned rate."""
+MEASURED_BF = {3: 1.21, 8: 2.42}
+"""B-F by block count: BCD's steps to full AdamW's loss over full AdamW's, the figures ``bcdflow plan`` compares full
+training with (``--bf`` gives the user's own, from ``bcdflow compare``; :func:`measured_bf` between them). The
+validity suite's ``l8-d128`` (8 layers, d=128, its vocabulary 7.7% of the parameters), pysrc, 3 seeds, every run at
+the rate a sweep on a held-out seed chose for full AdamW (1e-3), BCD's defaults (``bcd.expand=lora``): 3 blocks 1.21
+[1.10-1.42], 8 blocks (one layer each) 2.42 [2.30-2.55] (docs/results/rates-2026-11-28). One corpus, pretraining."""
+
+
+def measured_bf(blocks: int) -> float:
+    """:data:`MEASURED_BF` at ``blocks``: linear between the measured counts, the nearest outside them."""
+    counts = sorted(MEASURED_BF)
+    if blocks <= counts[0] or blocks >= counts[-1]:
+        return MEASURED_BF[counts[0] if blocks <= counts[0] else counts[-1]]
+    lo = max(c for c in counts if c <= blocks)
+    hi = min(c for c in counts if c >= blocks)
+    if lo == hi:
+        return MEASURED_BF[lo]
+    return MEASURED_BF[lo] + (MEASURED_BF[hi] - MEASURED_BF[lo]) * (blocks - lo) / (hi - lo)
 
 
 def duration_text(s: float) -> str:
@@ -557,7 +570,7 @@ def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Da
     return pick
 
 
-def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: float = MEASURED_BF) -> RunPlan:
+def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: float | None = None) -> RunPlan:
     """Every visit of one cycle (they repeat each cycle: the same rows counted, the same blocks), the cycle, and
     the run of ``bcd.cycles`` cycles with the store's peak and the storage bill; full training beside it on the same
     cluster to the same loss (``bf``: B-F, :func:`full_training`)."""
@@ -610,10 +623,13 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: 
     if any(v.preinfer for v in visits) and cfg.bcd.act_dtype == "float32":
         notes.append("bcd.act_dtype=bfloat16 halves the activation bytes written and read (rounded activations: the "
                      "weights then differ from computing the prefix by that rounding, docs/DESIGN.md I2)")
+    given = bf is not None
+    bf = bf if given else measured_bf(cfg.n_blocks)
     full = full_training(cfg, figs, visits, run, bf)
     if full is not None:
-        notes.append(f"full training to the same loss: the run's {full['bcd_steps']:,} BCD steps / B-F {bf:g} = "
-                     f"{full['steps']:,.0f} steps" + (" (B-F measured on the validity suite's l8-d128 at 3 blocks, "
-                     "docs/results/suffix-2026-11-28; --bf gives yours, from bcdflow compare)" if bf == MEASURED_BF
-                     else " (--bf)"))
+        notes.append(f"full training to the same loss: the run's {full['bcd_steps']:,} BCD steps / B-F {bf:.3g} = "
+                     f"{full['steps']:,.0f} steps" + (" (--bf)" if given else (
+                         f" (B-F at {cfg.n_blocks} blocks from the validity suite's l8-d128, measured at "
+                         f"{' and '.join(map(str, sorted(MEASURED_BF)))} blocks, docs/results/rates-2026-11-28; --bf "
+                         "gives yours, from bcdflow compare)")))
     return RunPlan(ds, rates, visits, cycle, run, cfg.bcd.cycles, dataset_bytes, model_bytes, notes, full)
