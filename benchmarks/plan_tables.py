@@ -64,7 +64,8 @@ SCALES = [
       "--store-gbs", "1.25"]),
     ("4. Llama-3-8B on 100M tokens on 16 rented RTX 4090s in 4 boxes joined by 10 Gbit/s (1.25 GB/s; 10 GB/s "
      "between the 4 cards of a box), the bucket beside them (no egress), 8-bit state: batch 16: " + S2_WORDS,
-     [*LLAMA, *EIGHT, "--set", "train.batch_size=16", "--set", "bcd.expand=off", "--set", f"bcd.max_steps={S2}", "--set", "store=s3://my-bucket/runs",
+     [*LLAMA, *EIGHT, "--set", "train.batch_size=16", "--set", "bcd.expand=off", "--set", f"bcd.max_steps={S2}",
+      "--set", "store=s3://my-bucket/runs",
       "--set", "spend.egress_usd_gb=0", "--nodes", "4", "--gpus", "4", "--link-gbs", "1.25", "--tokens", "100e6",
       "--gpu-gb", "24", "--store-gbs", "1.25"]),
 ]
@@ -150,7 +151,8 @@ def peers_block() -> str:
     title, args = SCALES[0]
     p = plan_json([*args, "--set", "bcd.preinfer=auto"])
     f = p["full"]
-    rows = ["| way | device GB | host GB | a step | steps | wall | money |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| way | device GB | host GB | a step | steps | wall | money |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     mem = p["memory"]["recommendation"]
     bcd_steps = f["bcd_steps"]
     rows.append(f"| **bcdflow** (this plan: 8 blocks, 8-bit state) | {mem['worst_peak'] / 1e9:.1f} | "

@@ -368,8 +368,8 @@ class TrainSection(_Section):
     nodes: Annotated[int, FREE] = Field(1, ge=1)
     """Machines a visit spans, ``gpus`` processes on each (``bcdflow plan`` prices the cluster: each step all-reduces
     the visit's trained gradients over ``link_gbs``; core/cluster.py). The machine whose task trains the visit is the
-    first (torchrun node 0, rank 0 writes); each other one runs ``bcdflow join RUN --node-rank K`` (docs/guide/fleet.md),
-    which joins every visit of the run at ``rdzv_endpoint``."""
+    first (torchrun node 0, rank 0 writes); each other one runs ``bcdflow join RUN --node-rank K``
+    (docs/guide/memory.md), which joins every visit of the run at ``rdzv_endpoint``."""
     rdzv_endpoint: Annotated[str, FREE] = "127.0.0.1:29400"
     """``host:port`` of the first machine as the others reach it (torchrun's rendezvous, ``--master-addr`` and
     ``--master-port``) when ``nodes`` > 1."""

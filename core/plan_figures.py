@@ -68,13 +68,18 @@ def figures(cfg: RunConfig, mcfg: ModelConfig, plan_: Plan, budget: float | None
             fits=h_on.fits, fits_computed=h_off.fits, holding=h_on.words(), holding_computed=h_off.words(),
             loaded_params=sum(numel[n] for n in names), grad_bytes=grad_bytes, backward_share=window,
             sharded=gpus > 1 and shape.parallel == "fsdp"))
-    layer_numel: dict[int, int] = {}
-    for k, n in numel.items():
-        if (i := layer_of(k)) is not None:
-            layer_numel[i] = layer_numel.get(i, 0) + n
     return ModelFigures(d_model=C, params=sum(numel.values()), forward_flops=float(sum(per_layer) + head),
                         blocks=tuple(blocks), tensors=len(shapes), full=full_figures(cfg, mcfg, budget),
-                        compute_bytes=compute_bytes(cfg), layer_bytes=max(layer_numel.values()) * compute_bytes(cfg))
+                        compute_bytes=compute_bytes(cfg), layer_bytes=largest_layer(shapes) * compute_bytes(cfg))
+
+
+def largest_layer(shapes) -> int:
+    """Parameters of the model's largest decoder layer (what ZeRO-3 and FSDP gather at once)."""
+    layers: dict[int, int] = {}
+    for k, s in shapes.items():
+        if (i := layer_of(k)) is not None:
+            layers[i] = layers.get(i, 0) + math.prod(s)
+    return max(layers.values())
 
 
 def full_figures(cfg: RunConfig, mcfg: ModelConfig, budget: float | None) -> FullFigures:
@@ -126,11 +131,7 @@ def single_card(cfg: RunConfig, mcfg: ModelConfig, budget: float | None, base) -
     """
     shapes = model_shapes(mcfg)
     P = sum(math.prod(s) for s in shapes.values())
-    layers: dict[int, int] = {}
-    for k, s in shapes.items():
-        if (i := layer_of(k)) is not None:
-            layers[i] = layers.get(i, 0) + math.prod(s)
-    layer = max(layers.values())
+    layer = largest_layer(shapes)
     shape = replace(base, recompute="all")
     est = visit_memory(mcfg, None, None, shape)
     compute_s = step_time(mcfg, None, None, shape).resident_s

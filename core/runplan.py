@@ -173,7 +173,7 @@ class FullFigures:
     """Weights, gradients and optimizer state sharded over every GPU."""
     grad_bytes: int
     """Every gradient, at the dtype the step computes in (what data parallel all-reduces and ZeRO-3 reduce-scatters:
-    mixed-precision recipes reduce bf16 gradients; a BCD visit reduces what its optimizer keeps, fp32 masters')."""
+    mixed-precision recipes reduce bf16 gradients; a BCD visit reduces what its optimizer keeps, e.g. fp32)."""
     param_bytes: int
     """Every weight at the dtype it computes in (what ZeRO-3 gathers)."""
     offload: FullHeld | None = None

@@ -62,8 +62,8 @@ def add_parser(sub, common) -> None:
                          "else spend.train_device's)")
     sp.add_argument("--bf", type=float, default=None,
                     help="B-F, BCD's steps to full training's loss over full training's, for the comparison with "
-                         "full training (default: the validity suite's at the plan's block count, 1.21 at 3 blocks to 2.42 "
-                         "at 8; bcdflow compare measures yours)")
+                         "full training (default: the validity suite's at the plan's block count, 1.21 at 3 blocks "
+                         "to 2.42 at 8; bcdflow compare measures yours)")
     sp.add_argument("--probe", action="store_true",
                     help="measure the store's write and read GB/s with a few activation shards (written, read, removed)")
     sp.add_argument("--json", action="store_true", help="the plan (and plan-memory's tables) as JSON")

@@ -44,17 +44,23 @@ def _join(cfg) -> subprocess.Popen:
                             start_new_session=True, env={**os.environ, "DO_NOT_TRACK": "1"})
 
 
+def _visit_on_two(cfg, ds: str, block: int):
+    """Block ``block``'s visit with the second machine joined; it must end cleanly with the visit."""
+    node1 = _join(cfg)
+    try:
+        out = train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, block, 0))
+        assert node1.wait(timeout=120) == 0
+    finally:
+        node1.kill()
+    return out
+
+
 def test_a_visit_across_two_machines_gives_the_one_process_weights_and_the_plans_bytes(tiny_cfg):
     one = tiny_cfg(*SGD)
     ds = setup_visit(one, 1)
     ref = train_block.fn(RunContext.of(one, "r", ds), VisitSpec(0, 1, 0))
     two = _two(tiny_cfg, *SGD)
-    node1 = _join(two)
-    try:
-        out = train_block.fn(RunContext.of(two, "r", ds), VisitSpec(0, 1, 0))
-        assert node1.wait(timeout=120) == 0
-    finally:
-        node1.kill()
+    out = _visit_on_two(two, ds, 1)
     assert (out.gpus, out.steps, out.tokens) == (2, ref.steps, ref.tokens)
     assert max_diff(block_of(one, 1, ref.block_file), block_of(one, 1, out.block_file)) <= 1e-6
     ctx = RunContext.of(two, "r", ds)
@@ -95,13 +101,7 @@ def test_a_machine_killed_mid_visit_fails_it_and_the_next_attempt_resumes_from_i
     pointer = store.read_json(ckpt)
     assert pointer["step"] >= killed[0] and pointer["step"] < 120
     # the next attempt: the second machine joins again, the visit resumes from the checkpoint
-    again = _two(tiny_cfg, *SGD, *LONG)
-    node1 = _join(again)
-    try:
-        resumed = train_block.fn(RunContext.of(again, "r", ds), VisitSpec(0, 0, 0))
-        assert node1.wait(timeout=120) == 0
-    finally:
-        node1.kill()
+    resumed = _visit_on_two(_two(tiny_cfg, *SGD, *LONG), ds, 0)
     assert resumed.resumed_at == pointer["step"] and resumed.steps == 120 and resumed.gpus == 2
     store.rm("runs/r/visits/c0-b0")
     ref = train_block.fn(RunContext.of(one, "r", ds), VisitSpec(0, 0, 0))
