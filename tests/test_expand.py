@@ -312,3 +312,18 @@ def test_a_run_stored_before_lora_was_the_default_continues_without_it(tiny_cfg)
     del stored["bcd"]["expand"]
     assert _normalized(with_former_defaults(stored))["bcd"]["expand"] == "off"
     assert with_former_defaults({**stored, "bcd": {**stored["bcd"], "expand": "lora"}})["bcd"]["expand"] == "lora"
+
+
+def test_a_lora_visit_on_an_indexed_device_commits_the_same_files_as_on_the_plain_device(tiny_cfg):
+    """The device named as a GPU names it (``cpu:0`` stands for ``cuda:0``), through the engine with expansion on:
+    the adapters (``run_steps``' ``extra``) train and merge into the same committed files as on ``cpu``, with the
+    suffix recomputed in backward and kept."""
+    files = []
+    for device, recompute in (("cpu", "off"), ("cpu:0", "off"), ("cpu:0", "on")):
+        run = f"lora-{device.replace(':', '')}-{recompute}"
+        cfg = tiny_cfg("bcd.expand=lora", "bcd.expand_rank=4", f"train.device={device}", f"bcd.recompute={recompute}")
+        ds = new_run(cfg, run)
+        out = train_block.fn(RunContext.of(cfg, run, ds), VisitSpec(0, 0, 0))
+        assert out.recompute == (recompute == "on")
+        files.append((out.block_file, out.suffix_files))
+    assert files[0][1] and files[0] == files[1] == files[2]
