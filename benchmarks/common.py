@@ -417,7 +417,7 @@ class Workload:
         (lo, hi), n = blk.layers, self.cfg.n_layer
         rows = (blk.params[0], *blk.rows) if blk.rows is not None else None
         if self.isolated:
-            blocks = len(self.plan_of(blk))
+            blocks = len(self.plan_of(blk).visits)
             return Remote(self, name, "visit", blocks=blocks, block=blk.index, preinfer=preinfer,
                           recompute=recompute, stream=stream, expand=expand)
         if blk.reads_activations(preinfer):
@@ -454,6 +454,6 @@ class Workload:
         """The plan ``blk`` comes from (the block count whose plan holds this very block)."""
         for m in range(1, self.cfg.n_layer + 1):
             plan = self.plan(m)
-            if blk.index < len(plan) and plan[blk.index] == blk:
+            if blk.index < len(plan.visits) and plan.visits[blk.index] == blk:
                 return plan
         raise ValueError(f"block {blk} is in no plan of {self.cfg.n_layer} layers")

@@ -37,7 +37,7 @@ def row(name: str, ranks: list[int], batch: int, seq: int, gpu_gb: float) -> dic
     plan = model_plan(cfg, base.blocks)
     for r in ranks:
         same = [visit_memory(cfg, plan, b, replace(h.shape, expand_rank=r)) for b, h in enumerate(base.holdings)]
-        held = [fit_holding(cfg, plan, b, replace(shape, expand_rank=r), budget.usable) for b in range(len(plan))]
+        held = [fit_holding(cfg, plan, b, replace(shape, expand_rank=r), budget.usable) for b in range(len(plan.visits))]
         out["ranks"][r] = {"same": max(e.peak for e in same), "adapters": max(e.expand_params for e in same),
                            "held": max(h.estimate.peak for h in held), "fits": all(h.fits for h in held),
                            "streamed": sum(len(h.streamed) for h in held), "recompute": sum(h.recompute for h in held),
@@ -51,7 +51,7 @@ def fitting_blocks(cfg, start: int, batch: int, seq: int, budget, rank: int) -> 
     for m in range(start, cfg.n_layer + 1):
         plan = model_plan(cfg, m)
         if all(fit_holding(cfg, plan, b, StepShape(batch, seq, "bf16", expand_rank=rank), budget.usable).fits
-               for b in range(len(plan))):
+               for b in range(len(plan.visits))):
             return m
     return None
 

@@ -37,12 +37,12 @@ class Remote:
         if kind == "full":
             layers, embed, trainable, start = (0, cfg.n_layer), True, set(w.names), 0
         else:
-            blk = w.plan(spec["blocks"])[spec["block"]]
+            blk = w.plan(spec["blocks"]).visits[spec["block"]]
             lo = blk.layers[0]
             from_acts = blk.reads_activations(spec["preinfer"])
             layers, embed, trainable, start = (lo if from_acts else 0, cfg.n_layer), not from_acts, set(blk.params), lo
         self.layers, self.embed, self.trainable, self.start = layers, embed, trainable, start
-        self.hi = None if kind == "full" else w.plan(spec["blocks"])[spec["block"]].layers[1]
+        self.hi = None if kind == "full" else w.plan(spec["blocks"]).visits[spec["block"]].layers[1]
         self.recompute = spec.get("recompute", False)
         self.model = build_model(cfg, layers=layers, embed=embed, head=True, device="meta", init=False)
         self.params = [p for n, p in self.model.named_parameters() if n in trainable]
@@ -98,7 +98,7 @@ def _child(workload: type, c: dict, device: str, optim: str, kind: str, name: st
     elif kind == "full":
         v = w.full()
     else:
-        v = w.visit(name, w.plan(spec["blocks"])[spec["block"]], preinfer=spec["preinfer"],
+        v = w.visit(name, w.plan(spec["blocks"]).visits[spec["block"]], preinfer=spec["preinfer"],
                     recompute=spec.get("recompute", False), stream=spec.get("stream", False),
                     expand=spec.get("expand", 0))
     return fn(w, v, **kw)

@@ -33,7 +33,7 @@ def run(prof: dict, device, out: Path, **_) -> dict:
     primary = 3 if 3 in c["iteration_blocks"] else c["iteration_blocks"][0]
     prefixes = {}
     for M in c["iteration_blocks"]:
-        for blk in w.plan(M).blocks:
+        for blk in w.plan(M).visits:
             lo, has_prefix = blk.layers[0], blk.reads_activations(True)  # pre-inference would apply to it
             for pre in ((True, False) if M == primary and has_prefix else (True,)):
                 v = w.visit(f"M={M} b{blk.index} pre-inference {'on' if pre else 'off'}", blk, preinfer=pre)

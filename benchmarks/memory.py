@@ -108,7 +108,7 @@ def measure_all(w: Workload, c: dict) -> dict:
     for M in c["memory_blocks"]:
         plan = w.plan(M)
         block_rows = []
-        for blk in plan.blocks:
+        for blk in plan.visits:
             v = w.visit(f"M={M} block {blk.index}", blk)
             r = measure(w, v)
             del v
@@ -139,7 +139,7 @@ def checkpoint_what_if(w: Workload, plan, full: dict) -> dict:
     ``bcd.recompute=on`` (the frozen suffix recomputed in backward), side by side (round-robin timing on the CPU,
     one process per configuration on CUDA; fastest step)."""
     pairs = []
-    for blk in plan.blocks:
+    for blk in plan.visits:
         plain, ck = w.visit(f"b{blk.index}", blk), w.visit(f"b{blk.index} recompute", blk, recompute=True)
         pairs.append((blk, plain, ck))
     c = w.c

@@ -166,7 +166,7 @@ def step_figures(s: dict, model: str, device) -> dict:
     if "bcdflow" in s["methods"]:
         blocks = load_config(sets=[*s["sets"], *s["models"][model], *s["methods"]["bcdflow"]["sets"]]).bcd.blocks
         plan = wl.plan(blocks)
-        visits = [wl.visit(f"bcd b{b.index}", b, preinfer=True, expand=16) for b in plan]
+        visits = [wl.visit(f"bcd b{b.index}", b, preinfer=True, expand=16) for b in plan.visits]
     all_items = [*items.values(), *visits]
     for it in all_items:
         it.step(timed=False)  # optimizer state exists before the peak is taken

@@ -28,7 +28,7 @@ from bcdflow.core import spend
 from bcdflow.core.config import load_config
 from bcdflow.core.context import open_store
 from bcdflow.models.model_config import ModelConfig
-from bcdflow.models.plan import Block
+from bcdflow.models.plan import VisitTarget
 from bcdflow.storage import runs
 from bcdflow.storage.layout import DATASET_META, dataset_key
 
@@ -118,7 +118,7 @@ def read_run(cfg, run_id: str, label: str, mode: str, optim: str, sets: list[str
     for v in visits:
         blk = blocks[v["block"]]
         lo = blk["layers"][0]
-        pre = mode == "bcd" and Block.from_dict(blk).reads_activations(cfg.bcd.preinfer)
+        pre = mode == "bcd" and VisitTarget.from_dict(blk).reads_activations(cfg.bcd.preinfer)
         train = step_flops(meta, set(blk["params"]), mcfg, T, grad_from=lo, lo=lo if pre else 0) * v["tokens"]
         prefix = forward_flops(meta, mcfg, T, 0, lo) * v["rows"] * T if pre else 0
         evals = (1 + len(v.get("val_points") or [])) * forward_flops(meta, mcfg, T, 0, mcfg.n_layer, head=True) \

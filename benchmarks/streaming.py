@@ -50,7 +50,6 @@ from bcdflow.models.expand import SuffixAdapters
 from bcdflow.models.holding import choose_holding
 from bcdflow.models.memory import GB, device_budget, visit_memory
 from bcdflow.models.optimizers import OPTIMIZERS
-from bcdflow.models.rows import attach_rows
 from bcdflow.models.specs import StepShape
 from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.models.trainer import OptimSpec, StopRule, make_optimizer, run_steps
@@ -64,18 +63,17 @@ def build_visit(run, mcfg, plan, block: int, device: torch.device, streamed: tup
     buffers, the rest on the device, never the whole part on the host; with ``bcd.expand`` (the default) the
     suffix's adapters attached as a visit attaches them. Returns (model, spec, named trained parameters, stream or
     None, adapters or None)."""
-    blk, pre = plan[block], run.bcd.preinfer
+    blk, pre = plan.visits[block], run.bcd.preinfer
     lo, hi = blk.layers
-    rows = (blk.params[0], *blk.rows) if blk.rows is not None else None  # a row block (bcd.vocab_blocks)
-    expand = run.bcd.expand_rank if run.bcd.expand != "off" and hi < mcfg.n_layer and not rows else 0
+    expand = run.bcd.expand_rank if run.bcd.expand != "off" and hi < mcfg.n_layer and blk.mechanism.expands else 0
     vs = VisitLayout(run_id="benchmark", spec=VisitSpec(0, block, 0), lo=lo, hi=hi,
                      n_layer=mcfg.n_layer, from_acts=blk.reads_activations(pre),
                      active=frozenset(blk.trainable(run.bcd.freeze, mcfg.tied)),
                      recompute=recompute, recompute_active=run.bcd.recompute == "all", streamed=streamed, exact=False,
-                     expand=expand, rows=rows)
+                     expand=expand, target=blk)
     low = torch.bfloat16 if run.train.precision == "bf16" else None
     master = OPTIMIZERS[run.optim.name].master  # 2: bf16 master weights (optim.name=adamw8bit-bf16)
-    active = frozenset() if rows else vs.active  # as the engine's Resident holds a visit
+    active = vs.kind.model_trainable(vs.active)  # as the engine's Resident holds a visit
     model = build_model(mcfg, layers=vs.layers, embed=vs.embed, head=True, device="meta", init=False,
                         frozen_dtype=low, trainable=active if master == 4 else ())
     model.stream = None
@@ -95,8 +93,8 @@ def build_visit(run, mcfg, plan, block: int, device: torch.device, streamed: tup
             dst.copy_(drawn[tuple(dst.shape)])
     del drawn
     named = prepare_model(model, active, run.train.loss_chunk_rows, False)  # gradients on the block only
-    if rows:
-        named = [(rows[0], attach_rows(model, *rows, torch.bfloat16 if master == 2 else torch.float32))]
+    named = vs.kind.attach(blk, model, named, torch.bfloat16 if master == 2 else torch.float32,
+                           lambda name: model.get_parameter(name).detach())  # a row visit: its slice
     adapters = None
     if expand:
         adapters = SuffixAdapters(model, suffix_layers(vs), expand, seed=block, device=device).attach(model)
@@ -290,9 +288,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.blocks_to_run == "worst":
         every = StepShape(B, T, p, preinfer=run.bcd.preinfer, offload="stream")  # every frozen layer streamed
-        blocks = [max(range(len(plan)), key=lambda b: visit_memory(mcfg, plan, b, every).peak)]
+        blocks = [max(range(len(plan.visits)), key=lambda b: visit_memory(mcfg, plan, b, every).peak)]
     elif args.blocks_to_run == "all":
-        blocks = list(range(len(plan)))
+        blocks = list(range(len(plan.visits)))
     else:
         blocks = [int(b) for b in args.blocks_to_run.split(",")]
     cap = {}
@@ -314,13 +312,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _run(args, run, mcfg, plan, blocks, device, budget, held, cap: dict) -> dict:
     B, T, p = run.train.batch_size, run.data.seq_len, run.train.precision
-    res = {"model": mcfg.to_dict(), "batch": B, "seq_len": T, "precision": p, "blocks": len(plan),
+    res = {"model": mcfg.to_dict(), "batch": B, "seq_len": T, "precision": p, "blocks": len(plan.visits),
            "device": str(device), "cap_gb": args.cap_gb, **cap, "h2d_gbs": h2d_gbs(device),
            "budget": None if budget is None else {"usable": budget.usable, "reserve": budget.reserve,
                                                   "line": budget.line()},
            "visits": []}
     for b in blocks:
-        row = {"block": b, "layers": list(plan[b].layers)}
+        row = {"block": b, "layers": list(plan.visits[b].layers)}
         for holding in args.holdings:
             h = held(b, holding)
             try:

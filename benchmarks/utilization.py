@@ -45,7 +45,7 @@ def sweep(w: Workload, c: dict, threads: int) -> dict:
     probes = [matmul_probe(n, w.device, c["precision"]) for n in c["matmul_sizes"]]
     plan = w.plan(3 if w.cfg.n_layer >= 3 else 1)
     full = w.full()
-    blocks = [w.visit(f"b{b.index}", b) for b in plan.blocks]
+    blocks = [w.visit(f"b{b.index}", b) for b in plan.visits]
     deepest = max(b.layers[0] for b in plan.blocks)
     pre = w.prefix(deepest) if deepest > 0 else None
     steps = [full, *blocks]

@@ -262,7 +262,7 @@ def check_plan_fits(cfg: RunConfig) -> None:
     mcfg = model_config(cfg)
     plan = block_plan(cfg, mcfg)
     shape, seq = cfg.step_shape(), cfg.data.seq_len
-    holds = [fit_holding(mcfg, plan, b, shape, None if budget is None else budget.usable) for b in range(len(plan))]
+    holds = [fit_holding(mcfg, plan, b, shape, None if budget is None else budget.usable) for b in range(len(plan.visits))]
     if budget is not None:
         bad = [(b, h) for b, h in enumerate(holds) if not h.fits]
         if bad:
@@ -290,8 +290,8 @@ def check_plan_fits(cfg: RunConfig) -> None:
         passes = cfg.step_shape(no_grad=True)
         workers = cfg.bcd.preinfer_workers or (2 if cuda else 1)
         staging = workers * cfg.bcd.shard_rows * seq * mcfg.d_model * 4
-        for b in range(1, len(plan)):
-            lo = plan[b].layers[0]
+        for b in range(1, len(plan.visits)):
+            lo = plan.visits[b].layers[0]
             part = NoGradPass((0, lo), True, False, cfg.bcd.shard_rows, cfg.bcd.preinfer_batch_size)
             streamed, rows = no_grad_holding(mcfg, part, passes, None if budget is None else budget.usable)
             prefix = no_grad_memory(mcfg, part, replace(passes, batch=rows, streamed=streamed)).host_bytes \
@@ -448,7 +448,7 @@ class RunContext:
 
     def trainable(self, block: int) -> set[str]:
         """The parameters block ``block``'s visit trains (``Block.trainable``: less what ``bcd.freeze`` keeps)."""
-        return self.plan[block].trainable(self.cfg.bcd.freeze, self.model_cfg.tied)
+        return self.plan.visits[block].trainable(self.cfg.bcd.freeze, self.model_cfg.tied)
 
     def preinfer_on(self, block: int) -> bool:
         """Whether block ``block``'s visit pre-infers: ``bcd.preinfer``, or with ``auto`` the run planner's choice
@@ -482,11 +482,11 @@ class RunContext:
 
     def from_acts(self, block: int) -> bool:
         """Whether block ``block``'s visit trains from the prefix's stored activations (``Block.reads_activations``)."""
-        return self.plan[block].reads_activations(self.preinfer_on(block))
+        return self.plan.visits[block].reads_activations(self.preinfer_on(block))
 
     def frozen_layers(self, block: int) -> list[int]:
         """The frozen layers block ``block``'s visit holds (``Block.frozen_layers``)."""
-        return self.plan[block].frozen_layers(self.model_cfg.n_layer, self.preinfer_on(block))
+        return self.plan.visits[block].frozen_layers(self.model_cfg.n_layer, self.preinfer_on(block))
 
     def frozen_prefix(self, version: int, block: int) -> Decoder:
         """Embeddings and layers before ``block`` of ``version``, in eval mode without grads, held as its no-grad
@@ -496,7 +496,7 @@ class RunContext:
         with self._lock:
             if self._prefix is None or self._prefix[0] != key:
                 self.release_prefix(locked=True)  # free the previous visit's prefix before loading this one
-                lo = self.plan[block].layers[0]
+                lo = self.plan.visits[block].layers[0]
                 streamed, _ = self._prefix_pass(block)
                 model = self.load_part(self.manifest(version), (0, lo), embed=True, head=False, trainable=(),
                                        stream=streamed)
@@ -504,7 +504,7 @@ class RunContext:
             return self._prefix[1]
 
     def _prefix_pass(self, block: int) -> tuple[tuple[int, ...], int]:
-        lo = self.plan[block].layers[0]
+        lo = self.plan.visits[block].layers[0]
         return self.no_grad_pass(NoGradPass((0, lo), True, False, self.cfg.bcd.shard_rows,
                                             self.cfg.bcd.preinfer_batch_size))
 

@@ -41,28 +41,28 @@ def figures(cfg: RunConfig, mcfg: ModelConfig, plan_: Plan, budget: float | None
     opt = OPTIMIZERS[cfg.optim.name]
     head = 2 * mcfg.vocab_size * C
     blocks = []
-    for b, blk in enumerate(plan_):
+    for b, blk in enumerate(plan_.visits):
         lo, _ = blk.layers
         h_on = choose_holding(mcfg, plan_, b, replace(shape, preinfer=True), budget)
         h_off = choose_holding(mcfg, plan_, b, replace(shape, preinfer=False), budget) if lo else h_on
-        stored = plan_.stored(b)  # a row block (bcd.vocab_blocks): the block file holding its matrix
+        stored = blk.stored  # the block file its commit writes (a row visit's: the one holding its matrix)
         owners = {o for o in range(len(plan_.blocks)) if o >= stored}
-        names = {n for o in owners for n in plan_[o].params} | ({"wte.weight"} if lo and mcfg.tied else set())
-        names_trained = blk.trainable(shape.freeze, mcfg.tied) if blk.rows is None else set()
-        trained = ((blk.rows[1] - blk.rows[0]) * C if blk.rows is not None  # the slice's rows only
-                   else sum(numel[n] for n in names_trained))
+        names = {n for o in owners for n in plan_.blocks[o].params} | ({"wte.weight"} if lo and mcfg.tied else set())
+        kind = blk.mechanism
+        names_trained = blk.trainable(shape.freeze, mcfg.tied)
+        trained = sum(math.prod(kind.trained_shape(blk, n, shapes[n])) for n in names_trained)
         hi = blk.layers[1]
         adapters = sum(expand_bytes(mcfg, shape, i)[0] for i in range(hi, mcfg.n_layer)) if (
-            shape.expand_rank and blk.rows is None) else 0
-        grad_bytes = sum(opt.param_bytes(shapes[n]) for n in names_trained) + 4 * adapters
+            shape.expand_rank and kind.expands) else 0
+        grad_bytes = sum(opt.param_bytes(kind.trained_shape(blk, n, shapes[n])) for n in names_trained) + 4 * adapters
         # the backward that runs while the reduced gradients are made: the block's layers (weights and inputs:
         # twice their forward), and the suffix's too where adapters train there; a share of the step's FLOPs
         block_f, suffix_f = sum(per_layer[lo:hi]), sum(per_layer[hi:]) + head
         step_f = block_f + suffix_f + 2 * block_f + suffix_f
         window = (2 * block_f + (suffix_f if adapters else 0)) / step_f
         blocks.append(BlockFigures(
-            block=b, layers=tuple(blk.layers), params=sum(numel[n] for n in plan_[stored].params),
-            trainable=trained, row=blk.rows is not None,
+            block=b, layers=tuple(blk.layers), params=sum(numel[n] for n in plan_.blocks[stored].params),
+            trainable=trained, own=blk.kind == "layers",
             prefix_flops=float(sum(per_layer[:lo])), step_s=h_on.time.streamed_s / gpus,
             step_computed_s=h_off.time.streamed_s / gpus,
             fits=h_on.fits, fits_computed=h_off.fits, holding=h_on.words(), holding_computed=h_off.words(),

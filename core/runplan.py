@@ -137,9 +137,10 @@ class BlockFigures:
     holding_computed: str = ""
     loaded_params: int = 0
     """Parameters the visit loads from the store reading activations (blocks >= b, a tied embedding)."""
-    row: bool = False
-    """A row block (``bcd.vocab_blocks``): ``params`` is the stored block its commit rewrites, ``trainable`` its rows;
-    it expands nothing and is no layer visit's suffix."""
+    own: bool = True
+    """The stored block's own visit; False: another kind's (``models/plan.VISIT_KINDS``: a row visit), whose
+    ``params`` is the stored block its commit rewrites and ``trainable`` what it trains: it expands nothing and is no
+    other visit's suffix."""
     grad_bytes: int = 0
     """Gradient bytes a step all-reduces with several processes: what trains (the block, and ``bcd.expand``'s
     adapters), at the bytes the optimizer keeps them in."""
@@ -459,7 +460,7 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     guarded = v.train_s if protect_s is None else protect_s
     v.checkpoints = cfg.checkpoint_schedule().count(steps, guarded, v.checkpoint_bytes / wr)
     v.checkpoint_s = v.checkpoints * v.checkpoint_bytes / wr
-    suffix = [o for o in figs.blocks if o.block > bf.block and not o.row] if b.expand != "off" and not bf.row else []
+    suffix = [o for o in figs.blocks if o.block > bf.block and o.own] if b.expand != "off" and bf.own else []
     v.block_bytes = sum(o.params * STORED_BYTES for o in [bf, *suffix])
     moments = bf.trainable * 4 * state if b.moments == "keep" else 0
     v.commit_s = (v.block_bytes + moments) / wr
@@ -611,6 +612,22 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: 
                  store_peak=cycle.store_peak + (n - 1) * grown)
     run.storage_usd = ((gb_s * n + grown / GB * cycle.wall_s * n * (n - 1) / 2) * billed
                        + act_gb_s * n * act_billed) / MONTH_S
+    notes = _notes(cfg, visits)
+    given = bf is not None
+    bf = bf if given else measured_bf(cfg.n_blocks)
+    full = full_training(cfg, figs, visits, run, bf)
+    if full is not None:
+        notes.append(f"full training to the same loss: the run's {full['bcd_steps']:,} BCD steps / B-F {bf:.3g} = "
+                     f"{full['steps']:,.0f} steps" + (" (--bf)" if given else (
+                         f" (B-F at {cfg.n_blocks} blocks from the validity suite's l8-d128, measured at "
+                         f"{' and '.join(map(str, sorted(MEASURED_BF)))} blocks, docs/results/rates-2026-11-28; --bf "
+                         "gives yours, from bcdflow compare)")))
+    return RunPlan(ds, rates, visits, cycle, run, cfg.bcd.cycles, dataset_bytes, model_bytes, notes, full)
+
+
+def _notes(cfg: RunConfig, visits: list[VisitPlan]) -> list[str]:
+    """What a reader of the plan should know about its figures: the step cap, the activations' own store,
+    compression, the activations' dtype."""
     notes = [f"steps are the cap bcd.max_steps={cfg.bcd.max_steps} per visit (a visit may stop sooner: the plateau "
              "or the adaptive budget), so times and money are upper bounds"]
     if cfg.bcd.act_store and any(v.preinfer for v in visits):
@@ -623,13 +640,4 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: 
     if any(v.preinfer for v in visits) and cfg.bcd.act_dtype == "float32":
         notes.append("bcd.act_dtype=bfloat16 halves the activation bytes written and read (rounded activations: the "
                      "weights then differ from computing the prefix by that rounding, docs/DESIGN.md I2)")
-    given = bf is not None
-    bf = bf if given else measured_bf(cfg.n_blocks)
-    full = full_training(cfg, figs, visits, run, bf)
-    if full is not None:
-        notes.append(f"full training to the same loss: the run's {full['bcd_steps']:,} BCD steps / B-F {bf:.3g} = "
-                     f"{full['steps']:,.0f} steps" + (" (--bf)" if given else (
-                         f" (B-F at {cfg.n_blocks} blocks from the validity suite's l8-d128, measured at "
-                         f"{' and '.join(map(str, sorted(MEASURED_BF)))} blocks, docs/results/rates-2026-11-28; --bf "
-                         "gives yours, from bcdflow compare)")))
-    return RunPlan(ds, rates, visits, cycle, run, cfg.bcd.cycles, dataset_bytes, model_bytes, notes, full)
+    return notes

@@ -87,7 +87,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
         log.info("removed the working objects of committed visits %s: left by a process that ended between a "
                  "commit and its cleanup", ", ".join(gone))
     ctx = RunContext.of(cfg, run_id, dataset_id)
-    n_blocks = len(ctx.plan)
+    n_visits = len(ctx.plan.visits)
     tracker = Tracker(cfg.resolved_tracking_uri(), cfg.experiment)
     parent = tracker.start(run_id, params=run_params(cfg, mode, ctx.model_cfg, ctx.plan) if tracker.enabled else None,
                            tags={**prefect_tags(), "bcdflow.run_id": run_id,
@@ -99,7 +99,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
         state = note_state(cfg, run_id, run_fence, mlflow_run_id=parent)
         tracker.dataset(parent, **training_dataset(cfg.data, ctx.dataset))
     visits = list(state.visits)
-    art = artifacts.RunArtifacts(run_id, store.url, cfg.bcd.cycles * n_blocks, mode)
+    art = artifacts.RunArtifacts(run_id, store.url, cfg.bcd.cycles * n_visits, mode)
     art.link(tracker.run_url(parent), f"MLflow run of {run_id}")
     art.progress(len(visits))
     done = state.done_visits
@@ -108,11 +108,11 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
     stop = None
     try:
         for cycle in range(cfg.bcd.cycles):
-            todo = blocks_to_visit(cfg, n_blocks, cycle, done)
-            while todo and not (stop := stop_reason(cfg, visits, n_blocks)):
+            todo = blocks_to_visit(cfg, n_visits, cycle, done)
+            while todo and not (stop := stop_reason(cfg, visits, n_visits)):
                 b = (choose_block(RunContext.of(cfg, run_id, dataset_id), version, cycle, todo)
                      if cfg.bcd.order == "greedy" and len(todo) > 1 else todo[0])
-                if stop := stop_reason(cfg, visits, n_blocks, next_block=b):
+                if stop := stop_reason(cfg, visits, n_visits, next_block=b):
                     break
                 todo.remove(b)
                 if cfg.fleet.visit_pool:  # a run of the bcd-visit deployment on the GPU pool
@@ -129,7 +129,7 @@ def _run(cfg: RunConfig, store, lease: Lease, run_id: str, mode: str, dataset_id
                                              "cycle_cum_spend_usd": rec.cum_spend_usd}, rec.step_end)
             if stop:
                 break
-        stop = stop or end_reason(cfg, visits, n_blocks, mode)
+        stop = stop or end_reason(cfg, visits, n_visits, mode)
     except BaseException:
         tracker.end(parent, "FAILED")
         raise

@@ -202,14 +202,16 @@ def build(cfg, args) -> dict:
     out = p.to_dict()
     out["model"] = {"family": mcfg.family, "n_layer": mcfg.n_layer, "d_model": mcfg.d_model,
                     "vocab_size": mcfg.vocab_size}
-    out["config"] = {"blocks": len(bplan), "batch_size": cfg.train.batch_size, "seq_len": cfg.data.seq_len,
+    out["config"] = {"blocks": len(bplan.blocks), "visits": len(bplan.visits), "plan": bplan.counts(), "batch_size": cfg.train.batch_size, "seq_len": cfg.data.seq_len,
                      "max_steps": cfg.bcd.max_steps, "sample_rate": cfg.bcd.sample_rate, "precision":
                      cfg.train.precision, "act_dtype": cfg.bcd.act_dtype, "preinfer": cfg.bcd.preinfer,
                      "train_gpus": cfg.spend.train_gpus or cfg.train.world, "train_device": cfg.spend.train_device,
                      "preinfer_device": cfg.spend.preinfer_device, "gpu_gb": args.gpu_gb}
-    for v in out["visits"]:  # a row block (bcd.vocab_blocks): the matrix and rows it trains
-        blk = bplan[v["block"]]
-        v["trains"] = f"{blk.params[0]}[{blk.rows[0]}:{blk.rows[1]}]" if blk.rows is not None else None
+    for v in out["visits"]:  # what a visit of another kind than a block's own trains (a row visit: matrix[lo:hi])
+        target = bplan.visits[v["block"]]
+        v["trains"] = target.mechanism.label(target)
+        if v["trains"]:
+            v["kind"] = target.kind
     out["memory"] = memory_plan(cfg, args.gpu_gb)
     return out
 
@@ -243,7 +245,7 @@ def table(res: dict) -> str:
     c, r, m = res["config"], res["rates"], res["model"]
     ds = res["dataset"]
     lines = [f"{m['family']} {m['n_layer']} layers, d={m['d_model']}, vocab={m['vocab_size']}; {ds['tokens']:,} tokens "
-             f"= {ds['n_train']:,} training rows of {c['seq_len']}; {c['blocks']} blocks, batch {c['batch_size']}, "
+             f"= {ds['n_train']:,} training rows of {c['seq_len']}; {c['plan']}, batch {c['batch_size']}, "
              f"step cap {c['max_steps']}, sample rate {c['sample_rate']:g}, {c['precision']}, activations "
              f"{c['act_dtype']}; {res['cycles']} cycle(s).",
              f"Rates: store write {r['write_gbs']:g} GB/s, read {r['read_gbs']:g} GB/s"
@@ -260,14 +262,14 @@ def table(res: dict) -> str:
     for v in res["visits"]:
         io = (v["preinfer_write_s"] + v["read_s"] + v["load_s"] + v["prefix_load_s"] + v["checkpoint_s"]
               + v["commit_s"])
-        where = "rows" if v.get("trains") else "%d-%d" % tuple(v["layers"])
+        where = v["kind"] if v.get("trains") else "%d-%d" % tuple(v["layers"])
         lines.append(f"b{v['block']:<6}{where:>8}{v['rows']:>10,}{v['steps']:>6}  "
                      f"{'yes' if v['preinfer'] else 'no':<4}{_gb(v['written']):>12}{_gb(v['read']):>12}"
                      f"{_gb(v['checkpoints'] * v['checkpoint_bytes']):>12}"
                      f"{_h(v['preinfer_s']):>9}{_h(io):>8}{_h(v['train_s']):>8}{_h(v['eval_s']):>7}"
                      f"{_h(v['wall_s']):>8}{_usd(v['gpu_usd']).replace('$', ''):>10}  {'yes' if v['fits'] else 'NO'}")
     lines.append("")
-    lines += [f"  b{v['block']}: " + (f"trains {v['trains']} (a row block); " if v.get("trains") else "") + v["why"]
+    lines += [f"  b{v['block']}: " + (f"trains {v['trains']}; " if v.get("trains") else "") + v["why"]
               for v in res["visits"]]
     lines += _comm_lines(res)
     for name, t in (("one cycle", res["cycle"]), (f"the run ({res['cycles']} cycles)", res["run"])):

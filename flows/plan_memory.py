@@ -41,14 +41,14 @@ def add_parser(sub, common) -> None:
 
 def _visit_row(h, plan_, b: int) -> dict:
     e, t = h.estimate, h.time
-    lo, hi = plan_[b].layers
-    rows = plan_[b].rows  # a row block (bcd.vocab_blocks): its matrix and rows
-    return dict(e.to_dict(), block=b, trains=[lo, hi], holds=list(e.layers), recompute=h.recompute,
-                rows=[plan_[b].params[0], *rows] if rows is not None else None,
-                streamed=list(h.streamed), resident_layers=e.frozen_layers - len(h.streamed), fits=h.fits,
-                holding=h.words(), step_resident_s=t.resident_s, step_s=t.streamed_s, overhead=t.overhead,
-                copy_fwd_bytes=t.copy_fwd_bytes, copy_bwd_bytes=t.copy_bwd_bytes,
-                hides_at_tokens=t.hides_at_tokens)
+    target = plan_.visits[b]
+    row = dict(e.to_dict(), block=b, trains=list(target.layers), holds=list(e.layers), recompute=h.recompute,
+               rows=None, streamed=list(h.streamed), resident_layers=e.frozen_layers - len(h.streamed), fits=h.fits,
+               holding=h.words(), step_resident_s=t.resident_s, step_s=t.streamed_s, overhead=t.overhead,
+               copy_fwd_bytes=t.copy_fwd_bytes, copy_bwd_bytes=t.copy_bwd_bytes,
+               hides_at_tokens=t.hides_at_tokens)
+    row.update(target.mechanism.report(target))  # a row visit: its matrix and rows, and its label
+    return row
 
 
 def _refused(cfg, settings: dict) -> str | None:
@@ -89,7 +89,7 @@ def plan(cfg, gpu_gb: float) -> dict:
 
     def visits(blocks: int, boundaries: list[int] | None, vocab_blocks: int) -> list[dict]:
         plan_ = model_plan(mcfg, blocks, boundaries, split=split, freeze=shape.freeze, vocab_blocks=vocab_blocks)
-        hs = [choose_holding(mcfg, plan_, b, shape, budget.usable) for b in range(len(plan_))]
+        hs = [choose_holding(mcfg, plan_, b, shape, budget.usable) for b in range(len(plan_.visits))]
         return [_visit_row(h, plan_, b) for b, h in enumerate(hs)]
 
     # the fewest blocks that fit, their cut points chosen by fit, with the lighter state where it halves them
@@ -168,7 +168,7 @@ def _table(rows: list[dict], full: dict | None, cap: float) -> list[str]:
                     f"{r['host_bytes'] / gb:.1f}", f"{(r['copy_fwd_bytes'] + r['copy_bwd_bytes']) / gb:.1f}",
                     f"{r['step_resident_s']:.3f}", f"{r['step_s']:.3f}",
                     f"{r['hides_at_tokens']:,}" if r["hides_at_tokens"] else "-"]
-        trains = ("emb rows" if r["rows"][0] == "wte.weight" else "lm rows") if r.get("rows") else f"{lo}-{hi}"
+        trains = r.get("label") or f"{lo}-{hi}"
         mem = [r["weights"], r["grads_total"], r["optim"], r["activations"] + r["logits"]]
         lines.append(_cells([r["name"], trains, f"{hl}-{hh}", f"{r['trainable_params'] / 1e6:.0f}M",
                              *(f"{v / gb:.2f}" for v in mem), f"{r['peak'] / gb:.2f}", *tail,

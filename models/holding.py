@@ -56,8 +56,8 @@ def _events(cfg: ModelConfig, plan: Plan | None, block: int | None, seq: int, pr
     suffix's parameters ``bcd.expand=sign`` steps (their weight gradients computed; the layers recompute as frozen
     ones)."""
     n, C, V = cfg.n_layer, cfg.d_model, cfg.vocab_size
-    lo, hi = (0, n) if block is None else plan[block].layers
-    held_lo = lo if block is not None and plan[block].reads_activations(preinfer) else 0
+    lo, hi = (0, n) if block is None else plan.visits[block].layers
+    held_lo = lo if block is not None and plan.visits[block].reads_activations(preinfer) else 0
     mats: dict[int, int] = {}
     train: dict[int, int] = {}
     move: dict[int, int] = {}
@@ -108,8 +108,8 @@ def step_time(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: Ste
     recompute, recompute_active = shape.recompute in ("on", "all"), shape.recompute == "all"
     streamed = shape.streamed or ()
     shapes = model_shapes(cfg)
-    trainable = set(shapes) if block is None else plan[block].trainable(freeze, cfg.tied)
-    lo = 0 if block is None else plan[block].layers[0]
+    trainable = set(shapes) if block is None else plan.visits[block].trainable(freeze, cfg.tied)
+    lo = 0 if block is None else plan.visits[block].layers[0]
     moving = frozenset(plan.suffix(block, freeze, cfg.tied)) if block is not None and shape.suffix == "sign" else \
         frozenset()
     events = _events(cfg, plan, block, seq, preinfer, trainable, recompute, recompute_active, shapes, moving)
@@ -207,7 +207,7 @@ def _options(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, budget:
         held = replace(shape, recompute=rc, streamed=())
         base = visit_memory(cfg, plan, block, held)
         frozen = sorted(base.layer_sizes)
-        lo = plan[block].layers[0]
+        lo = plan.visits[block].layers[0]
         if offload == "stream":
             k = len(frozen)
         elif offload == "off" or budget is None:
@@ -397,7 +397,7 @@ class Recommendation:
 def _prefix_host_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, budget: float | None,
                        shard_rows: int) -> int:
     """Pinned host bytes the pre-inference prefix of ``block``'s visit streams (0 when it fits resident)."""
-    lo = plan[block].layers[0]
+    lo = plan.visits[block].layers[0]
     if not lo:
         return 0
     part = NoGradPass((0, lo), True, False, shard_rows)
@@ -418,7 +418,7 @@ def recommend(cfg: ModelConfig, shape: StepShape, budget: Budget, split: str = "
         return none
     m = len(cuts) + 1
     plan = model_plan(cfg, m, split=split, freeze=shape.freeze)
-    order = sorted(range(len(plan)), key=lambda b: (b not in (0, len(plan) - 1), b))  # the big ones first
+    order = sorted(range(len(plan.visits)), key=lambda b: (b not in (0, len(plan.visits) - 1), b))  # the big ones first
     if all(fit_holding(cfg, plan, b, shape, budget.usable).fits for b in order):
         cuts = None  # the equal split fits as few blocks: bcd.blocks alone says it
     else:
@@ -441,10 +441,10 @@ def _held(cfg: ModelConfig, plan: Plan, shape: StepShape, none: Recommendation, 
     """``none`` made the recommendation of ``plan``: every visit as :func:`choose_holding` holds it and the pinned
     host memory the largest streaming visit (or its pre-inference prefix) needs."""
     usable = none.budget.usable
-    hs = [choose_holding(cfg, plan, b, shape, usable) for b in range(len(plan))]
+    hs = [choose_holding(cfg, plan, b, shape, usable) for b in range(len(plan.visits))]
     host = max([h.estimate.host_bytes for h in hs] + [
         _prefix_host_bytes(cfg, plan, b, shape, usable, shard_rows)
-        for b in range(len(plan)) if shape.preinfer and any(h.streamed for h in hs)])
+        for b in range(len(plan.visits)) if shape.preinfer and any(h.streamed for h in hs)])
     return replace(none, blocks=len(plan.blocks), holdings=hs, host_bytes=host, **fields)
 
 
@@ -454,14 +454,14 @@ def recommend_rows(cfg: ModelConfig, shape: StepShape, budget: Budget, shard_row
     visit fits too. For a model whose embedding or head keeps the block that owns it from fitting at all: a row
     visit holds its matrix frozen and trains a slice of its rows. ``blocks`` None when nothing fits."""
     none = _no_fit(cfg, shape, budget)
-    if not model_plan(cfg, 1, freeze=shape.freeze, vocab_blocks=2).rows:
+    if not model_plan(cfg, 1, freeze=shape.freeze, vocab_blocks=2).extra:
         return none  # nothing to split: the vocabulary matrices frozen (bcd.freeze)
     cuts = fit_boundaries(cfg, shape, budget.usable, vocab_blocks=2)
     if cuts is None:
         return none
     for k in VOCAB_SPLITS:
         plan = model_plan(cfg, None if cuts else 1, cuts or None, freeze=shape.freeze, vocab_blocks=k)
-        if all(fit_holding(cfg, plan, b, shape, budget.usable).fits for b in range(len(plan.blocks), len(plan))):
+        if all(fit_holding(cfg, plan, b, shape, budget.usable).fits for b in range(len(plan.blocks), len(plan.visits))):
             break
     else:
         return none

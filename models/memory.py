@@ -52,7 +52,7 @@ from bcdflow.models.build import model_plan, param_shapes
 from bcdflow.models.families import decoder_class
 from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.optimizers import LIGHT_CHUNK, OPTIMIZERS
-from bcdflow.models.plan import Plan
+from bcdflow.models.plan import LayerVisit, Plan
 from bcdflow.models.specs import StepShape
 from bcdflow.models.stream import Schedule, SlotPlan, aligned, layer_bytes
 
@@ -187,147 +187,169 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
     (``bcd.freeze``). ``expand_rank`` (``bcd.expand``): low-rank adapters of that rank on every linear map of the
     layers after the block, with their gradients, optimizer state and what their backward keeps
     (:func:`expand_bytes`)."""
-    shapes = model_shapes(cfg)
-    n = cfg.n_layer
-    full = block is None
-    precision, optim, weight_decay, chunk_rows = shape.precision, shape.optim, shape.weight_decay, shape.chunk_rows
-    preinfer, freeze, window, expand_rank = shape.preinfer, shape.freeze, shape.window, shape.expand_rank
-    gpus, parallel = shape.gpus, shape.parallel
-    recompute = shape.recompute in ("on", "all") and not full
-    recompute_active = shape.recompute == "all"  # full training too: activation checkpointing
-    stream, streamed = shape.offload == "stream", shape.streamed
-    if full:
-        lo, hi, trainable = 0, n, set(shapes)
-    else:
-        lo, hi = plan[block].layers
-        trainable = plan[block].trainable(freeze, cfg.tied)
-    # a row block (``bcd.vocab_blocks``, models/rows.py): its matrix held whole and frozen, its rows a slice (in the
-    # optimizer's master dtype) with the gradient and optimizer state; the loss and the lookup make the slice's
-    # gradient alone (models/rows.py), never the whole matrix's
-    row_slice = None if full else plan[block].rows
-    sliced = plan[block].params[0] if row_slice is not None else None
+    v = _visit_figures(cfg, plan, block, shape)
+    w = _held_weights(cfg, shape, v)
+    acts, move_grad, adapted = _saved_activations(cfg, plan, block, shape, v, w)
+    t = _loss_terms(cfg, shape, v, w, move_grad)
+    best, parts = _peak(cfg, shape, v, w, acts, adapted, move_grad, t)
+    return Estimate(name="full" if v.full else f"block {block}", layers=(v.held_lo, v.n),
+                    trainable_params=v.train_numel, held_params=sum(_numel(v.shapes[k]) for k in w.held_names),
+                    weights=w.weights, optim=w.opt, input=w.inp, peak=best, grads_total=w.grads,
+                    recompute=v.recompute and not v.full and v.hi < v.n, streamed_layers=len(w.streamed),
+                    host_bytes=w.host_bytes, copy_bytes=w.copy_bytes, streamed=tuple(w.streamed),
+                    frozen_layers=len(w.frozen_held), layer_sizes=w.sizes, expand_params=w.expand_params,
+                    **{k: parts[k] for k in ("activations", "logits", "grads", "temporaries", "phase")})
 
-    def trained_shape(name: str) -> tuple[int, ...]:
-        return (row_slice[1] - row_slice[0], shapes[name][1]) if name == sliced else shapes[name]
 
-    def numel_trained(name: str) -> int:
-        return _numel(trained_shape(name))
-    from_acts = not full and plan[block].reads_activations(preinfer)
-    held_lo = lo if from_acts else 0
+def _visit_figures(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: StepShape) -> types.SimpleNamespace:
+    """What visit ``block`` trains and holds, as :func:`visit_memory`'s parts read it: its layers, the parameters it
+    trains (each at the shape its kind trains: a row visit's slice, models/rows.py) and the dtypes."""
+    shapes, n, full = model_shapes(cfg), cfg.n_layer, block is None
+    target = None if full else plan.visits[block]
+    kind = LayerVisit() if full else target.mechanism
+    lo, hi = (0, n) if full else target.layers
+    trainable = set(shapes) if full else target.trainable(shape.freeze, cfg.tied)
+    trained = {k: (shapes[k] if full else kind.trained_shape(target, k, shapes[k])) for k in trainable}
+    from_acts = not full and target.reads_activations(shape.preinfer)
+    return types.SimpleNamespace(
+        shapes=shapes, n=n, full=full, target=target, kind=kind, lo=lo, hi=hi, trainable=trainable, trained=trained,
+        train_numel=sum(_numel(s) for s in trained.values()), from_acts=from_acts, held_lo=lo if from_acts else 0,
+        opt=OPTIMIZERS[shape.optim], low=shape.precision == "bf16" and not full,
+        recompute=shape.recompute in ("on", "all") and not full, recompute_active=shape.recompute == "all",
+        shard=shape.gpus if shape.parallel == "fsdp" else 1, N=shape.tokens)
+
+
+def _held_weights(cfg: ModelConfig, shape: StepShape, v) -> types.SimpleNamespace:
+    """The visit's persistent bytes: the weights it holds (streamed layers in ``window`` slots, FSDP's shards), the
+    trained gradients and optimizer state, ``bcd.expand``'s adapters and the step's input."""
+    shapes, opt_of = v.shapes, v.opt
 
     def held(name: str) -> bool:
         i = layer_of(name)
         if i is not None:
-            return i >= held_lo
+            return i >= v.held_lo
         if name.startswith("wpe."):
-            return not from_acts
+            return not v.from_acts
         if name.startswith("wte."):
-            return not from_acts or cfg.tied
+            return not v.from_acts or cfg.tied
         return True  # the head
 
-    held_names = [k for k in shapes if held(k)]
-    low = precision == "bf16" and not full
-    opt_of = OPTIMIZERS[optim]
-
     def wbytes(name: str) -> int:
-        if name == sliced:  # the frozen matrix and the slice's master rows
-            return _numel(shapes[name]) * (2 if low else 4) + opt_of.param_bytes(trained_shape(name))
-        if name in trainable:
-            return opt_of.param_bytes(shapes[name])  # fp32 master weights, or bf16 (adamw8bit-bf16)
-        return _numel(shapes[name]) * (2 if low and len(shapes[name]) >= 2 else 4)
+        frozen = _numel(shapes[name]) * (2 if v.low and len(shapes[name]) >= 2 else 4)
+        if name not in v.trainable:
+            return frozen
+        if v.trained[name] != tuple(shapes[name]):  # a trained part: the matrix held frozen, the part's master
+            return frozen + opt_of.param_bytes(v.trained[name])
+        return opt_of.param_bytes(shapes[name])  # fp32 master weights, or bf16 (adamw8bit-bf16)
 
-    train_numel = sum(numel_trained(k) for k in trainable)
-    train_bytes = sum(opt_of.param_bytes(trained_shape(k)) for k in trainable)  # a gradient takes as many as its weight
-    shard = gpus if parallel == "fsdp" else 1
+    held_names = [k for k in shapes if held(k)]
     weights = sum(wbytes(k) for k in held_names)
-    layer_train_names = {layer_of(k) for k in trainable if layer_of(k) is not None}
-    frozen_held = [i for i in range(held_lo, n) if i not in layer_train_names] if not full else []
+    layer_train_names = {layer_of(k) for k in v.trainable if layer_of(k) is not None}
+    frozen_held = [i for i in range(v.held_lo, v.n) if i not in layer_train_names] if not v.full else []
+    streamed = shape.streamed
     if streamed is None:
-        streamed = frozen_held if stream else []
+        streamed = frozen_held if shape.offload == "stream" else []
     elif not set(streamed) <= set(frozen_held):
         raise ValueError(f"streamed layers {sorted(set(streamed) - set(frozen_held))} are not frozen layers held")
     streamed = sorted(streamed)
-    held_by_layer: dict[int | None, list[str]] = {}
+    by_layer: dict[int | None, list[str]] = {}
     for k in held_names:
-        held_by_layer.setdefault(layer_of(k), []).append(k)
-    sizes = {i: (sum(wbytes(k) for k in held_by_layer.get(i, ())),  # (bytes, flat bytes as the stream allocates)
-                 layer_bytes(wbytes(k) for k in held_by_layer.get(i, ()))) for i in frozen_held}
+        by_layer.setdefault(layer_of(k), []).append(k)
+    sizes = {i: (sum(wbytes(k) for k in by_layer.get(i, ())),  # (bytes, flat bytes as the stream allocates)
+                 layer_bytes(wbytes(k) for k in by_layer.get(i, ()))) for i in frozen_held}
     flat = {i: sizes[i][1] for i in streamed}
-    host_bytes = sum(flat.values())
-    copy_bytes = sum(stream_traffic(streamed, lo, window, flat))
     if streamed:  # the streamed layers' weights leave the device; ``window`` slots of the largest take their place
-        weights += min(window, len(streamed)) * max(flat.values()) - sum(sizes[i][0] for i in streamed)
-    if parallel == "fsdp":  # sharded, plus the largest layer gathered twice (current and prefetched)
-        largest = max((sum(wbytes(k) for k in held_by_layer.get(i, ())) for i in range(held_lo, n)), default=0)
-        weights = weights // shard + 2 * largest
-    grads = train_bytes // shard
-    opt = sum(opt_of.state_bytes(numel_trained(k)) for k in trainable) // shard
+        weights += min(shape.window, len(streamed)) * max(flat.values()) - sum(sizes[i][0] for i in streamed)
+    if shape.parallel == "fsdp":  # sharded, plus the largest layer gathered twice (current and prefetched)
+        largest = max((sum(wbytes(k) for k in by_layer.get(i, ())) for i in range(v.held_lo, v.n)), default=0)
+        weights = weights // v.shard + 2 * largest
+    grads = sum(opt_of.param_bytes(s) for s in v.trained.values()) // v.shard  # a gradient: as many as its weight
+    opt = sum(opt_of.state_bytes(_numel(s)) for s in v.trained.values()) // v.shard
     # bcd.expand: per adapted layer (after the block) its adapter parameters and saved bytes per token
-    expanding = expand_rank and not full and row_slice is None  # a row block expands nothing
-    adapted = {i: expand_bytes(cfg, shape, i) for i in range(hi, n)} if expanding else {}
+    expanding = shape.expand_rank and not v.full and v.kind.expands
+    adapted = {i: expand_bytes(cfg, shape, i) for i in range(v.hi, v.n)} if expanding else {}
     expand_params = sum(p for p, _ in adapted.values())
-    weights += 4 * expand_params
+    weights += 4 * expand_params + decoder_class(cfg.family).buffer_bytes(cfg)  # + derived tables (RoPE's)
     opt += opt_of.state_bytes(expand_params) if expand_params else 0
     grads += 4 * expand_params
-    N = shape.tokens
-    C, V, s = cfg.d_model, cfg.vocab_size, shape.dtype_bytes
-    inp = N * (4 * C + 8) if from_acts else N * 16  # fp32 hidden states + long targets, or long ids + targets
-    weights += decoder_class(cfg.family).buffer_bytes(cfg)  # derived tables (RoPE's)
+    C = cfg.d_model
+    inp = v.N * (4 * C + 8) if v.from_acts else v.N * 16  # fp32 hidden states + long targets, or ids + targets
+    return types.SimpleNamespace(
+        wbytes=wbytes, held_names=held_names, weights=weights, grads=grads, opt=opt, inp=inp, adapted=adapted,
+        expand_params=expand_params, frozen_held=frozen_held, streamed=streamed, sizes=sizes,
+        host_bytes=sum(flat.values()), copy_bytes=sum(stream_traffic(streamed, v.lo, shape.window, flat)))
 
-    # -- the forward's end: saved activations per layer on the gradient path, bottom to top
-    acts: list[tuple[int, int, int]] = []  # (layer, saved bytes, weight-grad bytes added when it runs backward)
-    layer_train = dict.fromkeys(range(n), 0)
-    layer_grad = dict.fromkeys(range(n), 0)
-    for k in trainable:
+
+def _saved_activations(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: StepShape, v, w):
+    """The forward's end: per layer on the gradient path, bottom to top, (layer, bytes it saved, weight-gradient
+    bytes its backward adds); what ``bcd.expand=sign``'s moving weights take at once, by layer; the adapted
+    layers."""
+    shapes, opt_of, N, adapted = v.shapes, v.opt, v.N, w.adapted
+    layer_train = dict.fromkeys(range(v.n), 0)
+    layer_grad = dict.fromkeys(range(v.n), 0)
+    for k in v.trainable:
         if (i := layer_of(k)) is not None:
             layer_train[i] += _numel(shapes[k])
             layer_grad[i] += opt_of.param_bytes(shapes[k])
     # bcd.expand=sign: the suffix's weights get gradients (each made in its layer's backward, dropped in its hook, at
     # the dtype the visit holds it), so a suffix layer keeps its linear maps' inputs as a trained one does
-    moving = (plan.suffix(block, freeze, cfg.tied) if shape.suffix == "sign" and not full and row_slice is None
-              else set())
+    moving = plan.suffix(block, shape.freeze, cfg.tied) if shape.suffix == "sign" and not v.full else set()
     move_grad: dict[int | None, int] = {}  # by layer (None: the head and final norm), the most one weight's gradient
     for k in moving:  # and its update take at once: a chunk's sign (fp32), or its fp32 copy, sign and noise (bf16)
-        bf16 = wbytes(k) < 4 * _numel(shapes[k])
-        need = wbytes(k) + min(LIGHT_CHUNK, _numel(shapes[k])) * (12 if bf16 else 4)
+        bf16 = w.wbytes(k) < 4 * _numel(shapes[k])
+        need = w.wbytes(k) + min(LIGHT_CHUNK, _numel(shapes[k])) * (12 if bf16 else 4)
         move_grad[layer_of(k)] = max(move_grad.get(layer_of(k), 0), need)
-    cast = 0  # bf16 autocast copies of trainable matrices, kept for backward
-    for i in range(lo, n):
-        kind = "trainable" if layer_train[i] or i in move_grad and not recompute else (
-            "recompute" if recompute and i >= hi else "frozen")
-        if layer_train[i] and recompute_active:
+    acts: list[tuple[int, int, int]] = []
+    for i in range(v.lo, v.n):
+        kind = "trainable" if layer_train[i] or i in move_grad and not v.recompute else (
+            "recompute" if v.recompute and i >= v.hi else "frozen")
+        if layer_train[i] and v.recompute_active:
             kind = "recompute"
         a = N * layer_saved_bytes(cfg, shape, kind)
-        if precision == "bf16" and kind == "trainable" and opt_of.master == 4:  # a bf16 master is not cast
-            mats = sum(_numel(shapes[k]) for k in trainable if layer_of(k) == i and len(shapes[k]) >= 2)
-            a += 2 * mats // shard
-            cast += 2 * mats // shard
+        if shape.precision == "bf16" and kind == "trainable" and opt_of.master == 4:  # a bf16 master is not cast
+            mats = sum(_numel(shapes[k]) for k in v.trainable if layer_of(k) == i and len(shapes[k]) >= 2)
+            a += 2 * mats // v.shard  # bf16 autocast copies of trainable matrices, kept for backward
         if i in adapted:  # its gradients come in its backward; a recomputed layer makes its saved part again there
             p, tok = adapted[i]
-            a += 0 if kind == "recompute" else N * tok + 2 * p * (precision == "bf16")  # + bf16 casts of A, B
-        acts.append((i, a, (layer_grad[i] + 4 * (adapted[i][0] if i in adapted else 0)) // shard))
+            a += 0 if kind == "recompute" else N * tok + 2 * p * (shape.precision == "bf16")  # + bf16 casts of A, B
+        acts.append((i, a, (layer_grad[i] + 4 * (adapted[i][0] if i in adapted else 0)) // v.shard))
+    v.layer_train, v.moving = layer_train, moving
+    return acts, move_grad, adapted
+
+
+def _loss_terms(cfg: ModelConfig, shape: StepShape, v, w, move_grad: dict) -> dict:
+    """The gradient terms of the loss, the embedding's backward and the optimizer, as a visit of its kind makes
+    them (``LayerVisit.memory_terms``): the head's weight gradient from forward on (``grad_w``) and its bf16 copy
+    (``w_copy``), a loss chunk's weight-gradient partial (``partial``, elements), the other gradients (made in
+    backward), what the head's backward adds, the running gradients after it and the optimizer's (None: as they
+    run), the embedding's backward."""
+    C, V, opt_of, grads = cfg.d_model, cfg.vocab_size, v.opt, w.grads
     head_name = "wte.weight" if cfg.tied else "lm_head.weight"
-    head_trainable = head_name in trainable
-    head_numel = V * C
-    rows = min(N, loss_chunk_rows(V, chunk_rows))
+    head_trainable, head_numel = head_name in v.trainable, V * C
+    grad_w = opt_of.master * head_numel // v.shard if head_trainable else 0  # part of ``grads``: from the loss on
+    w_copy = 2 * head_numel if head_trainable and shape.precision == "bf16" and opt_of.master == 4 else 0
+    if head_name in v.moving:  # the loss makes the moving head's gradient from forward on, dropped in its backward
+        w_copy += w.wbytes(head_name)
+    terms = dict(grad_w=grad_w, w_copy=w_copy, partial=head_numel if head_trainable or head_name in v.moving else 0,
+                 other_grads=grads - grad_w, head_back=0, after_head=None, final=None,
+                 emb=head_numel * opt_of.master if cfg.tied and "wte.weight" in v.trainable else 0)  # dense wte grad
+    if v.full:
+        return terms
+    fig = types.SimpleNamespace(grads=grads, trained=head_trainable, train_numel=v.train_numel, N=v.N, C=C)
+    return v.kind.memory_terms(v.target, terms, fig)
+
+
+def _peak(cfg: ModelConfig, shape: StepShape, v, w, acts, adapted, move_grad, t) -> tuple[int, dict]:
+    """The step's peak bytes and its parts: the forward's end, the head's backward, each layer's backward, the
+    embedding's and the optimizer's, each with what is alive then."""
+    C, V, N, s = cfg.d_model, cfg.vocab_size, v.N, shape.dtype_bytes
+    bf16 = shape.precision == "bf16"
+    rows = min(N, loss_chunk_rows(V, shape.chunk_rows))
     ln_f = N * (4 * C + 8)  # ln_f keeps its input and statistics
     grad_h = N * 4 * C  # the head's input gradient, computed in forward
-    grad_w = opt_of.master * head_numel // shard if head_trainable else 0  # part of ``grads``: from the loss on
-    w_copy = 2 * head_numel if head_trainable and precision == "bf16" and opt_of.master == 4 else 0
-    if head_name in moving:  # the loss makes the moving head's gradient from forward on, dropped in its backward
-        w_copy += wbytes(head_name)
-    if row_slice:  # the loss makes the slice's gradient alone, from forward on; the frozen matrix is not copied
-        grad_w, w_copy = (grads if head_trainable else 0), 0
-    chunk = rows * V * (6 if precision == "bf16" else 4) + rows * C * (2 if precision == "bf16" else 0)
-    if head_trainable or head_name in moving:  # one chunk's weight-gradient partial before it is added (the slice's
-        # rows for a row block)
-        chunk += (train_numel if row_slice else head_numel) * s
-    other_grads = grads - grad_w if not row_slice else grads  # the rest of the trainable gradients, made in backward
-    persistent = weights + opt + inp
-    saved = sum(a for _, a, _ in acts)
-
-    parts = {}
-    best = -1
+    chunk = rows * V * (6 if bf16 else 4) + rows * C * (2 if bf16 else 0) + t["partial"] * s
+    persistent = w.weights + w.opt + w.inp
+    parts, best = {}, -1
 
     def at(phase: str, activ: int, logits: int, grads_now: int, temp: int) -> None:
         nonlocal best
@@ -336,47 +358,38 @@ def visit_memory(cfg: ModelConfig, plan: Plan | None, block: int | None, shape: 
             best = total
             parts.update(phase=phase, activations=activ, logits=logits, grads=grads_now, temporaries=temp)
 
-    at("forward", saved + ln_f, grad_h + chunk + w_copy, grad_w, 0)
-    running_act, running_grads = saved + ln_f, grad_w
-    back_t = N * _layer_backward_temp(cfg, shape)
-    at("backward head", running_act, grad_h, running_grads,  # a row block: the slice's, scaled; a moving head: its
-       2 * N * 4 * C + (grad_w if row_slice and head_trainable else 0) + move_grad.get(None, 0))  # scaled and step
-    if row_slice:
-        running_grads = grads if head_trainable else 0  # the slice's gradient; the matrix's is freed
+    saved = sum(a for _, a, _ in acts)
+    at("forward", saved + ln_f, grad_h + chunk + t["w_copy"], t["grad_w"], 0)
+    running_act, running_grads = saved + ln_f, t["grad_w"]
+    at("backward head", running_act, grad_h, running_grads, 2 * N * 4 * C + t["head_back"] + move_grad.get(None, 0))
+    if t["after_head"] is not None:
+        running_grads = t["after_head"]
     running_act -= ln_f
+    back_t = N * _layer_backward_temp(cfg, shape)
     for i, a, g in reversed(acts):
-        redo = N * layer_saved_bytes(cfg, shape, "frozen") if recompute and not layer_train[i] and i >= hi else 0
+        trains = v.layer_train[i]
+        redo = N * layer_saved_bytes(cfg, shape, "frozen") if v.recompute and not trains and i >= v.hi else 0
         if redo and i in adapted:
-            redo += N * adapted[i][1] + 2 * adapted[i][0] * (precision == "bf16")
-        if recompute_active and layer_train[i]:  # the layer's own activations, back for its backward
+            redo += N * adapted[i][1] + 2 * adapted[i][0] * bf16
+        if v.recompute_active and trains:  # the layer's own activations, back for its backward
             redo = N * layer_saved_bytes(cfg, shape, "trainable")
-        at(f"backward layer {i}", running_act, 0, running_grads,
-           back_t + redo + move_grad.get(i, 0))
+        at(f"backward layer {i}", running_act, 0, running_grads, back_t + redo + move_grad.get(i, 0))
         running_act -= a
         running_grads += g
-    if not from_acts and full or (not full and lo == 0):
-        emb = head_numel * opt_of.master if cfg.tied and "wte.weight" in trainable else 0  # dense wte grad, added
-        if row_slice and sliced == "wte.weight":  # the slice's rows summed from its tokens' gradients (fp32 copies)
-            emb = grads + N * 4 * C
-        at("backward embeddings", 0, 0, running_grads, emb + N * 4 * C)
-    running_grads = grads if row_slice else max(running_grads, other_grads + grad_w)
-    opt_temp = running_grads if opt_of.decay_temporary and weight_decay > 0 else 0
-    if opt_of.master == 2 and trainable:  # a bf16 weight's update: a chunk's fp32 weight, gradient and noise
-        opt_temp = 3 * 4 * min(LIGHT_CHUNK, max(numel_trained(k) for k in trainable))
+    if not v.from_acts and v.full or (not v.full and v.lo == 0):
+        at("backward embeddings", 0, 0, running_grads, t["emb"] + N * 4 * C)
+    running_grads = t["final"] if t["final"] is not None else max(running_grads, t["other_grads"] + t["grad_w"])
+    opt_temp = running_grads if v.opt.decay_temporary and shape.weight_decay > 0 else 0
+    if v.opt.master == 2 and v.trainable:  # a bf16 weight's update: a chunk's fp32 weight, gradient and noise
+        opt_temp = 3 * 4 * min(LIGHT_CHUNK, max(_numel(s_) for s_ in v.trained.values()))
     at("optimizer", 0, 0, running_grads, opt_temp)
-    return Estimate(name="full" if full else f"block {block}", layers=(held_lo, n), trainable_params=train_numel,
-                    held_params=sum(_numel(shapes[k]) for k in held_names), weights=weights, optim=opt, input=inp,
-                    peak=best, grads_total=grads, recompute=recompute and not full and hi < n,
-                    streamed_layers=len(streamed), host_bytes=host_bytes, copy_bytes=copy_bytes,
-                    streamed=tuple(streamed), frozen_layers=len(frozen_held), layer_sizes=sizes,
-                    expand_params=expand_params,
-                    **{k: parts[k] for k in ("activations", "logits", "grads", "temporaries", "phase")})
+    return best, parts
 
 
 def plan_visits(cfg: ModelConfig, blocks: int, shape: StepShape, split: str = "params") -> list[Estimate]:
-    """The estimate of every block's visit under the ``bcd.blocks=blocks`` plan (``bcd.split=split``)."""
+    """The estimate of every visit under the ``bcd.blocks=blocks`` plan (``bcd.split=split``)."""
     plan = model_plan(cfg, blocks, split=split, freeze=shape.freeze)
-    return [visit_memory(cfg, plan, b, shape) for b in range(len(plan))]
+    return [visit_memory(cfg, plan, b, shape) for b in range(len(plan.visits))]
 
 
 # -- the device budget ------------------------------------------------------------------------------------------
@@ -386,8 +399,9 @@ def load_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, store
     ``stored_bytes`` a parameter (4: a trained version's fp32 files; version 0 keeps a checkpoint's own dtype), and
     one tensor's conversion (a copy to CUDA that changes the dtype converts on the host into a temporary of the
     destination's size: the largest tensor at 4 bytes)."""
-    lo = plan[block].layers[0] if plan[block].reads_activations(shape.preinfer) else 0
-    stored = plan.stored(block)  # a row block reads the stored blocks its part holds
+    v = plan.visits[block]
+    lo = v.layers[0] if v.reads_activations(shape.preinfer) else 0
+    stored = v.stored  # a row visit reads the stored blocks its part holds
     owners = {b for b in range(len(plan.blocks)) if b >= stored or not lo}
     if lo and cfg.tied:
         owners.add(plan.owner("wte.weight"))  # the tied head reads block 0's embedding
@@ -403,14 +417,11 @@ def host_phases(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, est:
       weights, as many bytes as their gradients: ``est.grads_total``) and its optimizer state (``est.optim``), once
       as host tensors and once as the serialized bytes made from them or read into them;
     - ``commit``: its block file made (storage/checkpoints.save_block streams to a file: the block's tensors on the
-      host once); a row block's reads the stored block holding its matrix (the file's bytes and its tensors), copies
-      the matrix and writes its rows in (engine.row_block_tensors)."""
-    stored = plan.stored(block)
-    if plan[block].rows is not None:
-        (name,) = plan[block].params
-        commit = 2 * file_bytes(cfg, plan, [stored]) + 4 * _numel(model_shapes(cfg)[name])
-    else:
-        commit = file_bytes(cfg, plan, [stored])
+      host once), or what the visit's kind takes to make it (``LayerVisit.commit_host_bytes``: a row visit reads
+      the stored block holding its matrix, copies the matrix and writes its rows in)."""
+    v = plan.visits[block]
+    sizes = {n: _numel(s) for n, s in model_shapes(cfg).items()}
+    commit = v.mechanism.commit_host_bytes(v, file_bytes(cfg, plan, [v.stored]), sizes)
     return {"load": load_bytes(cfg, plan, block, shape), "checkpoint": 2 * (est.grads_total + est.optim),
             "commit": commit}
 
@@ -418,7 +429,7 @@ def host_phases(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape, est:
 def reading_bytes(cfg: ModelConfig, plan: Plan, blocks: Collection[int], stored_bytes: int = 4) -> int:
     """Host bytes reading ``blocks`` one file at a time takes at its peak: the largest file and the largest tensor's
     conversion (4 bytes a parameter); 0 for none."""
-    names = {n for b in blocks for n in plan[b].params}
+    names = {n for b in blocks for n in plan.blocks[b].params}
     largest = max((_numel(s) for n, s in model_shapes(cfg).items() if n in names), default=0)
     return file_bytes(cfg, plan, blocks, stored_bytes) + 4 * largest
 
@@ -427,7 +438,7 @@ def file_bytes(cfg: ModelConfig, plan: Plan, blocks: Collection[int], stored_byt
     """The largest block file of ``blocks`` (0 for none), at ``stored_bytes`` a parameter, with its safetensors
     header (under 256 bytes a tensor: name, dtype, shape, offsets)."""
     sizes = {n: _numel(s) for n, s in model_shapes(cfg).items()}
-    return max((sum(sizes[n] * stored_bytes + 256 for n in plan[b].params) for b in blocks), default=0)
+    return max((sum(sizes[n] * stored_bytes + 256 for n in plan.blocks[b].params) for b in blocks), default=0)
 
 
 def stage_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape) -> int:
@@ -435,7 +446,7 @@ def stage_bytes(cfg: ModelConfig, plan: Plan, block: int, shape: StepShape) -> i
     two): each holds a batch's inputs (the prefix's fp32 states, or int64 token ids) and int64 targets, each
     aligned."""
     n = shape.batch * shape.seq
-    inputs = n * (4 * cfg.d_model if plan[block].reads_activations(shape.preinfer) else 8)
+    inputs = n * (4 * cfg.d_model if plan.visits[block].reads_activations(shape.preinfer) else 8)
     return BATCH_SLOTS * (aligned(inputs) + aligned(n * 8))
 
 

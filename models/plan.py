@@ -7,9 +7,11 @@ tied tensor once, under ``wte.weight``, so it lands in block 0.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from bcdflow.models.errors import ConfigError
 
@@ -21,77 +23,159 @@ _LAYER = re.compile(r"^h\.(\d+)\.")
 
 @dataclass(frozen=True)
 class Block:
+    """A stored block: one file of a version's manifest (``params``: the tensors it holds) and the layers it owns."""
     index: int
     layers: tuple[int, int]  # [lo, hi)
     params: tuple[str, ...]
     split: tuple[str, ...] = ()
-    """A stored block: its vocabulary matrices trained in row blocks (``bcd.vocab_blocks``), not by its own visit."""
+    """Its vocabulary matrices trained in row visits (``bcd.vocab_blocks``), not by its own visit."""
+
+    def to_dict(self) -> dict:
+        d = {"index": self.index, "layers": list(self.layers), "params": list(self.params)}
+        if self.split:
+            d["split"] = list(self.split)
+        return d
+
+
+VISIT_KINDS = {"layers": "bcdflow.models.plan:LayerVisit", "rows": "bcdflow.models.rows:RowVisit"}
+"""Each kind of visit and the class that says what it trains, holds and commits (a :class:`LayerVisit` or its
+subclass), ``module:Class``, imported on first use (the row kind's module holds torch). A new kind of visit is its
+module and one line here (docs/DESIGN.md, where a change goes)."""
+
+
+class LayerVisit:
+    """A stored block's own visit: it trains the block's parameters whole (less ``bcd.freeze`` and its ``split``
+    matrices) and commits the block's file. Every hook is the plain case; another kind overrides what differs."""
+
+    expands = True
+    """Whether ``bcd.expand`` (adapters or the state-free rule on the layers after it) applies."""
+
+    def label(self, t: "VisitTarget") -> str | None:
+        """What reports print as what it trains beside its layers (None: its layers say it)."""
+        return None
+
+    def report(self, t: "VisitTarget") -> dict:
+        """The fields ``plan-memory``'s visit rows add for this kind (``label``: its table's narrow cell)."""
+        return {}
+
+    def trained_shape(self, t: "VisitTarget", name: str, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of what trains of parameter ``name`` (of ``shape``)."""
+        return tuple(shape)
+
+    def memory_terms(self, t: "VisitTarget", terms: dict, m) -> dict:
+        """models/memory.visit_memory's gradient terms of the loss, the embedding and the optimizer (``terms``) as
+        this kind makes them; ``m``: the visit's figures there."""
+        return terms
+
+    def commit_host_bytes(self, t: "VisitTarget", file_bytes: int, numel: Mapping[str, int]) -> int:
+        """Host bytes its commit takes, the stored block's file being ``file_bytes``."""
+        return file_bytes
+
+    def model_trainable(self, active: frozenset) -> frozenset:
+        """What the visit's model loads trainable (a kind that trains a slice loads its matrix frozen)."""
+        return active
+
+    def attach(self, t: "VisitTarget", model, named: list, master, read_stored: Callable) -> list:
+        """The (name, parameter) list the optimizer steps, once the model is built; ``read_stored(name)`` gives a
+        stored tensor of the version it starts from (fp32, on the host)."""
+        return named
+
+    def commit(self, t: "VisitTarget", named: list, read_block: Callable) -> dict | None:
+        """The tensors its commit writes, or None: the model's block tensors (tasks/engine.py);
+        ``read_block()`` gives the stored block's tensors as the base version stores them."""
+        return None
+
+
+@dataclass(frozen=True)
+class VisitTarget:
+    """One visit of a run (``Plan.visits``): its index, its kind (:data:`VISIT_KINDS`), the stored block whose file
+    its commit writes, the layers it trains at (the gradient path starts there), the parameters it trains and, for a
+    row visit, the rows [lo, hi) of its one matrix."""
+    index: int
+    kind: str
+    stored: int
+    layers: tuple[int, int]
+    params: tuple[str, ...]
+    split: tuple[str, ...] = ()
     rows: tuple[int, int] | None = None
-    """A row block: the rows [lo, hi) of its one parameter (``params``) it trains; None: a stored block."""
-    owner: int | None = None
-    """A row block: the stored block that holds its matrix (whose file its visit commits)."""
+
+    @property
+    def mechanism(self) -> LayerVisit:
+        """The kind's class (an instance), imported on first use."""
+        return _kind(self.kind)
 
     def to_dict(self) -> dict:
         d = {"index": self.index, "layers": list(self.layers), "params": list(self.params)}
         if self.split:
             d["split"] = list(self.split)
         if self.rows is not None:
-            d.update(rows=list(self.rows), owner=self.owner)
+            d.update(rows=list(self.rows), owner=self.stored)
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Block":
-        return cls(d["index"], tuple(d["layers"]), tuple(d["params"]), tuple(d.get("split", ())),
-                   tuple(d["rows"]) if d.get("rows") is not None else None, d.get("owner"))
+    def from_dict(cls, d: dict) -> "VisitTarget":
+        """A visit as a run's record stores it (``Plan.to_dict``: a stored block's, or a row visit's with its owner)."""
+        rows = d.get("rows")
+        return cls(d["index"], "layers" if rows is None else "rows", d["index"] if rows is None else d["owner"],
+                   tuple(d["layers"]), tuple(d["params"]), tuple(d.get("split", ())),
+                   None if rows is None else tuple(rows))
 
     def reads_activations(self, preinfer: bool) -> bool:
-        """Whether this block's visit trains from the frozen prefix's stored activations (paper §3.2.2): with
-        pre-inference on, every block with a prefix (not the first). The one place this rule is spelled."""
+        """Whether this visit trains from the frozen prefix's stored activations (paper §3.2.2): with
+        pre-inference on, every visit with a prefix (not the first). The one place this rule is spelled."""
         return preinfer and self.layers[0] > 0
 
     def trainable(self, freeze: Sequence[str], tied: bool) -> set[str]:
-        """The parameters this block's visit trains: its own, less what ``bcd.freeze`` keeps frozen and the matrices
-        its row blocks train (a row block: its matrix, whose rows ``rows`` it trains)."""
+        """The parameters this visit trains: its own, less what ``bcd.freeze`` keeps frozen and the matrices
+        its block's row visits train (a row visit: its matrix, whose rows ``rows`` it trains)."""
         return set(self.params) - frozen_names(self.params, freeze, tied) - set(self.split)
 
     def frozen_layers(self, n_layer: int, preinfer: bool) -> list[int]:
-        """The frozen layers this block's visit holds: the suffix, and the prefix when it reads no stored
+        """The frozen layers this visit holds: the suffix, and the prefix when it reads no stored
         activations (the layers a streamed visit keeps in host memory)."""
         lo, hi = self.layers
         start = lo if self.reads_activations(preinfer) else 0
         return [i for i in range(start, n_layer) if not lo <= i < hi]
 
 
+@functools.cache
+def _kind(kind: str) -> LayerVisit:
+    module, name = VISIT_KINDS[kind].split(":")
+    return getattr(importlib.import_module(module), name)()
+
+
 @dataclass(frozen=True)
 class Plan:
-    """The blocks a run visits: ``blocks``, the stored blocks (each one file of a version's manifest), then ``rows``,
-    the row blocks of its vocabulary matrices (``bcd.vocab_blocks``), numbered after them; a row block's visit commits
-    the stored block that holds its matrix (``Block.owner``). ``len`` and indexing cover both: every visit's."""
+    """The stored blocks of a run (``blocks``: each one file of a version's manifest) and the visits that train
+    them (``visits``: one per stored block, in order, then any others, numbered after them: the row visits of the
+    vocabulary matrices, ``bcd.vocab_blocks``). Loops over visits read ``visits``, loops over files ``blocks``."""
     n_layer: int
     blocks: tuple[Block, ...]
-    rows: tuple[Block, ...] = ()
+    extra: tuple[VisitTarget, ...] = ()
+    """The visits beyond each stored block's own (numbered from ``len(blocks)``)."""
 
-    def __len__(self) -> int:
-        return len(self.blocks) + len(self.rows)
+    @functools.cached_property
+    def visits(self) -> tuple[VisitTarget, ...]:
+        own = tuple(VisitTarget(b.index, "layers", b.index, b.layers, b.params, b.split) for b in self.blocks)
+        return own + self.extra
 
-    def __getitem__(self, b: int) -> Block:
-        if b < 0:
-            raise IndexError(b)
-        return self.blocks[b] if b < len(self.blocks) else self.rows[b - len(self.blocks)]
-
-    def stored(self, b: int) -> int:
-        """The stored block whose file block ``b``'s visit commits (itself, or a row block's owner)."""
-        blk = self[b]
-        return blk.index if blk.owner is None else blk.owner
+    def counts(self) -> str:
+        """The plan in words: "3 blocks", "3 blocks, 4 row visits"."""
+        kinds: dict[str, int] = {}
+        for v in self.extra:
+            kinds[v.kind] = kinds.get(v.kind, 0) + 1
+        return ", ".join([f"{len(self.blocks)} block{'s' * (len(self.blocks) != 1)}",
+                          *(f"{k} {kind[:-1] if kind.endswith('s') else kind} visit{'s' * (k != 1)}"
+                            for kind, k in kinds.items())])
 
     def suffix(self, b: int, freeze: Sequence[str], tied: bool) -> set[str]:
-        """What ``bcd.expand=sign`` steps in block ``b``'s visit: every parameter the stored blocks after it train
-        (``bcd.freeze`` kept; a tied head is block 0's embedding, never a suffix's); none for a row block or the last
-        block."""
-        blk = self[b]
-        if blk.rows is not None or blk.layers[1] >= self.n_layer:
+        """What ``bcd.expand=sign`` steps in visit ``b``: every parameter the stored blocks after it train
+        (``bcd.freeze`` kept; a tied head is block 0's embedding, never a suffix's); none for a kind that does not
+        expand or the last block."""
+        v = self.visits[b]
+        if not v.mechanism.expands or v.layers[1] >= self.n_layer:
             return set()
-        return {n for later in self.blocks[self.stored(b) + 1:] for n in later.trainable(freeze, tied)}
+        return {n for later in self.visits[v.stored + 1:len(self.blocks)] for n in later.trainable(freeze, tied)}
 
     def owner(self, name: str) -> int:
         for blk in self.blocks:
@@ -101,8 +185,8 @@ class Plan:
 
     def to_dict(self) -> dict:
         d = {"n_layer": self.n_layer, "blocks": [b.to_dict() for b in self.blocks]}
-        if self.rows:  # the stored blocks stay ``blocks``: what the manifests, export and prune read
-            d["rows"] = [b.to_dict() for b in self.rows]
+        if self.extra:  # the stored blocks stay ``blocks``: what the manifests, export and prune read
+            d["rows"] = [v.to_dict() for v in self.extra]
         return d
 
 
@@ -213,12 +297,11 @@ def split_rows(plan: Plan, shapes: Mapping[str, Sequence[int]], parts: int, froz
     rows, blocks = [], list(plan.blocks)
     for name in names:
         owner = plan.owner(name)
-        blocks[owner] = Block(owner, blocks[owner].layers, blocks[owner].params,
-                              blocks[owner].split + (name,))
+        blocks[owner] = Block(owner, blocks[owner].layers, blocks[owner].params, blocks[owner].split + (name,))
         at = 0 if name == "wte.weight" else plan.n_layer
         cuts = row_cuts(shapes[name][0], parts)
-        rows += [Block(len(plan.blocks) + len(rows) + k, (at, at), (name,), rows=(cuts[k], cuts[k + 1]),
-                       owner=owner) for k in range(parts)]
+        rows += [VisitTarget(len(plan.blocks) + len(rows) + k, "rows", owner, (at, at), (name,),
+                             rows=(cuts[k], cuts[k + 1])) for k in range(parts)]
     return Plan(plan.n_layer, tuple(blocks), tuple(rows))
 
 
@@ -235,4 +318,4 @@ def frozen_names(names: Iterable[str], freeze: Sequence[str], tied: bool) -> set
 def block_tensors(model, plan: Plan, b: int) -> dict:
     """Block ``b``'s tensors of ``model`` (whole or partial, global names): detached, contiguous, on the CPU."""
     params = dict(model.named_parameters())
-    return {n: params[n].detach().to("cpu").contiguous() for n in plan[b].params}
+    return {n: params[n].detach().to("cpu").contiguous() for n in plan.blocks[b].params}

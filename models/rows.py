@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from bcdflow.models.plan import VOCAB_MATRICES
+from bcdflow.models.plan import VOCAB_MATRICES, LayerVisit
 
 class _Rows(torch.autograd.Function):
     """The matrix ``weight`` (frozen, its rows [lo, lo + n) already holding ``rows``' values) as a function of the
@@ -141,3 +141,51 @@ def detach_rows(model: nn.Module, name: str) -> None:
             slice_(module.parametrizations.weight.original)  # the rows written in once more
         parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
     module.__dict__.pop("forward", None)  # the class's own lookup again
+
+
+class RowVisit(LayerVisit):
+    """The visit kind ``rows`` (``models/plan.VISIT_KINDS``): rows [lo, hi) of one vocabulary matrix (``t.params``,
+    ``t.rows``), the matrix held whole and frozen and its rows the one trainable slice; its commit is the stored
+    block holding the matrix (``t.stored``) with those rows written in. Its arithmetic is here, beside the
+    mechanism: what trains, what the planner counts, what the visit attaches and commits."""
+
+    expands = False  # its commit's block may be a suffix block too (the embedding's rows have every layer after them)
+
+    def label(self, t) -> str:
+        return f"{t.params[0]}[{t.rows[0]}:{t.rows[1]}]"
+
+    def report(self, t) -> dict:
+        return {"rows": [t.params[0], *t.rows], "label": "emb rows" if t.params[0] == "wte.weight" else "lm rows"}
+
+    def trained_shape(self, t, name: str, shape) -> tuple[int, ...]:
+        return (t.rows[1] - t.rows[0], *shape[1:]) if name == t.params[0] else tuple(shape)
+
+    def memory_terms(self, t, terms: dict, m) -> dict:
+        """The loss and the lookup make the slice's gradient alone (the whole matrix's never exists): from forward
+        on where the matrix is the head's, summed from its tokens' gradients (fp32 copies) where it is the
+        embedding's; a loss chunk's partial covers the slice's rows; the frozen matrix is not copied."""
+        g = m.grads if m.trained else 0
+        return dict(terms, grad_w=g, w_copy=0, partial=m.train_numel if terms["partial"] else 0, other_grads=m.grads,
+                    head_back=g, after_head=g, final=m.grads,
+                    emb=m.grads + m.N * 4 * m.C if t.params[0] == "wte.weight" else terms["emb"])
+
+    def commit_host_bytes(self, t, file_bytes: int, numel) -> int:
+        """It reads the stored block holding its matrix (the file's bytes and its tensors) and copies the matrix."""
+        return 2 * file_bytes + 4 * numel[t.params[0]]
+
+    def model_trainable(self, active: frozenset) -> frozenset:
+        return frozenset()  # the whole matrix frozen (bf16 under bf16); its rows a trainable slice
+
+    def attach(self, t, model, named: list, master, read_stored) -> list:
+        """The slice, starting from the stored rows, never the held matrix's bf16 rounding of them."""
+        (name,), (lo, hi) = t.params, t.rows
+        return [(name, attach_rows(model, name, lo, hi, master, read_stored(name)[lo:hi].clone()))]
+
+    def commit(self, t, named: list, read_block) -> dict:
+        """The stored block as the base version stores it, the matrix's rows [lo, hi) replaced by the slice's (cast
+        to its stored dtype); every other tensor and row the stored one, bitwise (I1)."""
+        (name,), (lo, hi) = t.params, t.rows
+        tensors = read_block()
+        matrix = tensors[name].clone()
+        matrix[lo:hi] = dict(named)[name].detach().to("cpu", matrix.dtype)
+        return {**tensors, name: matrix}

@@ -30,8 +30,7 @@ from bcdflow.core.spend import spent_at
 from bcdflow.models.errors import Diverged
 from bcdflow.models.memory import NoGradPass, no_grad_memory, no_grad_rows, visit_memory
 from bcdflow.models.optimizers import OPTIMIZERS
-from bcdflow.models.plan import block_tensors
-from bcdflow.models.rows import attach_rows
+from bcdflow.models.plan import LayerVisit, VisitTarget, block_tensors
 from bcdflow.models.stream import BatchStage
 from bcdflow.models.trainer import LoopHooks, LoopState, make_optimizer, run_steps
 from bcdflow.models.visit_compute import autocast, prefix_hidden, visit_loss
@@ -81,7 +80,8 @@ class TrainResult(BaseModel):
     suffix_norms: dict[int, float] = {}
     """``bcd.expand``: the norm of each suffix block's merged update, as stored."""
     stored: int | None = None
-    """A row block's visit (``bcd.vocab_blocks``): the stored block its ``block_file`` replaces (``Plan.stored``)."""
+    """A visit of another kind than a block's own (a row visit): the stored block its ``block_file`` replaces
+    (``VisitTarget.stored``)."""
 
     def files(self, block: int) -> dict[int, dict]:
         """Every block file the visit of ``block`` wrote, by stored block: its own (a row block's: the one holding its
@@ -278,10 +278,14 @@ class VisitLayout:
     are the prefix's exact ones: no stored activations, or stored in float32)."""
     expand: int = 0
     """``bcd.expand``: the rank of the adapters on the layers after the block ([hi, n)); 0 = none (off, the last
-    block, or a row block)."""
-    rows: tuple[str, int, int] | None = None
-    """A row block (``bcd.vocab_blocks``): the vocabulary matrix and its rows [lo, hi) the visit trains (the one
-    parameter in ``active``); None: a block of whole parameters."""
+    block, or a kind of visit that expands nothing)."""
+    target: VisitTarget | None = None
+    """What the visit trains and commits (``models/plan.VisitTarget``; its kind's hooks attach and commit it); None:
+    a benchmark's step of whole parameters."""
+
+    @property
+    def kind(self) -> LayerVisit:
+        return LayerVisit() if self.target is None else self.target.mechanism
 
     @property
     def cycle(self) -> int:
@@ -308,20 +312,18 @@ class VisitLayout:
 def describe(ctx: RunContext, spec: VisitSpec, gpus: int = 1) -> VisitLayout:
     """Visit ``spec`` described for ``gpus`` processes (several: DDP or FSDP2, nothing streamed)."""
     cfg, block = ctx.cfg, spec.block
-    blk = ctx.plan[block]
-    lo, hi = blk.layers
+    target = ctx.plan.visits[block]
+    lo, hi = target.layers
     from_acts = ctx.from_acts(block)
-    # a row block expands nothing: its commit is the file of the stored block holding its matrix, which may be a
-    # suffix block too (the embedding's rows have every layer after them)
-    rows = (blk.params[0], *blk.rows) if blk.rows is not None else None
-    expand = cfg.bcd.expand_rank if cfg.bcd.expand == "lora" and hi < ctx.model_cfg.n_layer and not rows else 0
+    expand = (cfg.bcd.expand_rank if cfg.bcd.expand == "lora" and hi < ctx.model_cfg.n_layer
+              and target.mechanism.expands else 0)
     recompute = use_recompute(cfg, ctx, block, gpus=gpus, parallel="single" if gpus == 1 else "ddp")
     return VisitLayout(
         run_id=ctx.run_id, spec=spec, lo=lo, hi=hi, n_layer=ctx.model_cfg.n_layer,
         from_acts=from_acts, active=frozenset(ctx.trainable(block)), recompute=recompute,
         recompute_active=cfg.bcd.recompute == "all",
         streamed=ctx.holding(block).streamed if gpus == 1 else (),
-        exact=gpus == 1 and (not from_acts or cfg.bcd.act_dtype == "float32"), expand=expand, rows=rows)
+        exact=gpus == 1 and (not from_acts or cfg.bcd.act_dtype == "float32"), expand=expand, target=target)
 
 
 def prepare_model(model: torch.nn.Module, active, chunk_rows: int | None,
@@ -398,16 +400,13 @@ class Resident:
     def __init__(self, ctx: RunContext, vs: VisitLayout):
         self.ctx, self.vs, self.device = ctx, vs, ctx.device
         cfg = ctx.cfg
-        # a row block: the whole matrix frozen (bf16 under bf16), its rows a trainable slice (models/rows.py)
-        active = frozenset() if vs.rows else vs.active
+        active = vs.kind.model_trainable(vs.active)  # a row visit: the whole matrix frozen, its rows a slice
         self.model = ctx.load_part(ctx.manifest(vs.version), vs.layers, embed=vs.embed, head=True,
                                    trainable=active, stream=vs.streamed,
                                    grad_from=vs.lo)  # bf16: frozen matrices in bf16 (I6)
         self.named = prepare_model(self.model, active, cfg.train.loss_chunk_rows, cfg.train.compile)
-        if vs.rows:  # the slice starts from the stored rows, never the held matrix's bf16 rounding of them
-            name, lo, hi = vs.rows
-            master = torch.bfloat16 if OPTIMIZERS[cfg.optim.name].master == 2 else torch.float32
-            self.named = [(name, attach_rows(self.model, name, lo, hi, master, stored_rows(ctx, vs)))]
+        master = torch.bfloat16 if OPTIMIZERS[cfg.optim.name].master == 2 else torch.float32
+        self.named = vs.kind.attach(vs.target, self.model, self.named, master, lambda name: stored_tensor(ctx, vs, name))
         # a peer that wraps the model (optim.name=lora: adapters, the base frozen) trains what the wrapper adds
         wrap = OPTIMIZERS[cfg.optim.name].wrap
         self.named, self.unwrap = wrap(self.model, cfg.optim_spec()) if wrap else (self.named, None)
@@ -438,8 +437,9 @@ class Resident:
         return opt.state_dict()
 
     def block_tensors(self) -> dict[str, torch.Tensor]:
-        if self.vs.rows:
-            return row_block_tensors(self.ctx, self.vs, dict(self.named)[self.vs.rows[0]])
+        own = self.vs.kind.commit(self.vs.target, self.named, lambda: stored_block(self.ctx, self.vs))
+        if own is not None:  # what the visit's kind commits (a row visit: the stored block, its rows written in)
+            return own
         if self.unwrap is not None:  # the wrapper merged in: the model's own names and weights
             self.unwrap, finish = None, self.unwrap
             finish()
@@ -472,25 +472,18 @@ def as_stored(ctx: RunContext, vs: VisitLayout, tensors: dict[str, torch.Tensor]
     return {n: t.float() if n in vs.active and t.dtype == torch.bfloat16 else t for n, t in tensors.items()}
 
 
-def stored_rows(ctx: RunContext, vs: VisitLayout) -> torch.Tensor:
-    """A row block's rows [lo, hi) of its matrix as the base version stores them (fp32), on the host: a copy of the
-    slice, the stored block file read one tensor at a time (never the whole block's tensors at once)."""
-    name, lo, hi = vs.rows
+def stored_tensor(ctx: RunContext, vs: VisitLayout, name: str) -> torch.Tensor:
+    """Tensor ``name`` of the stored block visit ``vs`` commits, as the base version stores it, on the host (the block
+    file read one tensor at a time, never the whole block's tensors at once)."""
     for _, t in checkpoints.iter_from_manifest(ctx.store, ctx.run_id, ctx.manifest(vs.version),
-                                               [ctx.plan.stored(vs.block)], names=[name]):
-        return t[lo:hi].clone()
+                                               [vs.target.stored], names=[name]):
+        return t
     raise checkpoints.CheckpointError(f"version {vs.version} of run {ctx.run_id!r} stores no {name}")
 
 
-def row_block_tensors(ctx: RunContext, vs: VisitLayout, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """What a row block's visit commits: the stored block holding its matrix as the base version stores it, with the
-    matrix's rows [lo, hi) replaced by ``rows`` (cast to its stored dtype); every other tensor and row is the stored
-    one, bitwise (I1)."""
-    name, lo, hi = vs.rows
-    tensors = checkpoints.load_from_manifest(ctx.store, ctx.run_id, ctx.manifest(vs.version), [ctx.plan.stored(vs.block)])
-    matrix = tensors[name].clone()
-    matrix[lo:hi] = rows.detach().to("cpu", matrix.dtype)
-    return {**tensors, name: matrix}
+def stored_block(ctx: RunContext, vs: VisitLayout) -> dict[str, torch.Tensor]:
+    """The stored block visit ``vs`` commits, as the base version stores it."""
+    return checkpoints.load_from_manifest(ctx.store, ctx.run_id, ctx.manifest(vs.version), [vs.target.stored])
 
 
 def run_visit(ctx: RunContext, spec: VisitSpec, hold: Callable[[RunContext, VisitLayout], VisitHolding], *,
@@ -569,7 +562,7 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
     if device.type == "cuda":  # the loop's own peaks and retries (the loaded model counts in both)
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
-    spec = cfg.optim_spec(ctx.plan.stored(block))  # a row block: its matrix's block's bcd.lr_scales entry
+    spec = cfg.optim_spec(ctx.plan.visits[block].stored)  # a row block: its matrix's block's bcd.lr_scales entry
     opt = make_optimizer(held.named, spec)  # by name: a peer finds its blocks and layers by name
     if adapters is not None:
         opt.add_param_group(adapter_group(cfg, spec, adapters))
@@ -642,4 +635,4 @@ def _train_held(ctx: RunContext, vs: VisitLayout, held: VisitHolding, val: list,
         alloc_retries=peak and peak[2], block_file=block_file, recompute=vs.recompute, gpus=held.world,
         streamed=len(vs.streamed), rate=res.rate, moments_file=moments_file, val_loss=val_loss, eval_seconds=eval_s,
         comm_bytes=held.comm_bytes(res.steps - resumed_at),
-        suffix_files=suffix_files, suffix_norms=suffix_norms, stored=ctx.plan.stored(block) if vs.rows else None)
+        suffix_files=suffix_files, suffix_norms=suffix_norms, stored=vs.target.stored if vs.target.stored != block else None)

@@ -42,7 +42,7 @@ def preinfer_shard(ctx: RunContext, cycle: int, block: int, version: int, shard:
     rows = visit_rows(cfg, ctx.dataset.n_train, cycle, block)[lo:lo + cfg.bcd.shard_rows]
     prefix = ctx.frozen_prefix(version, block)
     inputs, targets = ctx.dataset.train_pairs(rows)  # (n, T) each; masked targets are -100
-    layer = ctx.plan[block].layers[0]
+    layer = ctx.plan.visits[block].layers[0]
     cuda = ctx.device.type == "cuda"
     # the shard's token ids to the device in one copy (n, T) int64, a few MB: not through torch's pinned allocator
     # (rounded to a power of two, cached, uncounted), and the batches below are slices of it

@@ -114,7 +114,7 @@ def init_run(cfg: RunConfig, run_id: str, dataset_id: str, mode: str = "bcd") ->
 def initial_block(mcfg, plan, b: int, seed: int) -> dict[str, torch.Tensor]:
     """Block ``b``'s initial tensors: its part of the model built alone (embeddings with block 0, the head with
     the last) and initialised from a generator seeded by (run seed, block)."""
-    blk, last = plan[b], len(plan.blocks) - 1
+    blk, last = plan.visits[b], len(plan.blocks) - 1
     torch.manual_seed(int(np.random.SeedSequence([seed, b]).generate_state(1)[0]))
     part = build_model(mcfg, layers=blk.layers, embed=b == 0, head=b == last)
     return block_tensors(part, plan, b)

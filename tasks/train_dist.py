@@ -369,7 +369,7 @@ class Distributed:
         return par.full_optim_state(opt)
 
     def block_tensors(self):
-        owned = set(self.ctx.plan[self.vs.block].params)  # with what bcd.freeze keeps frozen: as stored
+        owned = set(self.ctx.plan.blocks[self.vs.block].params)  # with what bcd.freeze keeps frozen: as stored
         return as_stored(self.ctx, self.vs, par.full_params([(n, p) for n, p in self.model.named_parameters()
                                                              if n in owned]))
 

@@ -34,7 +34,7 @@ def test_bf16_visit_holds_frozen_weights_in_bf16_and_changes_only_its_block(tiny
     spy = Spy(monkeypatch)
     do_visit(cfg, "r", ds_id, cycle=0, block=block, version=0)
     (model,) = spy.models
-    active = set(plan[block].params)
+    active = set(plan.visits[block].params)
     for name, p in model.named_parameters():
         want = torch.float32 if name in active or p.dim() < 2 else torch.bfloat16
         assert p.dtype == want, (name, p.dtype)
@@ -153,7 +153,7 @@ def visit_peaks_against_the_planner(c: dict, device: torch.device, blocks: int =
     w = Workload(c, device)
     plan = w.plan(blocks)
     out = []
-    for blk in plan.blocks:
+    for blk in plan.visits:
         for recompute in (False, True):
             v = w.visit(f"b{blk.index}", blk, recompute=recompute)
             measured = (v.peak() if isinstance(v, Remote) else _peak(w, v))["peak_bytes"]

@@ -63,7 +63,7 @@ def test_i1_an_expanded_visit_changes_its_block_and_the_suffixs_linear_maps_only
     ds_id = new_run(cfg)
     store = Store(cfg.store)
     plan = block_plan(cfg, model_config(cfg, 512))
-    lo, hi = plan[block].layers
+    lo, hi = plan.visits[block].layers
     before = load_blocks(store, "r", 0)
     spy = Spy(monkeypatch)
 
@@ -71,7 +71,7 @@ def test_i1_an_expanded_visit_changes_its_block_and_the_suffixs_linear_maps_only
 
     after = load_blocks(store, "r", 1)
     assert after.keys() == before.keys()
-    active = set(plan[block].params)
+    active = set(plan.visits[block].params)
     moved = set()
     for name, t in before.items():
         if name in active or ((i := layer(name)) is not None and i >= hi and t.dim() == 2):
@@ -79,7 +79,7 @@ def test_i1_an_expanded_visit_changes_its_block_and_the_suffixs_linear_maps_only
             moved.add(name)
         else:  # the prefix, and everything of the suffix that is not a linear map (norms, biases, embeddings)
             assert torch.equal(t, after[name]), f"{name} changed"
-    suffix = set(range(block + 1, len(plan)))
+    suffix = set(range(block + 1, len(plan.visits)))
     m0, m1 = read_manifest(store, "r", 0)["blocks"], read_manifest(store, "r", 1)["blocks"]
     assert {int(k) for k in m0 if m0[k] != m1[k]} == {block} | suffix
     (model,) = spy.models  # the frozen weights the visit held were read, never written (the merge is from the store)
@@ -88,7 +88,7 @@ def test_i1_an_expanded_visit_changes_its_block_and_the_suffixs_linear_maps_only
             assert torch.equal(p.detach(), before[name]), name
     assert set(out.suffix_norms) == suffix  # the record: which blocks changed and by how much (as stored)
     for b in suffix:
-        diff = sum(float(((after[n] - before[n]).float() ** 2).sum()) for n in plan[b].params)
+        diff = sum(float(((after[n] - before[n]).float() ** 2).sum()) for n in plan.visits[b].params)
         assert out.suffix_norms[b] == pytest.approx(diff ** 0.5, rel=1e-5) and out.suffix_norms[b] > 0
 
 

@@ -21,7 +21,7 @@ def test_a_visit_with_frozen_embeddings_trains_its_layers_only(tiny_cfg, monkeyp
     cfg = tiny_cfg("bcd.freeze=[embeddings]")
     ds_id = new_run(cfg)
     ctx = RunContext.of(cfg, "r", ds_id)
-    assert ctx.trainable(0) == set(ctx.plan[0].params) - {"wte.weight", "wpe.weight"}
+    assert ctx.trainable(0) == set(ctx.plan.visits[0].params) - {"wte.weight", "wpe.weight"}
     before = load_blocks(Store(cfg.store), "r", 0)
     spy = Spy(monkeypatch)
     do_visit(cfg, "r", ds_id, cycle=0, block=0, version=0)
@@ -37,7 +37,7 @@ def test_a_visit_with_frozen_embeddings_trains_its_layers_only(tiny_cfg, monkeyp
 def test_a_params_split_balances_what_trains():
     cfg = get_config("tiny-llama", vocab_size=32000)  # an embedding and head as large as several layers
     whole, frozen = model_plan(cfg, 3), model_plan(cfg, 3, freeze=["embeddings", "head"])
-    assert frozen[0].layers[1] > whole[0].layers[1] and frozen[2].layers[0] < whole[2].layers[0]
+    assert frozen.blocks[0].layers[1] > whole.blocks[0].layers[1] and frozen.blocks[2].layers[0] < whole.blocks[2].layers[0]
 
 
 def test_the_planner_counts_only_what_trains():

@@ -112,10 +112,10 @@ def test_sharded_checkpoint_in_and_sharded_export_out(tmp_path, tok_dir, corpus,
     ctx = start_run(run_cfg(tmp_path, ck, corpus))
     # lazy by block: each read names exactly one block's tensors
     plan = ctx.plan
-    assert [sorted(r) for r in reads] == [sorted(hfmap.hf_name(ctx.model_cfg, n) for n in b.params) for b in plan]
+    assert [sorted(r) for r in reads] == [sorted(hfmap.hf_name(ctx.model_cfg, n) for n in b.params) for b in plan.blocks]
     export_hf(ctx.store, "r", 0, str(tmp_path / "out"), max_shard_bytes=1)  # one shard per block
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) == len(plan)
+    assert len(set(index["weight_map"].values())) == len(plan.blocks)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in hf_tensors(ck).values())
     src, back = hf_tensors(ck), hf_tensors(tmp_path / "out")
     assert set(back) == set(src) and all(torch.equal(back[k], src[k]) for k in src)

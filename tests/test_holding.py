@@ -49,7 +49,7 @@ def test_partial_residency_streams_the_fewest_layers_that_fit():
     h = choose_holding(cfg, plan, 0, BF16, budget)
     assert h.fits and h.estimate.peak <= budget
     assert 0 < len(h.streamed) < h.frozen  # some frozen layers stay resident: the card is used, not left idle
-    fewer = streamed_choice(sorted(h.estimate.layer_sizes), plan[0].layers[0], len(h.streamed) - 1)
+    fewer = streamed_choice(sorted(h.estimate.layer_sizes), plan.visits[0].layers[0], len(h.streamed) - 1)
     less = visit_memory(cfg, plan, 0, replace(h.shape, streamed=fewer))
     assert less.peak > budget  # one layer fewer streamed would not fit: the fewest
     # every held frozen layer streamed (train.offload=stream) and none (off)
@@ -129,7 +129,7 @@ def test_the_recommendation_fits_every_visit_with_the_reserve():
     rec = recommend(cfg, BF16, budget)
     assert rec.blocks and all(h.fits for h in rec.holdings) and rec.worst_peak <= budget.usable
     fewer = model_plan(cfg, rec.blocks - 1)  # the smallest count: one block fewer leaves a visit that does not fit
-    assert not all(fit_holding(cfg, fewer, b, BF16, budget.usable).fits for b in range(len(fewer)))
+    assert not all(fit_holding(cfg, fewer, b, BF16, budget.usable).fits for b in range(len(fewer.visits)))
     assert rec.host_bytes >= max(h.estimate.host_bytes for h in rec.holdings) > 0
     assert f"bcd.blocks={rec.blocks}" in rec.line() and "usable" in rec.line()
 

@@ -42,7 +42,7 @@ def test_i1_a_visit_changes_only_its_block(tiny_cfg, monkeypatch, block, preinfe
 
     after = load_blocks(store, "r", 1)
     assert after.keys() == before.keys()
-    active = set(plan[block].params)
+    active = set(plan.visits[block].params)
     for name, t in before.items():
         if name in active:
             assert not torch.equal(t, after[name]), f"{name} of the active block did not change"
@@ -68,7 +68,7 @@ def test_i6_visit_holds_blocks_from_b_and_trains_block_b_only(tiny_cfg, monkeypa
     mcfg = model_config(cfg, 512)
     plan = block_plan(cfg, mcfg)
     block = 1
-    lo = plan[block].layers[0]
+    lo = plan.visits[block].layers[0]
     spy = Spy(monkeypatch)
 
     do_visit(cfg, "r", ds_id, cycle=0, block=block, version=0)
@@ -81,7 +81,7 @@ def test_i6_visit_holds_blocks_from_b_and_trains_block_b_only(tiny_cfg, monkeypa
     assert ("wte.weight" in params) == mcfg.tied
     assert "ln_f.weight" in params
     # gradients and optimizer state for block b only
-    active = set(plan[block].params)
+    active = set(plan.visits[block].params)
     assert {n for n, p in params.items() if p.requires_grad} == active
     assert all(p.grad is None for n, p in params.items() if n not in active)
     (opt_params,) = spy.opt_params

@@ -29,7 +29,7 @@ def measured_vs_planned(model, over, precision, recompute, preinfer=True, optim=
     w.args.chunk_rows = rows
     plan = w.plan(3)
     out = []
-    for blk in [None, *plan.blocks]:
+    for blk in [None, *plan.visits]:
         if blk is None and stream:
             continue  # full training streams nothing
         v = w.full() if blk is None else w.visit(f"b{blk.index}", blk, preinfer=preinfer, recompute=recompute,

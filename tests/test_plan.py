@@ -43,7 +43,7 @@ def test_every_parameter_owned_by_exactly_one_block(family, blocks):
     plan = make_plan(names, 6, blocks)
     owned = [n for blk in plan.blocks for n in blk.params]
     assert sorted(owned) == sorted(names)  # nothing lost, nothing twice
-    assert len(plan) == blocks and [b.index for b in plan.blocks] == list(range(blocks))
+    assert len(plan.visits) == blocks and [b.index for b in plan.blocks] == list(range(blocks))
     for blk in plan.blocks:
         for n in blk.params:
             assert plan.owner(n) == blk.index
@@ -57,7 +57,7 @@ def test_every_parameter_owned_by_exactly_one_block(family, blocks):
 def test_embeddings_in_block_0_final_norm_and_head_in_last(family):
     names = names_of(family)
     plan = make_plan(names, 6, 3)
-    first, last = plan[0], plan[len(plan) - 1]
+    first, last = plan.visits[0], plan.visits[len(plan.visits) - 1]
     emb = [n for n in names if n.startswith(("wte.", "wpe."))]
     head = [n for n in names if n.startswith(("ln_f.", "lm_head."))]
     assert emb and set(emb) <= set(first.params)
@@ -68,7 +68,7 @@ def test_embeddings_in_block_0_final_norm_and_head_in_last(family):
     else:
         assert "lm_head.weight" in last.params and "lm_head.weight" not in first.params
     # the middle block holds layers only
-    assert all(_LAYER.match(n) for n in plan[1].params)
+    assert all(_LAYER.match(n) for n in plan.visits[1].params)
 
 
 def test_tied_weight_belongs_to_block_0():
@@ -76,7 +76,7 @@ def test_tied_weight_belongs_to_block_0():
     assert "lm_head.weight" not in names  # tied: listed once, as the embedding
     plan = make_plan(names, 6, 3)
     assert plan.owner("wte.weight") == 0
-    assert "wte.weight" not in plan[2].params
+    assert "wte.weight" not in plan.visits[2].params
     # an untied GPT gets its own head in the last block
     untied = make_plan(names_of("tiny", tie_embeddings=False), 6, 3)
     assert untied.owner("lm_head.weight") == 2 and untied.owner("wte.weight") == 0
@@ -106,7 +106,7 @@ def test_explicit_boundaries(family):
     names = names_of(family)
     plan = make_plan(names, 6, blocks=None, boundaries=[2, 5])
     assert [b.layers for b in plan.blocks] == [(0, 2), (2, 5), (5, 6)]
-    assert {n for n in plan[1].params} == {n for n in names if _LAYER.match(n) and 2 <= int(_LAYER.match(n)[1]) < 5}
+    assert {n for n in plan.visits[1].params} == {n for n in names if _LAYER.match(n) and 2 <= int(_LAYER.match(n)[1]) < 5}
     # boundaries win over blocks
     assert make_plan(names, 6, blocks=6, boundaries=[2, 5]) == plan
     assert [b.layers for b in make_plan(names, 6, boundaries=[1]).blocks] == [(0, 1), (1, 6)]
@@ -123,8 +123,8 @@ def test_boundaries_out_of_range_unsorted_or_repeated(bad):
 def test_one_block_owns_everything(family):
     names = names_of(family)
     plan = make_plan(names, 6, 1)
-    assert len(plan) == 1 and plan[0].layers == (0, 6)
-    assert set(plan[0].params) == set(names)
+    assert len(plan.visits) == 1 and plan.visits[0].layers == (0, 6)
+    assert set(plan.visits[0].params) == set(names)
 
 
 @pytest.mark.parametrize("blocks", [0, -1, 7, None])
@@ -151,7 +151,7 @@ def test_plan_is_pure(family):
     d = a.to_dict()
     assert d["n_layer"] == 6 and [blk["layers"] for blk in d["blocks"]] == [[0, 2], [2, 4], [4, 6]]
     # block order of params follows the input order (stable, reproducible manifests)
-    assert list(a[1].params) == [n for n in names if n in set(a[1].params)]
+    assert list(a.blocks[1].params) == [n for n in names if n in set(a.blocks[1].params)]
 
 
 # -- blocks balanced by parameter count (a name -> size mapping; what runs use by default) -----------

@@ -45,11 +45,11 @@ def test_a_row_visit_trains_and_changes_only_its_rows(tiny_cfg, monkeypatch, mod
     ctx = RunContext.of(cfg, "r", ds_id)
     plan, store = ctx.plan, Store(cfg.store)
     matrices = ["wte.weight"] + ([] if ctx.model_cfg.tied else ["lm_head.weight"])
-    assert [(b.params, b.rows) for b in plan.rows] == [((m,), r) for m in matrices for r in ((0, 256), (256, 512))]
+    assert [(b.params, b.rows) for b in plan.extra] == [((m,), r) for m in matrices for r in ((0, 256), (256, 512))]
     assert all(m not in ctx.trainable(plan.owner(m)) for m in matrices)  # the owner's own visit leaves it alone
     spy = Spy(monkeypatch)
     version = 0
-    for blk in plan.rows:
+    for blk in plan.extra:
         before = _all(store, version)
         out = do_visit(cfg, "r", ds_id, cycle=0, block=blk.index, version=version)
         version += 1
@@ -57,7 +57,7 @@ def test_a_row_visit_trains_and_changes_only_its_rows(tiny_cfg, monkeypatch, mod
         name, (lo, hi) = blk.params[0], blk.rows
         (params,) = spy.opt_params[-1:]
         assert [tuple(p.shape) for p in params] == [(hi - lo, ctx.model_cfg.d_model)]  # the slice, nothing else
-        assert out.stored == blk.owner
+        assert out.stored == blk.stored
         for k in before:
             if k != name:
                 assert torch.equal(before[k], after[k]), k
@@ -159,8 +159,8 @@ def test_a_slice_outside_the_matrix_is_refused():
 def test_a_params_split_balances_without_the_split_matrices_and_the_planner_counts_the_slice():
     cfg = get_config("tiny-llama", vocab_size=32000)  # matrices as large as several layers
     whole, split = model_plan(cfg, 3), model_plan(cfg, 3, vocab_blocks=4)
-    assert len(split) == 3 + 8 and len(split.blocks) == 3
-    assert split[0].layers[1] > whole[0].layers[1]  # block 0 no longer carries the embedding
+    assert len(split.visits) == 3 + 8 and len(split.blocks) == 3
+    assert split.blocks[0].layers[1] > whole.blocks[0].layers[1]  # block 0 no longer carries the embedding
     shape = StepShape(2, 32, "bf16")
     row = visit_memory(cfg, split, 3, shape)  # the embedding's first quarter of rows
     assert row.trainable_params == 8000 * cfg.d_model
@@ -178,7 +178,7 @@ def _measured_vs_planned(model, over, precision, rows=64, B=4, T=64):
     w.args.chunk_rows = rows
     plan = w.plan(3, vocab_blocks=2)
     out = []
-    for blk in plan.rows:
+    for blk in plan.extra:
         v = w.visit(f"b{blk.index}", blk, preinfer=True)
         v.step(timed=False)
         measured = v.peak()["peak_bytes"]
@@ -219,7 +219,7 @@ def test_the_planner_recommends_row_blocks_only_where_whole_matrices_fit_in_no_b
     assert rec.blocks and k and k == rec.vocab_blocks > 1, rec.line()
     assert f"bcd.vocab_blocks={k}" in rec.line() and "whole vocabulary matrices fit in no block count" in rec.hint
     plan = model_plan(cfg, rec.blocks, rec.boundaries, vocab_blocks=k)
-    assert len(plan) == len(rec.holdings) == rec.blocks + 2 * k  # an untied head: both matrices in rows
+    assert len(plan.visits) == len(rec.holdings) == rec.blocks + 2 * k  # an untied head: both matrices in rows
     assert all(h.fits and h.estimate.peak <= budget.usable for h in rec.holdings)
     wider = recommend_state(cfg, shape, device_budget(16 * GB))
     assert wider.vocab_blocks == 1 and "bcd.vocab_blocks" not in wider.settings, wider.line()
@@ -316,10 +316,47 @@ def test_under_bf16_a_row_visit_starts_from_the_stored_rows(tiny_cfg):
     ctx = RunContext.of(cfg, "r", ds_id)
     store = Store(cfg.store)
     before = _all(store, 0)
-    for version in range(len(ctx.plan)):
+    for version in range(len(ctx.plan.visits)):
         do_visit(cfg, "r", ds_id, cycle=0, block=version, version=version)
-    after = _all(store, len(ctx.plan))
-    assert ctx.plan.rows and before.keys() == after.keys()
+    after = _all(store, len(ctx.plan.visits))
+    assert ctx.plan.extra and before.keys() == after.keys()
     for name in before:
         assert after[name].dtype == before[name].dtype
         assert (after[name].double() - before[name].double()).abs().max() <= 1e-6, name
+
+
+def test_the_plan_s_visits_are_each_stored_block_s_then_the_row_visits_each_with_its_kind():
+    """Issue 44: ``Plan.visits`` (``VisitTarget``: index, kind, the stored block its commit writes) beside
+    ``Plan.blocks`` (the stored partition); a row visit's arithmetic is its kind's (models/rows.RowVisit), and the
+    record a run stores keeps its shape (the row visits under ``rows``, each naming its ``owner``)."""
+    from bcdflow.models.plan import VISIT_KINDS, LayerVisit, _kind
+
+    cfg = get_config("tiny-llama", vocab_size=32000)
+    plan, plain = model_plan(cfg, 3, vocab_blocks=2), model_plan(cfg, 3)
+    assert [v.kind for v in plan.visits] == ["layers"] * 3 + ["rows"] * 4
+    assert [v.index for v in plan.visits] == list(range(7)) and len(plan.blocks) == 3
+    owners = [plan.owner("wte.weight")] * 2 + [plan.owner("lm_head.weight")] * 2
+    assert [v.stored for v in plan.visits] == [0, 1, 2, *owners]
+    assert plan.counts() == "3 blocks, 4 row visits" and model_plan(cfg, 1).counts() == "1 block"
+    assert [r["owner"] for r in plan.to_dict()["rows"]] == owners and "rows" not in plain.to_dict()
+    assert all(isinstance(_kind(k), LayerVisit) for k in VISIT_KINDS)
+    row = plan.visits[3]
+    C = cfg.d_model
+    assert row.mechanism.trained_shape(row, "wte.weight", (32000, C)) == (16000, C)
+    assert row.mechanism.label(row) == "wte.weight[0:16000]" and plain.visits[0].mechanism.label(plain.visits[0]) is None
+    assert not row.mechanism.expands and plan.suffix(3, (), cfg.tied) == set()
+    assert plan.suffix(0, (), cfg.tied) == {n for b in plan.visits[1:3] for n in b.trainable((), cfg.tied)}
+
+
+def test_no_module_but_the_row_kind_s_branches_on_a_row_visit():
+    """Issue 44: row visits were special-cased at 31 sites in 6 files; a visit's kind is now asked through its hooks
+    (``LayerVisit``), so only models/plan.py (the kinds' registry and the plan's builder) and models/rows.py (the
+    kind itself) test a visit for rows."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    branch = re.compile(r"\.rows is (not )?None|kind == \"rows\"|kind != \"layers\"|RowVisit|row_slice")
+    found = sorted({str(p.relative_to(root)) for d in ("core", "models", "tasks", "flows", "storage", "tracking")
+                    for p in (root / d).glob("*.py") if branch.search(p.read_text())})
+    assert found == ["models/plan.py", "models/rows.py"], found

@@ -133,9 +133,9 @@ def test_the_planner_counts_the_streams_slots_host_buffers_and_copies(family, bl
     torch.manual_seed(0)
     cfg = get_config(family, vocab_size=512, n_layer=8)
     plan = model_plan(cfg, 3)
-    lo, hi = plan[block].layers
-    active = plan[block].trainable((), cfg.tied)
-    held_lo = lo if plan[block].reads_activations(preinfer) else 0
+    lo, hi = plan.visits[block].layers
+    active = plan.visits[block].trainable((), cfg.tied)
+    held_lo = lo if plan.visits[block].reads_activations(preinfer) else 0
     shape = StepShape(2, 16, "bf16", preinfer=preinfer, window=2)
     base = visit_memory(cfg, plan, block, shape)
     frozen = sorted(base.layer_sizes)
@@ -236,7 +236,7 @@ def test_greedy_gradient_norms_one_layer_at_a_time_are_the_whole_backwards(famil
     x, y = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
     ref(x, y).backward()
     grads = dict(ref.named_parameters())
-    want = {b: float(torch.sqrt(sum((grads[n].grad.float() ** 2).sum() for n in plan[b].params))) for b in range(3)}
+    want = {b: float(torch.sqrt(sum((grads[n].grad.float() ** 2).sum() for n in plan.visits[b].params))) for b in range(3)}
     model.stream = LayerStream(model, [1, 2, 4], "cpu", window=2)
     got = block_grad_norms(model, x, y, plan.owner, range(3))
     assert all(abs(got[b] - want[b]) <= 1e-6 * want[b] for b in range(3)), (got, want)

@@ -41,17 +41,17 @@ def test_a_sign_visit_moves_its_block_and_every_suffix_weight_and_nothing_before
     store = Store(cfg.store)
     ctx = RunContext.of(cfg, "r", ds_id)
     plan = block_plan(cfg, model_config(cfg, 512))
-    lo, hi = plan[block].layers
+    lo, hi = plan.visits[block].layers
     before = load_blocks(store, "r", 0)
     spy = Spy(monkeypatch)
 
     out = expanded_visit(cfg, ds_id, block)
 
     after = load_blocks(store, "r", 1)
-    suffix = set(range(block + 1, len(plan)))
-    moving = set(plan[block].params) | {n for b in suffix for n in ctx.trainable(b)}
+    suffix = set(range(block + 1, len(plan.visits)))
+    moving = set(plan.visits[block].params) | {n for b in suffix for n in ctx.trainable(b)}
     for name, t in before.items():
-        if name in ctx.trainable(block) or name in moving - set(plan[block].params):
+        if name in ctx.trainable(block) or name in moving - set(plan.visits[block].params):
             assert not torch.equal(t, after[name]), f"{name} did not change"
         else:  # the prefix, and what bcd.freeze keeps
             assert torch.equal(t, after[name]), f"{name} changed"

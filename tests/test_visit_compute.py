@@ -98,9 +98,9 @@ def test_recompute_gives_bitwise_the_same_gradients(family, block, from_acts, pr
     torch.manual_seed(0)
     cfg = small(family)
     plan = model_plan(cfg, 3)
-    lo, hi = plan[block].layers
+    lo, hi = plan.visits[block].layers
     model = build_model(cfg)
-    active = set(plan[block].params)
+    active = set(plan.visits[block].params)
     for n, p in model.named_parameters():
         p.requires_grad_(n in active)
     if precision == "bf16":
@@ -131,8 +131,8 @@ def test_frozen_weights_in_bf16_compute_what_fp32_storage_computes(family):
     cfg = small(family)
     plan = model_plan(cfg, 3)
     block = 1
-    lo, hi = plan[block].layers
-    active = set(plan[block].params)
+    lo, hi = plan.visits[block].layers
+    active = set(plan.visits[block].params)
     ref = build_model(cfg)
     low = build_model(cfg, init=False, frozen_dtype=torch.bfloat16, trainable=active)
     low.load_state_dict(ref.state_dict())

@@ -90,7 +90,7 @@ def test_the_host_check_counts_a_mid_visit_checkpoint_beside_the_pinned_buffers(
     plan = context.block_plan(cfg, mcfg)
     phases = [host_phases(mcfg, plan, b, cfg.step_shape(), context.fit_holding(mcfg, plan, b, cfg.step_shape(),
                                                                                 None).estimate)
-              for b in range(len(plan))]
+              for b in range(len(plan.visits))]
     load, ckpt = max(p["load"] for p in phases), max(p["checkpoint"] for p in phases)
     assert ckpt > 2 * load  # 24 bytes a trained parameter against one 4-byte file
     monkeypatch.setattr(context.psutil, "virtual_memory", lambda: SimpleNamespace(available=(load + ckpt) // 2))
