@@ -636,6 +636,17 @@ class RunConfig(_Section):
                                  "(one per block)")
             if any(not (math.isfinite(v) and v > 0) for v in self.bcd.lr_scales):
                 raise ValueError(f"bcd.lr_scales: each must be a positive number, got {self.bcd.lr_scales}")
+        self._cross_visit()
+        t, kind = self.train, self.spend.train_device
+        if kind not in CARD_RATES and (t.tflops is None or t.pcie_gbs is None):
+            card_rates(kind)  # raises: spend.train_device, the known kinds, what to set
+        if not self.model.from_hf:  # a registry model is data: check against it now (a checkpoint's: core/hf_import.py)
+            check_model(self, get_config(self.model.name, **self.model.overrides(), vocab_size=self.data.vocab_size))
+        return self
+
+    def _cross_visit(self) -> None:
+        """How a visit is held and what it trains, checked against each other: streaming, ``bcd.expand``, row
+        visits (``bcd.vocab_blocks``)."""
         if self.train.offload == "stream" and (self.train.world > 1 or self.train.compile):
             raise ValueError("train.offload: stream runs a visit in one process without torch.compile (set "
                              "train.gpus=1 and train.compile=false, or train.offload=off)")
@@ -661,12 +672,6 @@ class RunConfig(_Section):
                    if OPTIMIZERS[self.optim.name].peer else None)
             if why:
                 raise ValueError(f"bcd.vocab_blocks: row blocks are not for {why}; set bcd.vocab_blocks=1")
-        t, kind = self.train, self.spend.train_device
-        if kind not in CARD_RATES and (t.tflops is None or t.pcie_gbs is None):
-            card_rates(kind)  # raises: spend.train_device, the known kinds, what to set
-        if not self.model.from_hf:  # a registry model is data: check against it now (a checkpoint's: core/hf_import.py)
-            check_model(self, get_config(self.model.name, **self.model.overrides(), vocab_size=self.data.vocab_size))
-        return self
 
     @property
     def n_blocks(self) -> int:

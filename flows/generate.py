@@ -56,37 +56,18 @@ def generate(store, run_id: str, prompt: str, version: int | None = None, max_ne
     """Continue ``prompt`` with version ``version`` (default: the last) of ``run_id``; returns the version, the
     text and the ids. ``on_text`` is called with each piece of the text as it is sampled (whole characters only)."""
     import torch
-    from tokenizers import Tokenizer
 
     from bcdflow.core.context import resolve_device
     from bcdflow.core.export import load_model_state, stored_model
     from bcdflow.models import build_model
     from bcdflow.models.sample import sample
-    from bcdflow.storage import checkpoints, layout
     from bcdflow.flows.status import stored_version
 
     _, version = stored_version(store, run_id, version)
     cfg, mcfg, _ = stored_model(store, run_id, version)  # the manifest holds every block of the plan
     if max_new_tokens > mcfg.n_ctx:
         raise BadInput(f"--max-new-tokens: at most the model's context, {mcfg.n_ctx} tokens (got {max_new_tokens})")
-    dataset = cfg.get("dataset")
-    tok_key = layout.dataset_key(dataset, layout.DATASET_TOKENIZER) if dataset else None
-    if tok_key is None or not store.exists(tok_key):
-        tok_key = layout.hf_key(run_id, "tokenizer.json")
-    if not store.exists(tok_key):
-        raise checkpoints.CheckpointError(f"run {run_id!r} has no tokenizer in the store ({store.url_of(tok_key)} "
-                                          "is missing); restore it")
-    try:
-        tok = Tokenizer.from_str(store.read_bytes(tok_key).decode())
-    except Exception as e:  # tokenizers' own error type: the file is not a tokenizer
-        raise checkpoints.CheckpointError(f"tokenizer {store.url_of(tok_key)} is damaged ({str(e)[:200]}); restore "
-                                          "it") from None
-    meta_key = layout.dataset_key(dataset, layout.DATASET_META) if dataset else None
-    try:
-        meta = store.read_json(meta_key) if meta_key and store.exists(meta_key) else {}
-    except ValueError:
-        meta = {}
-    eos = meta.get("eos_id") if isinstance(meta, dict) and type(meta.get("eos_id")) is int else None
+    tok, eos = _tokenizer(store, run_id, cfg.get("dataset"))
     ids = tok.encode(prompt).ids
     if not ids:
         raise BadInput(f"prompt: {prompt!r:.80} encodes to no token with the run's tokenizer")
@@ -148,3 +129,30 @@ def cmd_generate(args) -> int:
         show(args.prompt)
     print()
     return 0
+
+
+def _tokenizer(store, run_id: str, dataset: str | None):
+    """The run's tokenizer (its dataset's, else the one its Hugging Face export keeps) and its end-of-text id (None
+    where the dataset names none); CheckpointError naming the file where it is missing or damaged."""
+    from tokenizers import Tokenizer
+
+    from bcdflow.storage import checkpoints, layout
+
+    tok_key = layout.dataset_key(dataset, layout.DATASET_TOKENIZER) if dataset else None
+    if tok_key is None or not store.exists(tok_key):
+        tok_key = layout.hf_key(run_id, "tokenizer.json")
+    if not store.exists(tok_key):
+        raise checkpoints.CheckpointError(f"run {run_id!r} has no tokenizer in the store ({store.url_of(tok_key)} "
+                                          "is missing); restore it")
+    try:
+        tok = Tokenizer.from_str(store.read_bytes(tok_key).decode())
+    except Exception as e:  # tokenizers' own error type: the file is not a tokenizer
+        raise checkpoints.CheckpointError(f"tokenizer {store.url_of(tok_key)} is damaged ({str(e)[:200]}); restore "
+                                          "it") from None
+    meta_key = layout.dataset_key(dataset, layout.DATASET_META) if dataset else None
+    try:
+        meta = store.read_json(meta_key) if meta_key and store.exists(meta_key) else {}
+    except ValueError:
+        meta = {}
+    eos = meta.get("eos_id") if isinstance(meta, dict) and type(meta.get("eos_id")) is int else None
+    return tok, eos

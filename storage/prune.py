@@ -169,17 +169,7 @@ def plan_prune(store: Store, run_id: str, keep: int, pins: list[int] = ()) -> Pr
     blocks = [i if b.get("index") is None else b["index"] for i, b in enumerate(plan_blocks)] if plan_blocks else None
     manifests = {v: read_manifest(store, run_id, v, blocks=blocks if v in kept else None) for v in present}
     files = _files(store, layout.blocks_key(run_id))
-    named: set[str] = set()
-    for v in present:
-        if v in removed:
-            continue
-        for b, e in manifests[v]["blocks"].items():
-            name = layout.block_name(e["file"])
-            if v in kept and files.get(name) != e["bytes"]:
-                what = "missing" if name not in files else f"{files[name]} bytes, its manifest says {e['bytes']}"
-                raise CheckpointError(f"block file {store.url_of(layout.run_key(run_id, e['file']))} (block {b} of "
-                                      f"kept version {v}) is {what}: a prune keeps only whole versions; nothing pruned")
-            named.add(name)
+    named = _named(store, run_id, manifests, files, kept, removed)
     by_removed = {layout.block_name(e["file"]) for v in removed for e in manifests[v]["blocks"].values()} - named
     last_moments: dict[int, str] = {}  # what each block's next visit starts from (bcd.moments=keep)
     every_moments = set()
@@ -201,6 +191,24 @@ def plan_prune(store: Store, run_id: str, keep: int, pins: list[int] = ()) -> Pr
         else:
             (plan.moments if name in every_moments else plan.blocks).append((name, size))
     return plan
+
+
+def _named(store: Store, run_id: str, manifests: dict, files: dict[str, int], kept: list[int],
+           removed: list[int]) -> set[str]:
+    """The block files the versions not removed name; each of a kept version's whole (its size the manifest's), else
+    CheckpointError naming it: a prune keeps only whole versions."""
+    named: set[str] = set()
+    for v, manifest in manifests.items():
+        if v in removed:
+            continue
+        for b, e in manifest["blocks"].items():
+            name = layout.block_name(e["file"])
+            if v in kept and files.get(name) != e["bytes"]:
+                what = "missing" if name not in files else f"{files[name]} bytes, its manifest says {e['bytes']}"
+                raise CheckpointError(f"block file {store.url_of(layout.run_key(run_id, e['file']))} (block {b} of "
+                                      f"kept version {v}) is {what}: a prune keeps only whole versions; nothing pruned")
+            named.add(name)
+    return named
 
 
 def _record(store: Store, run_id: str, plan: PrunePlan) -> None:
