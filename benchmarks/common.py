@@ -26,6 +26,7 @@ from benchmarks.isolate import Remote, time_each
 from bcdflow.core.config import RunConfig
 from bcdflow.core.context import block_plan, model_config
 from bcdflow.models import build_model, get_config
+from bcdflow.models import flops
 from bcdflow.models.build import frozen_in, param_sizes
 from bcdflow.models.expand import SuffixAdapters
 from bcdflow.models.gpt import GPT
@@ -85,50 +86,22 @@ def one_step(loss_fn, params, batch, opt, spec, extra=None) -> None:
     run_steps(loss_fn, params, itertools.repeat(batch), opt, spec, StopRule(max_steps=1), extra=extra)
 
 
-def layer_matmul_params(model) -> dict[int, int]:
-    """Layer index -> elements of its matrices (what the matmuls of that layer multiply by)."""
-    out: dict[int, int] = {}
-    for n, p in model.named_parameters():
-        if n.startswith("h.") and p.dim() == 2:
-            i = int(n.split(".")[1])
-            out[i] = out.get(i, 0) + p.numel()
-    return out
+def _shapes(model) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
 def step_flops(model, trainable: set[str], cfg, seq_len: int, grad_from: int | None = None,
                lo: int = 0) -> int:
-    """FLOPs per token of one training step, matmuls and attention (the nanoGPT/PaLM count).
-
-    The step runs the model's layers >= ``lo`` (a visit with pre-inference holds only those; ``model`` may
-    be the whole model on the meta device). Layers below ``grad_from`` run forward only (pre-inference
-    off: the frozen prefix under no_grad); the others run forward (2P + 4TC for the attention scores and
-    values), input-gradient backward (2P + 8TC) and, for trainable matrices, weight-gradient backward
-    (2P). The head always runs forward + input grad (it sits on the gradient path), plus weight grad
-    when trainable."""
-    mats = {i: P for i, P in layer_matmul_params(model).items() if i >= lo}
-    grad_from = min(mats, default=0) if grad_from is None else grad_from
-    attn = 4 * seq_len * cfg.d_model  # per token per layer: Q K^T and A V
-    train = {}
-    for n, p in model.named_parameters():
-        if n.startswith("h.") and p.dim() == 2 and n in trainable:
-            i = int(n.split(".")[1])
-            train[i] = train.get(i, 0) + p.numel()
-    total = 0
-    for i, P in mats.items():
-        total += 2 * P + attn
-        if i >= grad_from:
-            total += 2 * P + 2 * attn + 2 * train.get(i, 0)
-    head = cfg.vocab_size * cfg.d_model
-    head_trainable = ("wte.weight" if cfg.tied else "lm_head.weight") in trainable
-    return total + 4 * head + (2 * head if head_trainable else 0)
+    """FLOPs per token of one training step of ``model``'s layers >= ``lo`` (``models/flops.step``: layers below
+    ``grad_from`` forward only), attention counted whole (PaLM's MFU convention); ``model`` may be the whole model on
+    the meta device."""
+    return flops.step(_shapes(model), cfg, seq_len, trainable, grad_from, lo, causal=False)
 
 
 def forward_flops(model, cfg, seq_len: int, lo: int, hi: int, head: bool = False) -> int:
-    """FLOPs per token of a forward pass over layers [lo, hi) (pre-inference, evaluation with ``head``)."""
-    mats = layer_matmul_params(model)
-    attn = 4 * seq_len * cfg.d_model
-    return sum(2 * P + attn for i, P in mats.items() if lo <= i < hi) + (2 * cfg.vocab_size * cfg.d_model
-                                                                          if head else 0)
+    """FLOPs per token of a forward pass over layers [lo, hi) (pre-inference, evaluation with ``head``;
+    ``models/flops.forward``), attention counted whole."""
+    return flops.forward(_shapes(model), cfg, seq_len, lo, hi, head, causal=False)
 
 
 def meta_model(cfg):

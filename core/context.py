@@ -28,7 +28,7 @@ from bcdflow.core.config import RunConfig
 from bcdflow.errors import BadInput
 from bcdflow.models import Plan, build_model, model_plan
 from bcdflow.models.base import Decoder
-from bcdflow.models.build import materialize, param_shapes, param_sizes
+from bcdflow.models.build import materialize, param_count, param_shapes
 from bcdflow.models.model_config import ModelConfig, get_config
 from bcdflow.models.holding import Holding, choose_holding, fit_holding, no_grad_holding
 from bcdflow.models.memory import (CONTEXT_BYTES, GB, Budget, NoGradPass, device_budget, host_phases, no_grad_memory,
@@ -224,14 +224,6 @@ def check_gpus(cfg: RunConfig) -> None:
                        "CUDA device(s)")
     if dev.type == "cuda" and cfg.train.memory_gb is not None:  # a card larger than the GPU: refused here
         cap_fraction(cfg.train.memory_gb, torch.cuda.get_device_properties(dev).total_memory)
-
-
-def param_count(mcfg: ModelConfig) -> int:
-    """The model's parameter count from a one-layer meta-device model (layers are all alike): quick for any
-    depth, where a meta model of every layer takes seconds per thousand."""
-    sizes = param_sizes(mcfg.replace(n_layer=1))
-    layer = sum(k for n, k in sizes.items() if n.startswith("h."))
-    return sum(sizes.values()) - layer + mcfg.n_layer * layer
 
 
 def check_model_size(cfg: RunConfig) -> None:

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from bcdflow.core.config import RunConfig
 from bcdflow.core.runplan import BlockFigures, FullFigures, FullHeld, ModelFigures
+from bcdflow.models import flops
 from bcdflow.models.holding import choose_holding, step_time
 from bcdflow.models.memory import expand_bytes, layer_of, model_shapes, visit_memory
 from bcdflow.models.optimizers import OPTIMIZERS
@@ -29,17 +30,13 @@ def figures(cfg: RunConfig, mcfg: ModelConfig, plan_: Plan, budget: float | None
         shape = replace(shape, parallel="fsdp" if cfg.train.parallel == "fsdp" else "ddp")
     numel = {k: math.prod(s) for k, s in shapes.items()}
     T, C = cfg.data.seq_len, mcfg.d_model
-    layer_flops = {}
-    for k, s in shapes.items():
-        if (i := layer_of(k)) is not None and len(s) >= 2:
-            layer_flops[i] = layer_flops.get(i, 0) + 2 * numel[k]
-    attn = 2 * T * C  # causal QK^T and AV per token (models/holding._events)
-    per_layer = [layer_flops.get(i, 0) + attn for i in range(mcfg.n_layer)]
+    mats, attn = flops.matrix_elements(shapes), flops.attention(T, C)  # the time model's count (models/flops.py)
+    per_layer = [2 * mats.get(i, 0) + attn for i in range(mcfg.n_layer)]
     # several processes split the batch (data parallel): the step time divided by them; the all-reduce of what the
     # visit trains is priced apart (core/cluster.py), overlapped with the backward that produces it
     gpus = cfg.train.world
     opt = OPTIMIZERS[cfg.optim.name]
-    head = 2 * mcfg.vocab_size * C
+    head = flops.head(mcfg.vocab_size, C)
     blocks = []
     for b, blk in enumerate(plan_.visits):
         lo, _ = blk.layers

@@ -16,7 +16,6 @@ else (a crash, a lost machine) is worth another try from the mid-visit checkpoin
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 from prefect import flow, get_run_logger
@@ -195,7 +194,7 @@ def _visit(cfg: RunConfig, store, lease: Lease, run_id: str, cycle: int, block: 
     if tr.val_loss is None:  # the visit could not validate the new version itself: the whole model, from the store
         ev = evaluate_version(ctx, version, tr.files(block))
     else:
-        ev = EvalResult(val_loss=tr.val_loss, val_ppl=math.exp(min(tr.val_loss, 50)), seconds=tr.eval_seconds)
+        ev = EvalResult.of(tr.val_loss, tr.eval_seconds)
     seconds = earlier.wall + time.perf_counter() - t0
     preinfer_s += earlier.preinfer
     cost = spend.visit_spend(cfg.spend, {"preinfer": preinfer_s, "train": tr.seconds, "eval": ev.seconds}, seconds,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Collection, Sequence
+import re
+import types
+from typing import Collection, Iterable, Mapping, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -105,22 +107,32 @@ def frozen_in(model: Decoder, dtype: torch.dtype, trainable: Collection[str] = (
     return model
 
 
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape, from a meta-device model (no memory, no init); built once per config (the
-    planner asks for every block count of a model)."""
-    return dict(_shapes(cfg))
-
-
 @functools.lru_cache(maxsize=16)
-def _shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def param_shapes(cfg: ModelConfig) -> Mapping[str, tuple[int, ...]]:
+    """Parameter name -> shape, from a meta-device model (no memory, no init); built once per config (the planner
+    asks for every block count of a model, the recommendation hundreds of times): the one cache of them, read-only."""
     with _meta():
         model = decoder_class(cfg.family)(cfg)
-    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    return types.MappingProxyType({n: tuple(p.shape) for n, p in model.named_parameters()})
 
 
 def param_sizes(cfg: ModelConfig) -> dict[str, int]:
     """Parameter name -> element count, from a meta-device model (no memory, no init)."""
     return {n: math.prod(s) for n, s in param_shapes(cfg).items()}
+
+
+def param_count(cfg: ModelConfig, names: Iterable[str] | None = None) -> int:
+    """Elements of the parameters ``names`` (None: every one; a tied embedding/head once), from a one-layer
+    meta-device model: every layer has the same tensors, so a layer's names map onto layer 0's (quick at any depth,
+    where a meta model of every layer takes seconds per thousand)."""
+    sizes = param_sizes(cfg.replace(n_layer=1))
+    if names is None:
+        layer = sum(k for n, k in sizes.items() if n.startswith("h."))
+        return sum(sizes.values()) - layer + cfg.n_layer * layer
+    return sum(sizes[_FIRST_LAYER.sub("h.0.", n)] for n in names)
+
+
+_FIRST_LAYER = re.compile(r"^h\.\d+\.")
 
 
 def model_plan(cfg: ModelConfig, blocks: int | None = None, boundaries: Sequence[int] | None = None,

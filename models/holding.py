@@ -30,6 +30,7 @@ from bcdflow.models.memory import (Budget, Estimate, GB, NoGradPass, layer_of, l
                                    no_grad_memory, no_grad_rows, stream_uses, visit_memory)
 from bcdflow.models.build import model_plan
 from bcdflow.models.plan import Plan
+from bcdflow.models import flops
 from bcdflow.models.specs import StepShape, tflops_for
 
 
@@ -58,18 +59,12 @@ def _events(cfg: ModelConfig, plan: Plan | None, block: int | None, seq: int, pr
     n, C, V = cfg.n_layer, cfg.d_model, cfg.vocab_size
     lo, hi = (0, n) if block is None else plan.visits[block].layers
     held_lo = lo if block is not None and plan.visits[block].reads_activations(preinfer) else 0
-    mats: dict[int, int] = {}
-    train: dict[int, int] = {}
-    move: dict[int, int] = {}
-    for k, shp in shapes.items():
-        if (i := layer_of(k)) is not None and len(shp) >= 2:
-            mats[i] = mats.get(i, 0) + math.prod(shp)
-            train[i] = train.get(i, 0) + (math.prod(shp) if k in trainable else 0)
-            move[i] = move.get(i, 0) + (math.prod(shp) if k in moving else 0)
-    attn = 2 * seq * C  # causal QK^T and AV per token
+    mats, train, move = (flops.matrix_elements(shapes, only) for only in (None, trainable, moving))
+    attn = flops.attention(seq, C)  # causal QK^T and AV per token
     head = "wte.weight" if cfg.tied else "lm_head.weight"
     out = [(i, False, 2 * mats.get(i, 0) + attn) for i in range(held_lo, n)]
-    out.append((None, False, 2 * V * C * (2 + (head in trainable or head in moving))))  # logits, input and weight grads
+    # logits, input and weight grads
+    out.append((None, False, flops.head(V, C) * (2 + (head in trainable or head in moving))))
     for i in reversed(range(lo, n)):
         again = recompute_active if i < hi else recompute and not train.get(i)
         out.append((i, True, 2 * mats.get(i, 0) + 2 * (train.get(i, 0) + move.get(i, 0)) + 2 * attn

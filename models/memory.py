@@ -41,18 +41,17 @@ figures agree with the CPU tensor tracker (benchmarks/common.LiveBytes) within a
 """
 from __future__ import annotations
 
-import functools
 import math
 import types
 from dataclasses import asdict, dataclass, field, replace
-from typing import Collection, Mapping, Sequence
+from typing import Collection, Sequence
 
 from bcdflow.models.base import loss_chunk_rows
 from bcdflow.models.build import model_plan, param_shapes
 from bcdflow.models.families import decoder_class
 from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.optimizers import LIGHT_CHUNK, OPTIMIZERS
-from bcdflow.models.plan import LayerVisit, Plan
+from bcdflow.models.plan import LayerVisit, Plan, layer_of  # noqa: F401 (re-exported)
 from bcdflow.models.specs import StepShape
 from bcdflow.models.stream import Schedule, SlotPlan, aligned, layer_bytes
 
@@ -102,12 +101,6 @@ class Estimate:
         return asdict(self)
 
 
-@functools.lru_cache(maxsize=None)  # the planner asks millions of times about a few thousand names
-def layer_of(name: str) -> int | None:
-    """The decoder layer a parameter belongs to (``h.{i}.*``), None for the embeddings and the head."""
-    return int(name.split(".")[1]) if name.startswith("h.") else None
-
-
 _numel = math.prod
 
 
@@ -137,11 +130,8 @@ def _layer_backward_temp(cfg: ModelConfig, shape: StepShape) -> int:
     return 2 * shape.dtype_bytes * cfg.ffn_dim + 4 * cfg.d_model
 
 
-@functools.lru_cache(maxsize=8)
-def model_shapes(cfg: ModelConfig) -> Mapping[str, tuple[int, ...]]:
-    """Parameter name -> shape, from a meta-device model once per config (the recommendation asks hundreds of
-    times); read-only."""
-    return types.MappingProxyType(dict(param_shapes(cfg)))
+model_shapes = param_shapes
+"""Parameter name -> shape, read-only, built once per config (``models/build.param_shapes``)."""
 
 
 def stream_uses(streamed: Sequence[int], grad_from: int | None, window: int, train: bool = True

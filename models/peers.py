@@ -25,13 +25,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import re
 import warnings
 
 import numpy as np
 import torch
 
 from bcdflow.models.errors import ConfigError
+from bcdflow.models.plan import layer_of
 
 EXTRA = "peers"
 PACKAGES = {"galore": "galore_torch", "apollo": "apollo_torch", "apollo-mini": "apollo_torch", "badam": "badam",
@@ -44,7 +44,6 @@ APOLLO = {"apollo": {"scale_type": "channel", "scale": 1.0, "front": False},  # 
 BADAM_SWITCH = 100  # BAdam README's example switch_block_every
 LISA_SWITCH = 20  # LMFlow scripts/run_finetune_with_lisa.sh: interval 20 (its 1 activated layer: optim.lisa_layers)
 LORA_RANK, LORA_ALPHA = 8, 8  # peft LoraConfig defaults
-_LAYER = re.compile(r"h\.(\d+)\.")
 
 
 class PeerMissing(ConfigError):
@@ -86,12 +85,6 @@ def check_model(name: str, rank: int | None, lisa_layers: int, n_layer: int,
     if rank > min(shape):
         raise ConfigError(f"optim.rank: {rank} is past the matrices {name} {RANKED[name]} (the smallest, {smallest}, "
                           f"is {shape[0]} x {shape[1]}): at most {min(shape)}, a low rank is a fraction of it")
-
-
-def layer_of(name: str) -> int | None:
-    """The decoder layer a parameter belongs to (``h.{i}.*``), or None (embeddings, final norm, head)."""
-    m = _LAYER.match(name)
-    return int(m.group(1)) if m else None
 
 
 def _adamw_kw(spec) -> dict:

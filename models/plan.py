@@ -21,6 +21,12 @@ HEAD_PREFIXES = ("ln_f.", "lm_head.")
 _LAYER = re.compile(r"^h\.(\d+)\.")
 
 
+@functools.lru_cache(maxsize=None)  # the planner asks millions of times about a few thousand names
+def layer_of(name: str) -> int | None:
+    """The decoder layer a parameter belongs to (``h.{i}.*``), None for the embeddings and the head."""
+    return int(name.split(".")[1]) if name.startswith("h.") else None
+
+
 @dataclass(frozen=True)
 class Block:
     """A stored block: one file of a version's manifest (``params``: the tensors it holds) and the layers it owns."""

@@ -99,10 +99,19 @@ def device_peak(device: torch.device) -> tuple[int, int, int] | None:
             int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)))
 
 
+def perplexity(loss: float) -> float:
+    """A validation loss's perplexity (the exponent capped at 50: a diverged loss reads as a huge number, not inf)."""
+    return math.exp(min(loss, 50))
+
+
 class EvalResult(BaseModel):
     val_loss: float
     val_ppl: float
     seconds: float
+
+    @classmethod
+    def of(cls, loss: float, seconds: float) -> "EvalResult":
+        return cls(val_loss=loss, val_ppl=perplexity(loss), seconds=seconds)
 
 
 def window_logger(track: TrackTarget | None, eval_every: int, model: torch.nn.Module,
@@ -119,7 +128,7 @@ def window_logger(track: TrackTarget | None, eval_every: int, model: torch.nn.Mo
             val_points.append((step, val))
             if track:
                 track.series("val_loss", [(step, val)])
-                track.series("val_ppl", [(step, math.exp(min(val, 50)))])
+                track.series("val_ppl", [(step, perplexity(val))])
     return on_window
 
 

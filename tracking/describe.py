@@ -7,15 +7,13 @@ MLflow here: ``tracking/tracker.py`` logs them).
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from bcdflow.core.config import RunConfig
-from bcdflow.models.build import param_sizes
+from bcdflow.models.build import param_count
 from bcdflow.models.model_config import ModelConfig
 from bcdflow.models.plan import Plan
 
-_LAYER = re.compile(r"^h\.\d+\.")
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -31,8 +29,7 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
 def block_params(mcfg: ModelConfig, plan: Plan) -> list[int]:
     """Each block's parameter count (a tied embedding/head counted once, in block 0), from a one-layer
     meta-device model: every layer has the same tensors, so a layer's names map onto layer 0's."""
-    sizes = param_sizes(mcfg.replace(n_layer=1))
-    return [sum(sizes[_LAYER.sub("h.0.", n)] for n in b.params) for b in plan.blocks]
+    return [param_count(mcfg, b.params) for b in plan.blocks]
 
 
 def run_params(cfg: RunConfig, mode: str, mcfg: ModelConfig, plan: Plan) -> dict[str, str]:
