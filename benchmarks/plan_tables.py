@@ -24,9 +24,9 @@ LLAMA = ["--set", "model.from_hf=benchmarks/shapes/llama-3-8b", "--set", "data.s
          "--set", "train.precision=bf16"]
 def per_visit(tokens: float, batch: int, seq: int, blocks: int, cycles: int = 2) -> tuple[int, str]:
     """A visit's step cap sized from the tokens: one epoch of full training at the same tokens a step, times the
-    measured B-F at that block count (``core/runplan.measured_bf``), shared over the run's visits; and the
+    measured B-F at that block count (``core/forecast.measured_bf``), shared over the run's visits; and the
     arithmetic in words."""
-    from bcdflow.core.runplan import measured_bf
+    from bcdflow.core.forecast import measured_bf
 
     epoch, bf = int(tokens // (batch * seq)), measured_bf(blocks)
     steps = round(epoch * bf / (blocks * cycles))

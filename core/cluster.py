@@ -1,6 +1,6 @@
 """Communication on the cluster a visit trains on (issue 42): ``train.nodes`` machines of ``train.gpus`` GPUs, joined
 by ``train.link_gbs`` between machines and ``train.gpu_link_gbs`` (else the card kind's, models/specs.CARD_RATES)
-within one. Pure arithmetic, torch-free; ``core/runplan.py`` prices each visit's all-reduce with it and full
+within one. Pure arithmetic, torch-free; ``core/forecast.py`` prices each visit's all-reduce with it and full
 training's (data parallel and ZeRO-3) on the same cluster.
 
     c = Cluster.of(cfg)                       # or Cluster(nodes=4, gpus=4, link_gbs=1.25, gpu_link_gbs=10)

@@ -190,7 +190,7 @@ class BcdSection(_Section):
     """Per-visit data sampling rate (paper §3.2.3)."""
     preinfer: Annotated[bool | Literal["auto"], SAME] = True
     """Pre-compute the frozen prefix's activations to Zarr (paper §3.2.2). ``auto``: per visit, where the run planner
-    (core/runplan.choose_preinfer, ``bcdflow plan``) says the visit is faster with it than computing the prefix on the
+    (core/forecast.choose_preinfer, ``bcdflow plan``) says the visit is faster with it than computing the prefix on the
     training card every step, at ``train.store_gbs``; the visit's record says why."""
     max_steps: Annotated[int, SAME] = Field(200, ge=1)
     """A visit's step cap (local convergence: it may end sooner on a plateau or its budget)."""

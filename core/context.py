@@ -452,23 +452,23 @@ class RunContext:
         return self._preinfer_choice(block)[1]
 
     def _preinfer_choice(self, block: int) -> tuple[bool, str | None]:
-        """``bcd.preinfer=auto``: core/runplan.choose_preinfer on the planner's figures, the run's token dataset and
+        """``bcd.preinfer=auto``: core/forecast.choose_preinfer on the planner's figures, the run's token dataset and
         rates (``train.store_gbs``, the GPUs pre-inference uses, the time model's TFLOP/s) and ``train.memory_gb`` (not
         the measured device, so every process of a visit decides alike); chosen once a block."""
         setting = self.cfg.bcd.preinfer
         if setting != "auto":
             return bool(setting), None
         if block not in self._preinfer:
-            from bcdflow.core import runplan  # the planner's arithmetic: only for auto
-            from bcdflow.core.plan_figures import figures
+            from bcdflow.core import forecast  # the planner's arithmetic: only for auto
+            from bcdflow.core.figures import figures
 
             t = self.cfg.train
             budget = device_budget(t.memory_gb * GB, gpus=t.gpus).usable if t.memory_gb else None
             figs = figures(self.cfg, self.model_cfg, self.plan, budget)
-            ds = runplan.Dataset(0, self.dataset.n_train, self.dataset.n_val)
-            rates = runplan.default_rates(self.cfg)
+            ds = forecast.Dataset(0, self.dataset.n_train, self.dataset.n_val)
+            rates = forecast.default_rates(self.cfg)
             for b, bf in enumerate(figs.blocks):
-                v = runplan.choose_preinfer(self.cfg, figs, bf, ds, rates)
+                v = forecast.choose_preinfer(self.cfg, figs, bf, ds, rates)
                 self._preinfer[b] = (v.preinfer, v.why)
         return self._preinfer[block]
 

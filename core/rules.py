@@ -3,7 +3,7 @@ records, each named for what it decides. No Prefect, no store, no device: the fl
 call them directly.
 
     rows = visit_rows(cfg, n_train, cycle, block)            # §2.1 which rows a visit trains on (paper §3.2.3)
-    n = visit_row_count(cfg, n_train)                        # how many, for the run planner (core/runplan.py)
+    n = visit_row_count(cfg, n_train)                        # how many, for the run planner (core/forecast.py)
     for lo, hi in batch_ranges(len(rows), bs, seed, c, b):   # §2.1 the order it reads them in, epoch by epoch
     todo = blocks_to_visit(cfg, n_blocks, cycle, done)       # §2.9 which blocks are left in a cycle, in order
     bar = rate_to_beat(visits, block)                        # §2.3 the adaptive budget's bar for a visit
@@ -52,7 +52,7 @@ def visit_rows(cfg: RunConfig, n_train: int, cycle: int, block: int) -> np.ndarr
 
 def visit_row_count(cfg: RunConfig, n_train: int) -> int:
     """``len(visit_rows(cfg, n_train, c, b))`` for any visit, without drawing the sample (the run planner,
-    core/runplan.py)."""
+    core/forecast.py)."""
     return min(max(1, int(round(cfg.bcd.sample_rate * n_train))), cfg.bcd.max_steps * cfg.train.batch_size)
 
 

@@ -9,8 +9,8 @@ part is ``plan-memory``'s (how each visit holds its model on the card; ``--json`
     bcdflow plan -c run.yaml --probe            # the store's rates measured: a few shards written and read back
     bcdflow plan -c run.yaml                    # the dataset counted from its files (tokenized as the run will)
 
-The arithmetic is ``core/runplan.py`` (torch-free, tested on its own); the model's figures are the planner's
-(``core/plan_figures.figures`` from ``models/holding.choose_holding``: each visit's step time as held, with and without pre-inference), the
+The arithmetic is ``core/forecast.py`` (torch-free, tested on its own); the model's figures are the planner's
+(``core/figures.figures`` from ``models/holding.choose_holding``: each visit's step time as held, with and without pre-inference), the
 dataset's size from ``--tokens`` or the prepared token dataset, and the rates from the flags or ``--probe``.
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def add_parser(sub, common) -> None:
 def dataset_size(cfg, tokens):
     """``--tokens`` as given, else the run's token dataset prepared in the store (tokenized once, as the run would;
     a run started later reuses it) and its row counts read back."""
-    from bcdflow.core.runplan import Dataset
+    from bcdflow.core.forecast import Dataset
 
     if tokens is not None:
         return Dataset.of_tokens(_number("--tokens", tokens), cfg.data.seq_len, cfg.data.val_fraction)
@@ -92,7 +92,7 @@ def dataset_size(cfg, tokens):
 
 
 def _number(flag: str, text) -> float:
-    from bcdflow.core.runplan import positive
+    from bcdflow.core.forecast import positive
 
     return positive(flag, text)
 
@@ -172,10 +172,10 @@ def _probe_fault(store, key: str, e: BaseException) -> OSError:
 # -- the command -----------------------------------------------------------------------------------------------------
 
 def build(cfg, args) -> dict:
-    """The plan as a dict: the run's (core/runplan.RunPlan) and plan-memory's."""
+    """The plan as a dict: the run's (core/forecast.RunForecast) and plan-memory's."""
     from bcdflow.core.context import block_plan, model_config
-    from bcdflow.core.plan_figures import figures
-    from bcdflow.core.runplan import Rates, plan_run, preinfer_tflops, train_tflops
+    from bcdflow.core.figures import figures
+    from bcdflow.core.forecast import Rates, forecast_run, preinfer_tflops, train_tflops
     from bcdflow.models.memory import device_budget
     from bcdflow.core.spend import gpus_used
     from bcdflow.flows.plan_memory import plan as memory_plan
@@ -197,7 +197,7 @@ def build(cfg, args) -> dict:
     rates = Rates(**{**rates.__dict__, "preinfer_gpus": int(rates.preinfer_gpus)})
     budget = device_budget(args.gpu_gb * GB, gpus=cfg.train.world).usable
     bplan = block_plan(cfg, mcfg)
-    p = plan_run(cfg, figures(cfg, mcfg, bplan, budget), ds, rates,
+    p = forecast_run(cfg, figures(cfg, mcfg, bplan, budget), ds, rates,
                  **({"bf": args.bf} if args.bf is not None else {}))
     out = p.to_dict()
     out["model"] = {"family": mcfg.family, "n_layer": mcfg.n_layer, "d_model": mcfg.d_model,
@@ -223,20 +223,20 @@ def _gb(b: float) -> str:
 
 def _h(s: float) -> str:
     """Hours in a table's column (its head says so), seconds below 0.01 h: ``0.3s``, ``<0.1s`` (not ``0s``)."""
-    from bcdflow.core.runplan import duration_text
+    from bcdflow.core.forecast import duration_text
 
     return f"{s / 3600:.2f}" if s >= 36 else duration_text(s)
 
 
 def _usd(x: float) -> str:
     """Dollars, sub-cent ones with two significant digits (``$0.00031``, not ``$0.00``)."""
-    from bcdflow.core.runplan import usd_text
+    from bcdflow.core.forecast import usd_text
 
     return usd_text(x)
 
 
 def _gpu_h(h: float) -> str:
-    from bcdflow.core.runplan import small_text
+    from bcdflow.core.forecast import small_text
 
     return f"{h:,.1f}" if h >= 0.05 or h <= 0 else small_text(h)
 
@@ -305,8 +305,8 @@ def _comm_lines(res: dict) -> list[str]:
 
 
 def _sec(s: float) -> str:
-    """A step's seconds: ``24s``, ``0.31s``, ``<0.1s`` (core/runplan.duration_text below 10 s)."""
-    from bcdflow.core.runplan import duration_text
+    """A step's seconds: ``24s``, ``0.31s``, ``<0.1s`` (core/forecast.duration_text below 10 s)."""
+    from bcdflow.core.forecast import duration_text
 
     return f"{s:,.0f}s" if s >= 9.95 else duration_text(s)
 
@@ -319,7 +319,7 @@ def _full_lines(res: dict) -> list[str]:
     lines = ["", f"Full training to the same loss on the same {full['cluster']} ({full['steps']:,.0f} steps; "
                  "bcdflow's run: every stage counted):"]
     bcd = full["bcd"]
-    from bcdflow.core.runplan import duration_text
+    from bcdflow.core.forecast import duration_text
 
     head = f"  {'':<22}{'step':>9}{'of it, comm':>13}{'wall':>12}{'money':>13}"
     lines += [head, f"  {'bcdflow (this plan)':<22}{'':>9}{'':>13}{duration_text(bcd['wall_s']):>12}"

@@ -148,7 +148,7 @@ def mlflow_ui_command(cfg) -> str | None:
 
 
 def planned_acts(store, record: dict, cfg, block: int) -> int | None:
-    """The activation bytes ``bcdflow plan`` says a visit of ``block`` writes (core/runplan: the visit's rows in the
+    """The activation bytes ``bcdflow plan`` says a visit of ``block`` writes (core/forecast: the visit's rows in the
     group layout storage/activations gives them), 0 for a visit that does not pre-infer, None where the stored run
     does not say (no dataset or model recorded)."""
     from bcdflow.core.rules import visit_row_count

@@ -1,5 +1,5 @@
 """FLOPs per token of a decoder's passes: the one count the planner's time model (models/holding.py), the run planner
-(core/plan_figures.py) and the benchmarks' utilization figures (benchmarks/common.py) read. Torch-free: from the
+(core/figures.py) and the benchmarks' utilization figures (benchmarks/common.py) read. Torch-free: from the
 parameter shapes (``models/build.param_shapes``), so the planner counts without building a model.
 
 Matmuls: a layer's matrices (``P`` elements) cost 2P per token forward, 2P for the input gradient and, for a trained

@@ -226,7 +226,7 @@ class CheckpointSchedule:
     ``max_share`` of the loop's time: after a checkpoint that took W seconds, one that falls due is written once
     W x (1 - share) / share seconds of training have passed (postponed, not dropped). A signal's checkpoint is never
     held back, and the last step's state is the loop's result, not a checkpoint. ``models/trainer.run_steps`` asks
-    a :meth:`timer` once per step; the forecast (``core/runplan``) counts the same rule in closed form
+    a :meth:`timer` once per step; the forecast (``core/forecast``) counts the same rule in closed form
     (:meth:`count`)."""
     every_steps: int = 0
     every_seconds: float = 0.0

@@ -1,6 +1,6 @@
 """How a visit's activation group lies in the store, as numbers: chunk rows, chunk objects and their bytes, with no
 Zarr, no torch (docs/DESIGN.md §2.2, §5). ``storage/activations.py`` creates its arrays from these, and the run planner
-(``core/runplan.py``) counts a visit's bytes from the same, so what the plan says a visit writes is what it writes.
+(``core/forecast.py``) counts a visit's bytes from the same, so what the plan says a visit writes is what it writes.
 
     lay = group_layout(n_rows=90_000, seq_len=1024, d_model=4096, shard_rows=256, dtype="bfloat16")
     lay.hidden_bytes, lay.targets_bytes, lay.objects, lay.array_bytes

@@ -94,7 +94,7 @@ class VisitRecord(_Record):
     preinfer_seconds: float = Amount
     preinfer_why: str | None = None
     """``bcd.preinfer=auto``: why this visit pre-inferred or computed its prefix on the card (the run planner's
-    figures, core/runplan.choose_preinfer); None otherwise."""
+    figures, core/forecast.choose_preinfer); None otherwise."""
     train_seconds: float = Amount
     """Seconds of the step loop, every attempt's up to its last checkpoint (``tokens_per_s`` = tokens over these)."""
     eval_seconds: float = Amount

@@ -12,14 +12,14 @@ import pytest
 from bcdflow.core.config import load_config
 from bcdflow.core.context import RunContext
 from bcdflow.core.rules import VisitSpec
-from bcdflow.core.runplan import Dataset, Rates, choose_preinfer, plan_run
+from bcdflow.core.forecast import Dataset, Rates, choose_preinfer, forecast_run
 from bcdflow.flows.cli import main
 from bcdflow.storage import layout
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.train import train_block
 from tests.helpers import TINY, assert_same, finished_weights, new_run
-from tests.test_runplan import _figs
+from tests.test_forecast import _figs
 
 SGD = ("optim.name=sgd", "optim.lr=0.1")
 
@@ -110,9 +110,9 @@ def test_the_plan_prices_activations_at_their_own_stores_rate_and_bill():
     assert "it would compute the prefix on the card below" in here.why and "GB/s" in here.why
     assert here.read_s == pytest.approx(here.read / 2e9) and here.egress_usd == pytest.approx(
         here.loaded_bytes / 1e9 * 0.09)  # the model part it loads still crosses the S3 link
-    p = plan_run(load_config(sets=[*sets, "bcd.act_store=/scratch/acts", "bcd.preinfer=true", "bcd.blocks=2"]), figs,
+    p = forecast_run(load_config(sets=[*sets, "bcd.act_store=/scratch/acts", "bcd.preinfer=true", "bcd.blocks=2"]), figs,
                  ds, rates)
-    q = plan_run(load_config(sets=[*sets, "bcd.preinfer=true", "bcd.blocks=2"]), figs, ds, rates)
+    q = forecast_run(load_config(sets=[*sets, "bcd.preinfer=true", "bcd.blocks=2"]), figs, ds, rates)
     assert p.cycle.store_peak < q.cycle.store_peak and p.cycle.written == q.cycle.written
     assert any("bcd.act_store=/scratch/acts" in n for n in p.notes)
 

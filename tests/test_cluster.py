@@ -129,7 +129,7 @@ def test_on_one_4090_the_plan_sets_the_exact_single_card_recipes_beside_the_run(
     assert list(ways) == ["one card", "ZeRO-3 + CPU offload", "bf16 + 8-bit paged (torchtune)"]
     assert not ways["one card"]["fits"] and ways["ZeRO-3 + CPU offload"]["fits"]
     off, paged = ways["ZeRO-3 + CPU offload"], ways["bf16 + 8-bit paged (torchtune)"]
-    from bcdflow.core.plan_figures import CPU_ADAM_PARAMS_S
+    from bcdflow.core.figures import CPU_ADAM_PARAMS_S
 
     assert off["host_bytes"] == pytest.approx(18 * 8.03e9, rel=0.01)
     assert off["step_s"] > 8.03e9 / CPU_ADAM_PARAMS_S  # the host's AdamW is in every step

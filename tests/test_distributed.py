@@ -18,7 +18,7 @@ import torch
 
 from bcdflow.core import stop_signals
 from bcdflow.core.context import RunContext
-from bcdflow.core.plan_figures import figures
+from bcdflow.core.figures import figures
 from bcdflow.storage import checkpoints
 from bcdflow.storage.store import Store
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard

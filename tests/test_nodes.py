@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from bcdflow.core.context import RunContext
-from bcdflow.core.plan_figures import figures
+from bcdflow.core.figures import figures
 from bcdflow.core.rules import VisitSpec
 from bcdflow.storage.layout import nodes_key
 from bcdflow.storage.store import Store

@@ -1,4 +1,4 @@
-"""The run planner (core/runplan.py, ``bcdflow plan``; issue 34): its byte counts are what a real visit writes to the
+"""The run planner (core/forecast.py, ``bcdflow plan``; issue 34): its byte counts are what a real visit writes to the
 store, its rows what a visit samples, bad input is one line (exit 2), ``bcd.preinfer=auto`` chooses by the figures, and
 the module loads no torch."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from bcdflow.core.config import load_config
-from bcdflow.core.runplan import (BlockFigures, Dataset, ModelFigures, PlanInputError, Rates, choose_preinfer,
-                                  plan_run)
+from bcdflow.core.forecast import (BlockFigures, Dataset, ModelFigures, PlanInputError, Rates, choose_preinfer,
+                                  forecast_run)
 from bcdflow.storage.act_layout import group_layout
 from tests.helpers import TINY
 
@@ -36,7 +36,7 @@ def test_the_plans_activation_bytes_are_what_a_visit_writes(tiny_cfg, sets):
     activation group are byte for byte the plan's count, per array; the rows are the visit's."""
     from bcdflow.core.context import RunContext, model_config
     from bcdflow.core.rules import visit_rows
-    from bcdflow.core.plan_figures import figures
+    from bcdflow.core.figures import figures
     from bcdflow.storage import layout
     from bcdflow.storage.store import Store
     from tests.helpers import new_run, do_visit
@@ -48,7 +48,7 @@ def test_the_plans_activation_bytes_are_what_a_visit_writes(tiny_cfg, sets):
     ctx = RunContext.of(cfg, "r", ds_id)
     ds = Dataset(0, ctx.dataset.n_train, ctx.dataset.n_val)
     rates = Rates(write_gbs=1, read_gbs=1, preinfer_gpus=1, preinfer_tflops=1, train_tflops=1)
-    p = plan_run(cfg, figures(cfg, model_config(cfg), ctx.plan, None), ds, rates)
+    p = forecast_run(cfg, figures(cfg, model_config(cfg), ctx.plan, None), ds, rates)
     v = p.visits[1]
     assert v.preinfer and not p.visits[0].preinfer
     assert v.rows == len(visit_rows(cfg, ctx.dataset.n_train, 0, 1))
@@ -71,7 +71,7 @@ def test_the_plans_pre_inference_time_holds_within_a_factor_on_this_machine(tiny
     import time
 
     from bcdflow.core.context import RunContext, model_config
-    from bcdflow.core.plan_figures import figures
+    from bcdflow.core.figures import figures
     from bcdflow.flows.plan import probe_store
     from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
     from tests.helpers import new_run
@@ -95,7 +95,7 @@ def test_the_plans_pre_inference_time_holds_within_a_factor_on_this_machine(tiny
     took = time.perf_counter() - t0
     rates = Rates(write_gbs=measured["write_gbs"], read_gbs=measured["read_gbs"], preinfer_gpus=1,
                   preinfer_tflops=tflops, train_tflops=tflops)
-    v = plan_run(cfg, figs, Dataset(0, ctx.dataset.n_train, ctx.dataset.n_val), rates).visits[2]
+    v = forecast_run(cfg, figs, Dataset(0, ctx.dataset.n_train, ctx.dataset.n_val), rates).visits[2]
     predicted = v.preinfer_s * (len(shards) - 2) / len(shards)
     assert predicted / 4 <= took <= predicted * 4, (took, predicted, measured)
 
@@ -152,7 +152,7 @@ def test_auto_weighs_money_with_time_and_prices_the_store_by_where_it_is():
     for store, egress in [("s3://b/runs", 0.09), ("memory://plan", 0.0), ("/tmp/local-store", 0.0)]:
         cfg = load_config(sets=[*TINY, f"store={store}"])
         assert cfg.egress_usd_gb() == egress and cfg.object_store() == store.startswith("s3://")
-    local = plan_run(load_config(sets=[*TINY, "store=memory://plan", "bcd.preinfer=true", "bcd.blocks=2"]), figs,
+    local = forecast_run(load_config(sets=[*TINY, "store=memory://plan", "bcd.preinfer=true", "bcd.blocks=2"]), figs,
                      Dataset(0, 1000, 50), fast)
     assert local.run.storage_usd == local.run.request_usd == local.run.egress_usd == 0 and local.run.gpu_usd > 0
     # the same protection both ways: the checkpoints of the longer training, whichever way is taken
@@ -169,7 +169,7 @@ def test_money_and_the_stores_peak_add_up():
     figs = _figs(step_s=1.0, step_computed_s=1.5)
     rates = Rates(write_gbs=1, read_gbs=1, preinfer_gpus=4, preinfer_tflops=10, train_tflops=80,
                   preinfer_elsewhere=True)
-    p = plan_run(cfg, figs, Dataset(0, 1000, 50), rates)
+    p = forecast_run(cfg, figs, Dataset(0, 1000, 50), rates)
     v = p.visits[1]
     assert v.preinfer and v.gpu_hours["a800"] == pytest.approx(v.preinfer_s * 4 / 3600)
     assert v.gpu_hours["rtx4090"] == pytest.approx(v.wall_s / 3600)  # the box, waiting included
@@ -208,7 +208,7 @@ def test_a_run_of_a_billion_cycles_is_planned_at_once_with_the_same_figures():
     figs, ds = _figs(step_s=1.0, step_computed_s=1.5), Dataset(0, 1000, 50)
     rates = Rates(write_gbs=1, read_gbs=1, preinfer_gpus=1, preinfer_tflops=10, train_tflops=80)
     cfg = _cfg("bcd.preinfer=true", "bcd.cycles=3", "bcd.blocks=2")
-    p = plan_run(cfg, figs, ds, rates)
+    p = forecast_run(cfg, figs, ds, rates)
     ref = _loop_totals(p, cfg, 3)
     assert p.run.wall_s == pytest.approx(ref["wall_s"]) and p.run.store_written == ref["written"]
     assert p.run.store_peak == ref["peak"] and p.run.storage_usd == pytest.approx(ref["storage_usd"])
@@ -221,13 +221,13 @@ def test_a_run_of_a_billion_cycles_is_planned_at_once_with_the_same_figures():
     signal.setitimer(signal.ITIMER_REAL, 5.0)
     try:
         t = time.perf_counter()
-        big = plan_run(big_cfg, figs, ds, rates)
+        big = forecast_run(big_cfg, figs, ds, rates)
         assert time.perf_counter() - t < 1.0
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     assert big.run.wall_s == pytest.approx(1e9 * p.cycle.wall_s) and math.isfinite(big.run.usd)
-    egress = plan_run(_cfg("spend.egress_usd_gb=0.09", "bcd.blocks=2"), figs, Dataset(0, 1000, 50), rates)
+    egress = forecast_run(_cfg("spend.egress_usd_gb=0.09", "bcd.blocks=2"), figs, Dataset(0, 1000, 50), rates)
     assert egress.run.egress_usd > 0
 
 
@@ -240,7 +240,7 @@ def test_bad_sizes_and_rates_are_one_line_naming_them(value):
 
 
 def test_the_planner_loads_no_torch():
-    code = ("import sys, bcdflow.core.runplan, bcdflow.storage.act_layout; "
+    code = ("import sys, bcdflow.core.forecast, bcdflow.storage.act_layout; "
             "assert 'torch' not in sys.modules and 'zarr' not in sys.modules, 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -335,7 +335,7 @@ def test_the_plans_rates_are_the_card_kinds():
     """``bcdflow plan`` and ``bcd.preinfer=auto`` plan the training card at ``spend.train_device``'s TFLOP/s
     (``train.tflops`` wins), pre-inference on the box at the box's, on GPUs of its own (a Dask fleet) at
     ``spend.preinfer_device``'s, or the box's where that kind has no rates (priced only)."""
-    from bcdflow.core.runplan import default_rates
+    from bcdflow.core.forecast import default_rates
     from bcdflow.models.specs import CARD_RATES
 
     base = ["train.precision=bf16", "spend.prices=[rtx3090=0.13, t4=0.35]"]
@@ -356,7 +356,7 @@ def test_the_plans_rates_are_the_card_kinds():
 def test_a_small_runs_plan_prints_its_seconds_and_cents_not_zeros(tmp_path, capsys):
     """Issue 45: the demo's plan printed every time as ``0s`` and every price as ``$0.00``. Sub-second times and
     sub-cent prices now keep a figure (``0.3s``, ``<0.1s``, ``$0.00027``); only nothing at all reads as zero."""
-    from bcdflow.core.runplan import duration_text, usd_text
+    from bcdflow.core.forecast import duration_text, usd_text
     from bcdflow.flows.cli import main
 
     assert [duration_text(s) for s in (0, 0.01, 0.34, 9.96, 35, 36, 5400)] == \

@@ -1,4 +1,4 @@
-"""The model's figures the run planner (``core/runplan.py``) takes, from the memory planner and its time model
+"""The model's figures the run planner (``core/forecast.py``) takes, from the memory planner and its time model
 (``models/holding.choose_holding``: torch, a meta-device model): each block's parameters, its prefix's forward FLOPs
 per token, and the step time of its visit as held, reading stored activations and computing the prefix on the card.
 ``bcdflow plan`` (flows/plan.py) and ``bcd.preinfer=auto`` (``RunContext.preinfer_choice``) read them.
@@ -11,7 +11,7 @@ import math
 from dataclasses import replace
 
 from bcdflow.core.config import RunConfig
-from bcdflow.core.runplan import BlockFigures, FullFigures, FullHeld, ModelFigures
+from bcdflow.core.forecast import BlockFigures, FullFigures, FullHeld, ModelFigures
 from bcdflow.models import flops
 from bcdflow.models.holding import choose_holding, step_time
 from bcdflow.models.memory import expand_bytes, layer_of, model_shapes, visit_memory
@@ -21,7 +21,7 @@ from bcdflow.models.plan import Plan
 
 
 def figures(cfg: RunConfig, mcfg: ModelConfig, plan_: Plan, budget: float | None) -> ModelFigures:
-    """``core/runplan.ModelFigures`` of the run's model cut as ``plan_`` on a card with ``budget`` usable bytes (None:
+    """``core/forecast.ModelFigures`` of the run's model cut as ``plan_`` on a card with ``budget`` usable bytes (None:
     no limit): each block's parameters, its prefix's forward FLOPs per token, and the step time of its visit as held,
     reading stored activations and computing the prefix on the card."""
     shapes = model_shapes(mcfg)

@@ -5,7 +5,7 @@ the run config, the model's figures, the dataset's size and stated rates: no tor
 
     figs = ModelFigures(d_model=4096, params=8.0e9, forward_flops=..., blocks=(BlockFigures(...), ...))
     rates = Rates(write_gbs=0.2, read_gbs=0.2, preinfer_gpus=1, preinfer_tflops=80, train_tflops=80)
-    p = plan_run(cfg, figs, Dataset.of_tokens(100e6, cfg.data.seq_len, cfg.data.val_fraction), rates)
+    p = forecast_run(cfg, figs, Dataset.of_tokens(100e6, cfg.data.seq_len, cfg.data.val_fraction), rates)
     p.visits[b].written, p.cycle.wall_s, p.run.usd, p.run.store_peak
 
 What it counts, and from where (so the figures are the product's, not a second model of it):
@@ -33,7 +33,7 @@ What it counts, and from where (so the figures are the product's, not a second m
 
 ``bcd.preinfer=auto`` (:func:`choose_preinfer`): per block, pre-infer where the visit with it is faster than
 computing the prefix on the training card every step (streamed or resident, as the holding says) by more than
-:data:`TIE` and no dearer in all (GPUs, requests, egress, storage: ``VisitPlan.usd``), or as fast (within
+:data:`TIE` and no dearer in all (GPUs, requests, egress, storage: ``VisitForecast.usd``), or as fast (within
 :data:`TIE`) and cheaper; else compute it (a way that fits the card first); both ways with the same mid-visit
 checkpoints; the reason is one line, with both ways' figures and the store bandwidth that would flip it.
 """
@@ -167,7 +167,7 @@ class FullHeld:
 
 @dataclass(frozen=True)
 class FullFigures:
-    """Full training of the same model on the same cluster at the same tokens a step (``core/plan_figures``)."""
+    """Full training of the same model on the same cluster at the same tokens a step (``core/figures``)."""
     ddp: FullHeld
     """A replica a GPU (one GPU: the card alone)."""
     zero3: FullHeld
@@ -274,7 +274,7 @@ def default_rates(cfg: RunConfig) -> Rates:
 
 
 @dataclass
-class VisitPlan:
+class VisitForecast:
     block: int
     layers: tuple[int, int]
     rows: int
@@ -350,10 +350,10 @@ class Totals:
 
 
 @dataclass
-class RunPlan:
+class RunForecast:
     dataset: Dataset
     rates: Rates
-    visits: list[VisitPlan]
+    visits: list[VisitForecast]
     cycle: Totals
     run: Totals
     cycles: int
@@ -370,7 +370,7 @@ class RunPlan:
                 "full": self.full, "notes": self.notes}
 
 
-def full_training(cfg: RunConfig, figs: ModelFigures, visits: list[VisitPlan], run: Totals, bf: float) -> dict | None:
+def full_training(cfg: RunConfig, figs: ModelFigures, visits: list[VisitForecast], run: Totals, bf: float) -> dict | None:
     """Full training of the same model on the same cluster (``train.nodes`` x ``train.gpus``), at the same tokens a
     step, to the loss the run's BCD steps reach: ``steps / bf`` steps (B-F: BCD's steps to full training's loss over
     full training's), each way it can be held (data parallel: a replica a GPU; ZeRO-3: sharded over all) with its
@@ -411,14 +411,14 @@ def _add(d: dict, k: str, v: float) -> None:
 
 
 def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates, pre: bool,
-           protect_s: float | None = None) -> VisitPlan:
+           protect_s: float | None = None) -> VisitForecast:
     """Block ``bf``'s visit with pre-inference ``pre`` (on only where the block has a prefix); its mid-visit
     checkpoints are those of ``protect_s`` seconds of training (default its own training time), so that the two ways
     of one visit compare with the same protection against a kill (:func:`choose_preinfer`)."""
     b, t, sp = cfg.bcd, cfg.train, cfg.spend
     pre = pre and bf.layers[0] > 0
     rows, steps, T = visit_row_count(cfg, ds.n_train), b.max_steps, cfg.data.seq_len
-    v = VisitPlan(bf.block, bf.layers, rows, steps, pre, "")
+    v = VisitForecast(bf.block, bf.layers, rows, steps, pre, "")
     prices = catalog(sp)
     wr, rd = rates.write_gbs * GB, rates.read_gbs * GB
     act_wr, act_rd = (b.act_store_gbs * GB,) * 2 if b.act_store else (wr, rd)  # the activations' own store
@@ -490,7 +490,7 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
 
 
 def _both(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates
-          ) -> tuple[VisitPlan, VisitPlan]:
+          ) -> tuple[VisitForecast, VisitForecast]:
     """Block ``bf``'s visit pre-inferred and with its prefix on the card, with the same checkpoints: those of the
     longer training (a visit that trains faster from stored activations would otherwise also write fewer
     checkpoints, and win on protection it gave up)."""
@@ -498,7 +498,7 @@ def _both(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rat
     return _visit(cfg, figs, bf, ds, rates, True, guard), _visit(cfg, figs, bf, ds, rates, False, guard)
 
 
-def _auto_preinfers(on: VisitPlan, off: VisitPlan) -> bool:
+def _auto_preinfers(on: VisitForecast, off: VisitForecast) -> bool:
     """``bcd.preinfer=auto``'s rule: the way that fits; where both do, pre-inference only where it is faster by more
     than :data:`TIE` and no dearer, or as fast (within :data:`TIE`) and cheaper."""
     if on.fits != off.fits:
@@ -531,7 +531,7 @@ def _flip(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rat
             else f"; it would pre-infer from {gbs * hi:.3g} GB/s")
 
 
-def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates) -> VisitPlan:
+def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates) -> VisitForecast:
     """Block ``bf``'s visit as ``bcd.preinfer`` says: on, off, or ``auto``: the faster of the two (then the cheaper),
     with the reason in words and, for ``auto``, the store bandwidth that would flip it (:func:`_flip`)."""
     setting = cfg.bcd.preinfer
@@ -541,7 +541,7 @@ def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Da
         return v
     on, off = _both(cfg, figs, bf, ds, rates)
 
-    def words(a: VisitPlan, b: VisitPlan) -> str:
+    def words(a: VisitForecast, b: VisitForecast) -> str:
         return (f"pre-inference {duration_text(on.wall_s)} {usd_text(on.usd)} (writes {on.written / GB:.1f} GB), "
                 f"prefix on the card {duration_text(off.wall_s)} {usd_text(off.usd)}")
 
@@ -571,7 +571,7 @@ def choose_preinfer(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Da
     return pick
 
 
-def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: float | None = None) -> RunPlan:
+def forecast_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: float | None = None) -> RunForecast:
     """Every visit of one cycle (they repeat each cycle: the same rows counted, the same blocks), the cycle, and
     the run of ``bcd.cycles`` cycles with the store's peak and the storage bill; full training beside it on the same
     cluster to the same loss (``bf``: B-F, :func:`full_training`)."""
@@ -622,10 +622,10 @@ def plan_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, bf: 
                          f" (B-F at {cfg.n_blocks} blocks from the validity suite's l8-d128, measured at "
                          f"{' and '.join(map(str, sorted(MEASURED_BF)))} blocks, docs/results/rates-2026-11-28; --bf "
                          "gives yours, from bcdflow compare)")))
-    return RunPlan(ds, rates, visits, cycle, run, cfg.bcd.cycles, dataset_bytes, model_bytes, notes, full)
+    return RunForecast(ds, rates, visits, cycle, run, cfg.bcd.cycles, dataset_bytes, model_bytes, notes, full)
 
 
-def _notes(cfg: RunConfig, visits: list[VisitPlan]) -> list[str]:
+def _notes(cfg: RunConfig, visits: list[VisitForecast]) -> list[str]:
     """What a reader of the plan should know about its figures: the step cap, the activations' own store,
     compression, the activations' dtype."""
     notes = [f"steps are the cap bcd.max_steps={cfg.bcd.max_steps} per visit (a visit may stop sooner: the plateau "
