@@ -100,14 +100,14 @@ def dispatch(name: str, sets: list[str], root: Path) -> dict:
     from bcdflow.flows.fleet import dispatch_visit
     from bcdflow.flows.visit import visit
     from bcdflow.storage import runs
-    from bcdflow.tasks.data import prepare_data
+    from bcdflow.tasks.data import token_dataset
     from bcdflow.tasks.run import init_run
 
     out = {}
     for mode in ("in-process", "dispatch"):
         extra = [f"fleet.visit_pool={POOL}", "fleet.poll_seconds=0.5"] if mode == "dispatch" else []
         cfg = load_config(sets=[*sets, "tracking_uri=none", f"store={root / name / mode}", *extra])
-        ds = prepare_data.fn(cfg, open_store(cfg))
+        ds = token_dataset(cfg, open_store(cfg))
         init_run.fn(cfg, "b", ds)
 
         @flow(name=f"bench-{mode}")
@@ -142,7 +142,7 @@ def dask_throughput(sets: list[str], root: Path) -> dict:
     from bcdflow.flows.visit import preinfer
     from bcdflow.storage import layout
     from bcdflow.core.rules import visit_rows
-    from bcdflow.tasks.data import prepare_data
+    from bcdflow.tasks.data import token_dataset
     from bcdflow.tasks.run import init_run
 
     out = {}
@@ -152,7 +152,7 @@ def dask_throughput(sets: list[str], root: Path) -> dict:
             cfg = load_config(sets=[*sets, "tracking_uri=none", f"store={root / f'dask{n}'}", "bcd.shard_rows=32",
                                     "bcd.max_steps=64", "fleet.preinfer=dask",
                                     f"fleet.dask_address={cluster.scheduler_address}"])
-            ds = prepare_data.fn(cfg, open_store(cfg))
+            ds = token_dataset(cfg, open_store(cfg))
             init_run.fn(cfg, "d", ds)
             rows = len(visit_rows(cfg, RunContext.of(cfg, "d", ds).dataset.n_train, 0, 2))
 

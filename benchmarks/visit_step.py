@@ -18,7 +18,7 @@ import tempfile
 from bcdflow.core.config import load_config
 from bcdflow.core.context import RunContext
 from bcdflow.storage.store import Store
-from bcdflow.tasks.data import prepare_data
+from bcdflow.tasks.data import token_dataset
 from bcdflow.tasks.preinfer import plan_shards, preinfer_shard
 from bcdflow.tasks.run import init_run
 from bcdflow.tasks.train import train_block
@@ -38,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bcdflow-visit-step-") as tmp:
         cfg = load_config(sets=[*SMALL, f"bcd.max_steps={args.steps}", f"store={tmp}/store", *args.set])
-        ds = prepare_data.fn(cfg, Store(cfg.store))
+        ds = token_dataset(cfg, Store(cfg.store))
         init_run.fn(cfg, "r", ds)
         for shard in plan_shards.fn(RunContext.of(cfg, "r", ds), 0, 1):
             preinfer_shard.fn(RunContext.of(cfg, "r", ds), 0, 1, 0, shard)

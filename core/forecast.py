@@ -40,7 +40,7 @@ checkpoints; the reason is one line, with both ways' figures and the store bandw
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from bcdflow.core.cluster import Cluster
 from bcdflow.core.config import RunConfig
@@ -262,15 +262,29 @@ def preinfer_tflops(cfg: RunConfig, elsewhere: bool) -> float:
     return tflops_for(cfg.train.precision, None, kind)
 
 
+def run_rates(cfg: RunConfig, store_gbs: float | None = None, write_gbs: float | None = None,
+              read_gbs: float | None = None, preinfer_gpus: float | None = None,
+              preinfer_tflops_: float | None = None, measured: dict | None = None) -> Rates:
+    """The rates a forecast plans with, built and checked once: the store's (each way as given, else what
+    ``measured`` found, else ``store_gbs``, else ``train.store_gbs``), the GPUs pre-inference uses (as given, which
+    puts them beside the box; else ``spend.preinfer_gpus``, else ``core/spend.gpus_used``: a Dask fleet's beside the
+    box) at :func:`preinfer_tflops` unless given, evaluation at the training card's. A run's own ``bcd.preinfer=auto`` takes
+    them with nothing given; ``bcdflow plan`` with its flags. A bad value: one line naming its flag."""
+    elsewhere = preinfer_gpus is not None or cfg.fleet.preinfer == "dask"
+    store = store_gbs if store_gbs is not None else cfg.train.store_gbs
+    rates = Rates(
+        write_gbs=write_gbs if write_gbs is not None else (measured["write_gbs"] if measured else store),
+        read_gbs=read_gbs if read_gbs is not None else (measured["read_gbs"] if measured else store),
+        preinfer_gpus=preinfer_gpus if preinfer_gpus is not None else (
+            cfg.spend.preinfer_gpus or gpus_used(cfg)["preinfer"]),
+        preinfer_tflops=preinfer_tflops_ if preinfer_tflops_ is not None else preinfer_tflops(cfg, elsewhere),
+        train_tflops=train_tflops(cfg), preinfer_elsewhere=elsewhere, measured=measured).check()
+    return replace(rates, preinfer_gpus=int(rates.preinfer_gpus))
+
+
 def default_rates(cfg: RunConfig) -> Rates:
-    """The rates a run's own ``bcd.preinfer=auto`` plans with: ``train.store_gbs`` both ways, the GPUs pre-inference
-    uses (``core/spend.gpus_used``, a Dask fleet's beside the box) at :func:`preinfer_tflops`, evaluation at the
-    training card's."""
-    elsewhere = cfg.fleet.preinfer == "dask"
-    return Rates(write_gbs=cfg.train.store_gbs, read_gbs=cfg.train.store_gbs,
-                 preinfer_gpus=cfg.spend.preinfer_gpus or gpus_used(cfg)["preinfer"],
-                 preinfer_tflops=preinfer_tflops(cfg, elsewhere), train_tflops=train_tflops(cfg),
-                 preinfer_elsewhere=elsewhere)
+    """The rates a run's own ``bcd.preinfer=auto`` plans with (:func:`run_rates` with nothing given)."""
+    return run_rates(cfg)
 
 
 @dataclass

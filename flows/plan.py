@@ -15,13 +15,10 @@ dataset's size from ``--tokens`` or the prepared token dataset, and the rates fr
 """
 from __future__ import annotations
 
-import errno
 import math
-import time
-import uuid
 
 from bcdflow.constants import MAX_MEMORY_GB
-from bcdflow.errors import BadInput, DamagedArtifact
+from bcdflow.errors import BadInput
 from bcdflow.flows import like
 from bcdflow.tracking.tables import strict_json
 
@@ -81,11 +78,11 @@ def dataset_size(cfg, tokens):
         return Dataset.of_tokens(_number("--tokens", tokens), cfg.data.seq_len, cfg.data.val_fraction)
     from bcdflow.core.context import open_store
     from bcdflow.storage.layout import DATASET_META, dataset_key
-    from bcdflow.tasks.data import prepare_data
+    from bcdflow.tasks.data import token_dataset
 
     store = open_store(cfg)
     store.probe()
-    ds_id = prepare_data.fn(cfg, store)
+    ds_id = token_dataset(cfg, store)
     meta = store.read_json(dataset_key(ds_id, DATASET_META))
     return Dataset(int(meta.get("n_tokens", (meta["n_train"] + meta["n_val"]) * (cfg.data.seq_len + 1))),
                    meta["n_train"], meta["n_val"])
@@ -99,74 +96,15 @@ def _number(flag: str, text) -> float:
 
 # -- the store's rates, measured -------------------------------------------------------------------------------------
 
-PROBE_SHARDS = 4
-PROBE_SHARD_BYTES = 256 * 10**6
-"""The most hidden-state bytes (fp32, as pre-inference hands them over) one probe shard holds in memory: a run's shard
-(``bcd.shard_rows`` rows) of a large model is tens of GB, which the probe allocated at once. The probe writes the run's
-chunk objects (what the rate depends on), as few per shard as this allows, at least one."""
-
-
 def probe_store(cfg, d_model: int) -> dict:
-    """Write ``PROBE_SHARDS`` activation shards of the run's layout (its chunk objects: ``data.seq_len``,
-    ``bcd.act_dtype``, the chunk rows of a ``bcd.shard_rows`` shard; a shard at most ``PROBE_SHARD_BYTES`` in memory)
-    to the configured store through ``storage/activations`` and read them back whole with its reader, timing each; the
-    probe's group is removed after. GB/s of the chunk objects' bytes. A store that stops answering meanwhile is one
-    line naming it (OSError: exit 1), never a traceback."""
-    import torch
-
+    """The configured store's rates with activation shards of the run's layout (``storage/probe.py``)."""
     from bcdflow.core.context import open_store
-    from bcdflow.storage import activations
-    from bcdflow.storage.act_layout import group_layout
-    from bcdflow.storage.layout import throughput_key
+    from bcdflow.storage import probe
 
     store = open_store(cfg)
     store.probe()
-    b, T = cfg.bcd, cfg.data.seq_len
-    chunk = group_layout(b.shard_rows, T, d_model, b.shard_rows, b.act_dtype).chunk_rows  # the run's chunk objects
-    shard_rows = chunk * max(1, min(b.shard_rows // chunk, PROBE_SHARD_BYTES // (chunk * T * d_model * 4)))
-    rows = PROBE_SHARDS * shard_rows
-    key = throughput_key(uuid.uuid4().hex[:12])
-    lay = group_layout(rows, T, d_model, shard_rows, b.act_dtype, chunk_rows=chunk)
-    gen = torch.Generator().manual_seed(0)
-    done = False
-    try:
-        activations.create_group(store, key, n_rows=rows, seq_len=T, d_model=d_model, shard_rows=shard_rows,
-                                 dtype=b.act_dtype, chunk_rows=chunk, compression=b.act_compression)
-        hidden = torch.randn((shard_rows, T, d_model), generator=gen)
-        # not zeros: Zarr skips writing a chunk that is all fill value (the reader would find it missing)
-        targets = torch.randint(1, 1 << 15, (shard_rows, T), generator=gen, dtype=torch.int32)
-        t0 = time.perf_counter()
-        for s in range(PROBE_SHARDS):
-            activations.write_shard(store, key, s, hidden, targets)
-        write_s = time.perf_counter() - t0
-        reader = activations.ActivationReader(store, key)
-        t0 = time.perf_counter()
-        for lo in range(0, rows, lay.chunk_rows):
-            reader.read(lo, min(rows, lo + lay.chunk_rows))
-        read_s = time.perf_counter() - t0
-        reader.close()
-        done = True
-    except (BadInput, DamagedArtifact):
-        raise
-    except Exception as e:  # s3fs, botocore, aiohttp and zarr raise their own: the store went away mid-probe
-        raise _probe_fault(store, key, e) from None
-    finally:
-        try:
-            store.rm(key)
-        except Exception as e:
-            if done:  # measured, but the probe's objects could not be removed: the store went away at the end
-                raise _probe_fault(store, key, e) from None
-    return {"store": store.url, "bytes": lay.array_bytes, "shards": PROBE_SHARDS, "write_s": write_s,
-            "read_s": read_s, "write_gbs": lay.array_bytes / write_s / GB, "read_gbs": lay.array_bytes / read_s / GB}
-
-
-def _probe_fault(store, key: str, e: BaseException) -> OSError:
-    """The one line of a store that stopped answering during ``--probe`` (the CLI prints an OSError's file name, the
-    store, and its reason: exit 1)."""
-    first = (str(e).strip().splitlines() or [""])[0][:300]
-    return OSError(errno.EIO, f"the store stopped answering during bcdflow plan --probe ({type(e).__name__}: {first}); "
-                   f"its probe objects may be left under {key}/ (remove them once it answers); run the probe again, "
-                   "or give --store-gbs", store.url)
+    b = cfg.bcd
+    return probe.probe_store(store, cfg.data.seq_len, d_model, b.shard_rows, b.act_dtype, b.act_compression)
 
 
 # -- the command -----------------------------------------------------------------------------------------------------
@@ -175,35 +113,24 @@ def build(cfg, args) -> dict:
     """The plan as a dict: the run's (core/forecast.RunForecast) and plan-memory's."""
     from bcdflow.core.context import block_plan, model_config
     from bcdflow.core.figures import figures
-    from bcdflow.core.forecast import Rates, forecast_run, preinfer_tflops, train_tflops
-    from bcdflow.models.memory import device_budget
-    from bcdflow.core.spend import gpus_used
+    from bcdflow.core.forecast import forecast_run, run_rates
     from bcdflow.flows.plan_memory import plan as memory_plan
+    from bcdflow.models.memory import device_budget
 
     mcfg = model_config(cfg)
     ds = dataset_size(cfg, args.tokens)
     measured = probe_store(cfg, mcfg.d_model) if args.probe else None
-    store_gbs = args.store_gbs if args.store_gbs is not None else cfg.train.store_gbs
-    write = args.write_gbs if args.write_gbs is not None else (measured["write_gbs"] if measured else store_gbs)
-    read = args.read_gbs if args.read_gbs is not None else (measured["read_gbs"] if measured else store_gbs)
-    train_tf = train_tflops(cfg)
-    elsewhere = args.preinfer_gpus is not None or cfg.fleet.preinfer == "dask"
-    pre_gpus = args.preinfer_gpus if args.preinfer_gpus is not None else (
-        cfg.spend.preinfer_gpus or gpus_used(cfg)["preinfer"])
-    rates = Rates(write_gbs=write, read_gbs=read, preinfer_gpus=pre_gpus,
-                  preinfer_tflops=(args.preinfer_tflops if args.preinfer_tflops is not None
-                                   else preinfer_tflops(cfg, elsewhere)),
-                  train_tflops=train_tf, preinfer_elsewhere=elsewhere, measured=measured).check()
-    rates = Rates(**{**rates.__dict__, "preinfer_gpus": int(rates.preinfer_gpus)})
+    rates = run_rates(cfg, args.store_gbs, args.write_gbs, args.read_gbs, args.preinfer_gpus, args.preinfer_tflops,
+                      measured)
     budget = device_budget(args.gpu_gb * GB, gpus=cfg.train.world).usable
     bplan = block_plan(cfg, mcfg)
     p = forecast_run(cfg, figures(cfg, mcfg, bplan, budget), ds, rates,
-                 **({"bf": args.bf} if args.bf is not None else {}))
+                     **({"bf": args.bf} if args.bf is not None else {}))
     out = p.to_dict()
     out["model"] = {"family": mcfg.family, "n_layer": mcfg.n_layer, "d_model": mcfg.d_model,
                     "vocab_size": mcfg.vocab_size}
-    out["config"] = {"blocks": len(bplan.blocks), "visits": len(bplan.visits), "plan": bplan.counts(), "batch_size": cfg.train.batch_size, "seq_len": cfg.data.seq_len,
-                     "max_steps": cfg.bcd.max_steps, "sample_rate": cfg.bcd.sample_rate, "precision":
+    out["config"] = {"blocks": len(bplan.blocks), "visits": len(bplan.visits), "plan": bplan.counts(),
+                     "batch_size": cfg.train.batch_size, "seq_len": cfg.data.seq_len, "max_steps": cfg.bcd.max_steps, "sample_rate": cfg.bcd.sample_rate, "precision":
                      cfg.train.precision, "act_dtype": cfg.bcd.act_dtype, "preinfer": cfg.bcd.preinfer,
                      "train_gpus": cfg.spend.train_gpus or cfg.train.world, "train_device": cfg.spend.train_device,
                      "preinfer_device": cfg.spend.preinfer_device, "gpu_gb": args.gpu_gb}

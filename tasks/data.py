@@ -41,7 +41,13 @@ def data_id(cfg: RunConfig) -> str:
 
 @task(name="prepare-data", **retrying())
 def prepare_data(cfg: RunConfig, store: Store) -> str:
-    """Tokenize and pack the corpus once; later runs with the same inputs reuse it. Returns its id.
+    """:func:`token_dataset` as the run's first task (Prefect retries a store that fails for a moment)."""
+    return token_dataset(cfg, store)
+
+
+def token_dataset(cfg: RunConfig, store: Store) -> str:
+    """Tokenize and pack the corpus once; later runs with the same inputs reuse it. Returns its id (``bcdflow plan``
+    calls it to size the run's dataset).
 
     With ``model.from_hf`` the checkpoint is checked in full first (this is the run's first write). The ``datasets``
     library converts local files to Arrow in a cache: a temporary one, removed when the dataset is made (the token

@@ -564,9 +564,10 @@ def test_the_stores_probe_holds_a_bounded_shard_in_memory(tmp_path, monkeypatch)
     d_model, tens of GB for a large model: a traceback past memory). It holds at most ``PROBE_SHARD_BYTES``, writing the
     run's chunk objects, and measures a rate."""
     from bcdflow.flows import plan
+    from bcdflow.storage import probe
 
     bound = 1 << 18
-    monkeypatch.setattr(plan, "PROBE_SHARD_BYTES", bound, raising=False)
+    monkeypatch.setattr(probe, "PROBE_SHARD_BYTES", bound)
     real = torch.randn
 
     def randn(shape, **kw):
