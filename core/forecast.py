@@ -60,12 +60,14 @@ TIE = 0.01
 """``bcd.preinfer=auto``: wall times within this fraction are as fast (then the prefix is computed on the card)."""
 HEADER_BYTES = 256
 """A safetensors header's bytes per tensor (models/memory.file_bytes)."""
-MEASURED_BF = {3: 1.21, 8: 2.42}
+MEASURED_BF = {2: 1.12, 3: 1.21, 4: 1.37, 8: 2.42}
 """B-F by block count: BCD's steps to full AdamW's loss over full AdamW's, the figures ``bcdflow plan`` compares full
 training with (``--bf`` gives the user's own, from ``bcdflow compare``; :func:`measured_bf` between them). The
 validity suite's ``l8-d128`` (8 layers, d=128, its vocabulary 7.7% of the parameters), pysrc, 3 seeds, every run at
-the rate a sweep on a held-out seed chose for full AdamW (1e-3), BCD's defaults (``bcd.expand=lora``): 3 blocks 1.21
-[1.10-1.42], 8 blocks (one layer each) 2.42 [2.30-2.55] (docs/results/rates-2026-11-28). One corpus, pretraining."""
+the rate a sweep on a held-out seed chose for full AdamW (1e-3), BCD's defaults (``bcd.expand=lora``): 2 blocks 1.12
+[1.12-1.13], 3 blocks 1.21 [1.10-1.42], 4 blocks 1.37 [1.28-1.50], 8 blocks (one layer each) 2.42 [2.30-2.55]
+(docs/results/rates-2026-11-28). One corpus, pretraining; more blocks than 8 are not measured (the model has 8
+layers): the 8-block figure stands for them, a lower bound."""
 
 
 def measured_bf(blocks: int) -> float:
@@ -634,7 +636,7 @@ def forecast_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, 
         notes.append(f"full training to the same loss: the run's {full['bcd_steps']:,} BCD steps / B-F {bf:.3g} = "
                      f"{full['steps']:,.0f} steps" + (" (--bf)" if given else (
                          f" (B-F at {cfg.n_blocks} blocks from the validity suite's l8-d128, measured at "
-                         f"{' and '.join(map(str, sorted(MEASURED_BF)))} blocks, docs/results/rates-2026-11-28; --bf "
+                         f"{', '.join(map(str, sorted(MEASURED_BF)))} blocks, docs/results/rates-2026-11-28; --bf "
                          "gives yours, from bcdflow compare)")))
     return RunForecast(ds, rates, visits, cycle, run, cfg.bcd.cycles, dataset_bytes, model_bytes, notes, full)
 
