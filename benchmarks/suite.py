@@ -67,6 +67,9 @@ def add_parser(sub) -> None:
     ap.add_argument("--settings", nargs="+", metavar="NAME", help="a subset of the profile's BCD settings")
     ap.add_argument("--set", dest="sets", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                     help="a config key for every run, baseline and BCD, after the profile's (repeatable)")
+    ap.add_argument("--bcd-set", dest="bcd_sets", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="a config key for the BCD runs alone, after --set: BCD at its own rate against the "
+                         "baseline's L* (e.g. --set optim.lr=1e-3 --bcd-set optim.lr=2e-3; repeatable)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="train.device of every run (auto: CUDA when present)")
     ap.add_argument("--flow-threads", type=int, help="torch threads for the runs (CPU default 1)")
@@ -85,6 +88,7 @@ def select(suite: dict, args) -> dict:
             s[key] = {k: v for k, v in suite[key].items() if k in want}
     s["seeds"] = list(dict.fromkeys(args.seeds)) if args.seeds else list(suite["seeds"])
     s["extra"] = list(args.sets) + ([f"train.device={args.device}"] if args.device != "auto" else [])
+    s["bcd_extra"] = list(getattr(args, "bcd_sets", None) or [])
     return s
 
 
@@ -95,7 +99,9 @@ def run_sets(s: dict, model: str, files: list[str], seed: int, mode: str, settin
     ``stop_at_target``: its cycle cap is then only a cap, and the run costs what reaching L* costs)."""
     own = s["full"] if mode == "full" else [*s["bcd"], *s["settings"][setting]]
     stop = [f"stop.target_val_loss={target:.6f}"] if target is not None and s.get("stop_at_target") else []
-    return [*s["models"][model], f"data.files={json.dumps(files)}", f"seed={seed}", *own, *stop, *s["extra"]]
+    bcd_only = s.get("bcd_extra", []) if mode != "full" else []
+    return [*s["models"][model], f"data.files={json.dumps(files)}", f"seed={seed}", *own, *stop, *s["extra"],
+            *bcd_only]
 
 
 def prepare(bk: RunBook, s: dict, corpus_dir: Path) -> dict[str, list[str]]:
@@ -328,7 +334,8 @@ def markdown(res: dict) -> str:
         f"{m['flow_threads']} thread(s), {m['started']}, {m['seconds']:.0f} s.", "",
         f"Corpora (benchmarks/corpora.py): {corp}. Every run: `{' '.join(s['sets'])}` (optimizer {s['optim']}); "
         f"baseline `{' '.join(s['full'])}`; BCD `{' '.join(s['bcd'])}`; settings {settings}"
-        + (f"; command line `{' '.join(s['extra'])}`" if s["extra"] else "") + ". Models: "
+        + (f"; command line `{' '.join(s['extra'])}`" if s["extra"] else "")
+        + (f"; BCD runs only `{' '.join(s['bcd_extra'])}`" if s.get("bcd_extra") else "") + ". Models: "
         + "; ".join(f"{k}: `{' '.join(v)}`" for k, v in s["models"].items()) + ".", "",
         f"Per seed: L* = the baseline's {s.get('target', 'final')} val loss + {s['tol']}. B-F × = BCD's optimizer "
         "steps to first reach L* "
