@@ -431,29 +431,15 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     """Block ``bf``'s visit with pre-inference ``pre`` (on only where the block has a prefix); its mid-visit
     checkpoints are those of ``protect_s`` seconds of training (default its own training time), so that the two ways
     of one visit compare with the same protection against a kill (:func:`choose_preinfer`)."""
-    b, t, sp = cfg.bcd, cfg.train, cfg.spend
+    b, t = cfg.bcd, cfg.train
     pre = pre and bf.layers[0] > 0
     rows, steps, T = visit_row_count(cfg, ds.n_train), b.max_steps, cfg.data.seq_len
     v = VisitForecast(bf.block, bf.layers, rows, steps, pre, "")
-    prices = catalog(sp)
     wr, rd = rates.write_gbs * GB, rates.read_gbs * GB
     act_wr, act_rd = (b.act_store_gbs * GB,) * 2 if b.act_store else (wr, rd)  # the activations' own store
     act_puts = act_gets = 0
     if pre:
-        lay = group_layout(rows, T, figs.d_model, b.shard_rows, b.act_dtype)
-        epochs = steps * t.batch_size / rows  # the reader fetches each chunk object once per pass over the rows
-        whole = int(epochs)
-        rest = -(-round((epochs - whole) * rows) // lay.chunk_rows)
-        v.written, v.chunk_rows, v.objects_written = lay.array_bytes, lay.chunk_rows, lay.objects
-        v.read = whole * lay.array_bytes + min(rest, lay.n_chunks) * (lay.hidden_chunk_bytes + lay.targets_chunk_bytes)
-        v.preinfer_compute_s = rows * T * bf.prefix_flops / (rates.preinfer_tflops * 1e12 * rates.preinfer_gpus)
-        v.preinfer_write_s = v.written / act_wr
-        prefix_params = figs.params - bf.loaded_params
-        v.prefix_load_s = prefix_params * STORED_BYTES / rd
-        v.preinfer_s = v.prefix_load_s + max(v.preinfer_compute_s, v.preinfer_write_s)
-        v.step_s, v.fits, v.holding = bf.step_s, bf.fits, bf.holding
-        v.loaded_bytes = bf.loaded_params * STORED_BYTES
-        act_gets, act_puts = whole * 2 * lay.n_chunks + 2 * min(rest, lay.n_chunks), lay.objects
+        act_puts, act_gets = _preinfer(v, cfg, figs, bf, rates, act_wr, rd)
     else:
         v.step_s = bf.step_s if bf.layers[0] == 0 else bf.step_computed_s
         v.fits = bf.fits if bf.layers[0] == 0 else bf.fits_computed
@@ -484,6 +470,37 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     v.wall_s = v.preinfer_s + v.load_s + v.train_s + v.checkpoint_s + v.eval_s + v.commit_s
     v.puts += v.checkpoints * 2 + len(suffix) + 1 + (1 if moments else 0) + 4  # + state, manifest, records
     v.gets += len(figs.blocks) + 4
+    _bill(v, cfg, rates, act_puts, act_gets)
+    return v
+
+
+def _preinfer(v: VisitForecast, cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, rates: Rates, act_wr: float,
+              rd: float) -> tuple[int, int]:
+    """Visit ``v``'s pre-inference and its reads of what it wrote: the activation bytes and objects (the layout
+    pre-inference writes), its time (the prefix loaded, computed on the pre-inference GPUs, written), the step as
+    held reading them; returns the activation objects put and got."""
+    b, T, rows, steps = cfg.bcd, cfg.data.seq_len, v.rows, v.steps
+    lay = group_layout(rows, T, figs.d_model, b.shard_rows, b.act_dtype)
+    epochs = steps * cfg.train.batch_size / rows  # the reader fetches each chunk object once per pass over the rows
+    whole = int(epochs)
+    rest = -(-round((epochs - whole) * rows) // lay.chunk_rows)
+    v.written, v.chunk_rows, v.objects_written = lay.array_bytes, lay.chunk_rows, lay.objects
+    v.read = whole * lay.array_bytes + min(rest, lay.n_chunks) * (lay.hidden_chunk_bytes + lay.targets_chunk_bytes)
+    v.preinfer_compute_s = rows * T * bf.prefix_flops / (rates.preinfer_tflops * 1e12 * rates.preinfer_gpus)
+    v.preinfer_write_s = v.written / act_wr
+    prefix_params = figs.params - bf.loaded_params
+    v.prefix_load_s = prefix_params * STORED_BYTES / rd
+    v.preinfer_s = v.prefix_load_s + max(v.preinfer_compute_s, v.preinfer_write_s)
+    v.step_s, v.fits, v.holding = bf.step_s, bf.fits, bf.holding
+    v.loaded_bytes = bf.loaded_params * STORED_BYTES
+    return lay.objects, whole * 2 * lay.n_chunks + 2 * min(rest, lay.n_chunks)
+
+
+def _bill(v: VisitForecast, cfg: RunConfig, rates: Rates, act_puts: int, act_gets: int) -> None:
+    """Visit ``v``'s GPU-hours by kind (the training box waits, rented, for pre-inference elsewhere) and its money:
+    GPUs, store requests (the run's store and the activations'), egress, the activations held."""
+    sp, t, pre = cfg.spend, cfg.train, v.preinfer
+    prices = catalog(sp)
     box = v.wall_s - v.preinfer_s
     pre_kind, box_kind = sp.preinfer_device, sp.train_device
     box_gpus = sp.train_gpus or t.world
@@ -502,7 +519,6 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     v.egress_usd = v.read / GB * cfg.act_egress_usd_gb() + v.loaded_bytes / GB * cfg.egress_usd_gb()
     held_usd = cfg.act_object_store() * v.written / GB * (v.wall_s - v.load_s) / MONTH_S * sp.storage_usd_gb_month
     v.usd = v.gpu_usd + v.request_usd + v.egress_usd + held_usd
-    return v
 
 
 def _both(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, rates: Rates

@@ -101,23 +101,7 @@ def prepare_token_dataset(store: Store, *, files: str | list[str] | None = None,
     ``format`` is ``data.format``; a checkpoint's tokenizer brings its ``eos_token`` (the document and
     completion end), and for ``chat`` its ``chat_template`` and the ``special_tokens`` the template sees.
     """
-    if format not in sft.FORMATS:
-        raise DataError(f"data.format: unknown format {format!r} (choose from {', '.join(sft.FORMATS)})")
-    if format == "chat" and not chat_template:
-        raise DataError("data.format: chat needs a chat template (a checkpoint's tokenizer with one)")
-    if seq_len < 1:
-        raise DataError(f"data.seq_len: must be >= 1, got {seq_len}")
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"data.val_fraction: must be in (0, 1), got {val_fraction}")
-    if not tokenizer_file:
-        corpus.check_vocab_size(vocab_size)
-    if files and path:
-        raise DataError("data.files: give data.files or data.path, not both")
-    if files is not None:
-        files = corpus.resolve_files(files)
-        corpus.check_text_files(files)
-    elif not path:
-        files = corpus.builtin_corpus_files()
+    files = _checked_sources(files, path, format, chat_template, seq_len, val_fraction, tokenizer_file, vocab_size)
     args = dict(files=files, path=path, name=name, split=split, text_field=text_field)
     sources = _sources(files, path, name, split)  # hashes every input file once
     sft_keys = dict(format=format, eos_token=eos_token, chat_template=chat_template, special_tokens=special_tokens)
@@ -127,27 +111,8 @@ def prepare_token_dataset(store: Store, *, files: str | list[str] | None = None,
         return ds_id  # content-addressed: complete and identical, nothing to do
 
     width = seq_len + 1
-    mask = None
-    if format == "text":
-        texts = corpus.load_texts(**args, max_chars=max_chars, cache_dir=cache_dir)
-        tok, eos = _tokenizer(tokenizer_file, texts, vocab_size, eos_token)
-        stream = _encode(tok, texts, eos)  # (n_tokens,) int32, documents joined by eos
-        # Pack into non-overlapping rows of seq_len + 1 (stride seq_len + 1, remainder dropped):
-        # a row gives seq_len next-token predictions, inputs row[:-1] and targets row[1:].
-        n_rows = len(stream) // width
-        rows = stream[: n_rows * width].reshape(n_rows, width)  # (N, T+1)
-        counts = {"n_tokens": int(len(stream)), "n_docs": len(texts)}
-    else:
-        rec = corpus.load_records(sft.FIELDS[format], **_without(args, "text_field"), cache_dir=cache_dir)
-        if format == "prompt_completion":
-            texts = rec["prompt"] + rec["completion"]  # what a trained tokenizer learns from
-            tok, eos = _tokenizer(tokenizer_file, texts, vocab_size, eos_token)
-            examples = sft.encode_prompt_completion(tok, rec["prompt"], rec["completion"], eos)
-        else:
-            tok, eos = _tokenizer(tokenizer_file, [], vocab_size, eos_token)
-            examples = sft.encode_chat(tok, rec["messages"], sft.ChatTemplate(chat_template, special_tokens))
-        rows, mask, counts = sft.pack(examples, width, pad_id=eos)
-        counts["n_tokens"] = int(sum(len(ids) for ids, _ in examples))
+    tok, eos, rows, mask, counts = _encoded_rows(args, width, format, max_chars, cache_dir, tokenizer_file,
+                                                 vocab_size, sft_keys)
     n_rows = len(rows)
     if n_rows < 2:
         dropped = f"; {counts['n_dropped']} example(s) dropped: a row of {width} tokens ends inside their prompt" \
@@ -176,6 +141,60 @@ def prepare_token_dataset(store: Store, *, files: str | list[str] | None = None,
         meta["data_format"] = format
     store.write_json(meta, dataset_key(ds_id, DATASET_META))  # last: the completion marker
     return ds_id
+
+
+def _checked_sources(files, path, format: str, chat_template, seq_len: int, val_fraction: float, tokenizer_file,
+                     vocab_size: int) -> list[str] | None:
+    """The inputs checked before anything is read or written (one line naming the key), and the text files they
+    name: ``files`` resolved, the built-in corpus where neither ``files`` nor ``path`` is given, None for ``path``."""
+    if format not in sft.FORMATS:
+        raise DataError(f"data.format: unknown format {format!r} (choose from {', '.join(sft.FORMATS)})")
+    if format == "chat" and not chat_template:
+        raise DataError("data.format: chat needs a chat template (a checkpoint's tokenizer with one)")
+    if seq_len < 1:
+        raise DataError(f"data.seq_len: must be >= 1, got {seq_len}")
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"data.val_fraction: must be in (0, 1), got {val_fraction}")
+    if not tokenizer_file:
+        corpus.check_vocab_size(vocab_size)
+    if files and path:
+        raise DataError("data.files: give data.files or data.path, not both")
+    if files is not None:
+        files = corpus.resolve_files(files)
+        corpus.check_text_files(files)
+    elif not path:
+        files = corpus.builtin_corpus_files()
+    return files
+
+
+def _encoded_rows(args: dict, width: int, format: str, max_chars, cache_dir, tokenizer_file, vocab_size: int,
+                  sft_keys: dict):
+    """The corpus read, its tokenizer (trained, or the checkpoint's) and its rows of ``width`` tokens: text packed
+    into non-overlapping rows, remainder dropped; prompt/completion and chat examples packed with their loss mask.
+    Returns (tokenizer, eos id, rows, mask or None, counts)."""
+    eos_token, chat_template, special_tokens = (sft_keys[k] for k in ("eos_token", "chat_template", "special_tokens"))
+    mask = None
+    if format == "text":
+        texts = corpus.load_texts(**args, max_chars=max_chars, cache_dir=cache_dir)
+        tok, eos = _tokenizer(tokenizer_file, texts, vocab_size, eos_token)
+        stream = _encode(tok, texts, eos)  # (n_tokens,) int32, documents joined by eos
+        # Pack into non-overlapping rows of seq_len + 1 (stride seq_len + 1, remainder dropped):
+        # a row gives seq_len next-token predictions, inputs row[:-1] and targets row[1:].
+        n_rows = len(stream) // width
+        rows = stream[: n_rows * width].reshape(n_rows, width)  # (N, T+1)
+        counts = {"n_tokens": int(len(stream)), "n_docs": len(texts)}
+    else:
+        rec = corpus.load_records(sft.FIELDS[format], **_without(args, "text_field"), cache_dir=cache_dir)
+        if format == "prompt_completion":
+            texts = rec["prompt"] + rec["completion"]  # what a trained tokenizer learns from
+            tok, eos = _tokenizer(tokenizer_file, texts, vocab_size, eos_token)
+            examples = sft.encode_prompt_completion(tok, rec["prompt"], rec["completion"], eos)
+        else:
+            tok, eos = _tokenizer(tokenizer_file, [], vocab_size, eos_token)
+            examples = sft.encode_chat(tok, rec["messages"], sft.ChatTemplate(chat_template, special_tokens))
+        rows, mask, counts = sft.pack(examples, width, pad_id=eos)
+        counts["n_tokens"] = int(sum(len(ids) for ids, _ in examples))
+    return tok, eos, rows, mask, counts
 
 
 def _without(args: dict, key: str) -> dict:
