@@ -78,6 +78,10 @@ _SUITE_QUICK = {
                  "sign": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=sign"],
                  "sign-lr-quarter": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=sign",
                                      "bcd.expand_lr=5e-4"],
+                 # issue 41: the other state-free rule, normalized SGD (an RMS step of bcd.expand_lr), at sign's rates
+                 "normalized": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=normalized"],
+                 "normalized-lr-quarter": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20",
+                                           "bcd.expand=normalized", "bcd.expand_lr=5e-4"],
                  # issue 41: the block-count curve on the defaults (lora-r16 is 3 blocks): 2, 4 and 8 (one layer a
                  # block on l8-d128), the cycle cap scaled so each setting gets about the same steps
                  "lora-r16-b2": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=lora",

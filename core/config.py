@@ -42,6 +42,10 @@ Order = Literal[tuple(ORDERS)]
 OptimName = Literal[tuple(OPTIMIZERS)]
 
 
+SUFFIX_RULES = ("sign", "normalized")
+"""The state-free rules ``bcd.expand`` can move the frozen suffix with (models/suffix.py); the planner holds them alike
+(``StepShape.suffix="sign"``: one suffix weight's gradient and a chunk's temporaries at a time)."""
+
 class Resume(enum.Enum):
     """Whether a resumed run must keep a config field (``Annotated[type, SAME]``) or may change it (``FREE``)."""
     SAME = "same"
@@ -245,7 +249,7 @@ class BcdSection(_Section):
     is faster (models/holding.choose_holding); ``all``: the active block's own layers too (long sequences:
     each layer keeps only its input, at the cost of a second forward of the block)."""
 
-    expand: Annotated[Literal["off", "lora", "sign"], SAME] = "lora"
+    expand: Annotated[Literal["off", "lora", "sign", "normalized"], SAME] = "lora"
     """Landscape expansion, partial (BREAD): ``lora``: low-rank adapters on the linear maps of the frozen layers
     after the active block (its suffix) train beside it, on the gradients its backward computes anyway, and the
     visit's end merges them into those layers (in fp32, cast to each block's stored dtype): a visit then commits
@@ -254,6 +258,8 @@ class BcdSection(_Section):
     (README). ``sign``: the suffix's full weights move too, state-free (FRUGAL's idea): each step, as backward
     produces each suffix weight's gradient, the weight takes a sign-descent step of ``bcd.expand_lr`` and the gradient
     is dropped (no optimizer state, no gradient kept; bf16-held weights rounded stochastically; models/suffix.py);
+    ``normalized``: the same with normalized SGD, each suffix weight stepped along its gradient scaled to an RMS of
+    ``bcd.expand_lr`` (``w -= lr * sqrt(n) * g / ||g||``: sign's step size, the gradient's direction); both run in
     one process, every suffix layer on the device (not with ``train.offload=stream``, ``train.gpus`` > 1 or
     ``bcd.vocab_blocks`` > 1). ``off``: a visit changes its block only (a run stored before ``lora`` was the default
     ran ``off``)."""
@@ -656,14 +662,15 @@ class RunConfig(_Section):
         if self.bcd.expand != "off" and self.train.world > 1 and self.train.parallel == "fsdp":
             raise ValueError("bcd.expand: FSDP does not shard the adapters; set train.parallel=ddp (or auto, which "
                              "then takes ddp) or bcd.expand=off")
-        if self.bcd.expand == "sign":
+        if self.bcd.expand in SUFFIX_RULES:
             why = ("train.offload=stream (a streamed suffix layer has no weight on the device to step; set "
                    "train.offload=auto or off)" if self.train.offload == "stream" else
                    "train.gpus > 1 (each process would step its own suffix)" if self.train.world > 1 else
                    "bcd.vocab_blocks > 1 (a row block's visit has no suffix of its own)" if self.bcd.vocab_blocks > 1
                    else None)
             if why:
-                raise ValueError(f"bcd.expand: sign runs in one process with its suffix on the device, not with {why}"
+                raise ValueError(f"bcd.expand: {self.bcd.expand} runs in one process with its suffix on the device, "
+                                 f"not with {why}"
                                  "; or set bcd.expand=lora or off")
         if self.bcd.vocab_blocks > 1:
             why = ("train.gpus > 1 (a row block's visit runs in one process)" if self.train.world > 1 else
@@ -709,9 +716,9 @@ class RunConfig(_Section):
         return StepShape(t.batch_size, self.data.seq_len, t.precision, self.optim.name, self.optim.weight_decay,
                          t.loss_chunk_rows, recompute=b.recompute,
                          preinfer=(b.preinfer is not False) if preinfer is None else preinfer, freeze=tuple(b.freeze),
-                         offload=t.offload if no_grad or one and b.expand != "sign" else "off",
+                         offload=t.offload if no_grad or one and b.expand not in SUFFIX_RULES else "off",
                          window=t.stream_window, expand_rank=b.expand_rank if b.expand == "lora" else 0,
-                         suffix="sign" if b.expand == "sign" else "off", gpus=t.world,
+                         suffix="sign" if b.expand in SUFFIX_RULES else "off", gpus=t.world,
                          pcie_gbs=pcie_gbs_for(t.pcie_gbs, kind), tflops=tflops_for(t.precision, t.tflops, kind))
 
     def object_store(self) -> bool:

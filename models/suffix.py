@@ -33,13 +33,17 @@ from bcdflow.models.optimizers import LIGHT_CHUNK as CHUNK
 
 
 class SignSuffix:
-    """Sign descent on the named parameters of ``model`` (the visit's suffix), each stepped in its gradient hook.
-    ``lr()``: the rate of the step being taken (the block's schedule, read when backward reaches the weight)."""
+    """Sign descent (``rule="sign"``) or normalized SGD (``rule="normalized"``: the gradient scaled to an RMS of the
+    rate, ``w -= lr * sqrt(n) * g / ||g||``, sign's step size in the gradient's direction) on the named parameters of
+    ``model`` (the visit's suffix), each stepped in its gradient hook. ``lr()``: the rate of the step being taken
+    (the block's schedule, read when backward reaches the weight)."""
 
-    def __init__(self, model: nn.Module, names: list[str], lr: Callable[[], float], seed: int):
+    def __init__(self, model: nn.Module, names: list[str], lr: Callable[[], float], seed: int, rule: str = "sign"):
+        if rule not in ("sign", "normalized"):
+            raise ValueError(f"unknown suffix rule {rule!r}")
         params = dict(model.named_parameters())
         self.named_params = [(n, params[n]) for n in names]
-        self.lr, self.seed = lr, seed
+        self.lr, self.seed, self.rule = lr, seed, rule
         self.steps = [0] * len(self.named_params)  # each weight's steps taken (its hook runs once a backward)
         self._hooks: list = []
         self._gen: dict[torch.device, torch.Generator] = {}
@@ -68,12 +72,23 @@ class SignSuffix:
         g, p.grad = p.grad, None
         lr = float(self.lr())
         flat_p, flat_g = p.view(-1), g.reshape(-1)
+        scale = None  # normalized: lr * sqrt(n) / ||g|| as a 0-d tensor (no host sync), the norm over the whole weight
+        if self.rule == "normalized":
+            norm = torch.linalg.vector_norm(flat_g, dtype=torch.float32)
+            scale = (lr * flat_g.numel() ** 0.5) / norm.clamp_min(torch.finfo(torch.float32).tiny)
         for c, a in enumerate(range(0, flat_p.numel(), CHUNK)):  # a chunk's temporaries, never a head's
             b = min(flat_p.numel(), a + CHUNK)
+            if scale is None:
+                step = torch.sign(flat_g[a:b]).float() if p.dtype == torch.bfloat16 else torch.sign(flat_g[a:b])
+                alpha = lr
+            else:  # in place on an fp32 gradient's chunk: the gradient is dropped after this step
+                step = flat_g[a:b].float().mul_(scale)
+                alpha = 1.0
             if p.dtype != torch.bfloat16:
-                flat_p[a:b].add_(torch.sign(flat_g[a:b]), alpha=-lr)
+                flat_p[a:b].sub_(step.to(p.dtype), alpha=alpha)
                 continue
-            w = flat_p[a:b].float().sub_(torch.sign(flat_g[a:b]).float(), alpha=lr)
+            w = flat_p[a:b].float().sub_(step, alpha=alpha)
+            del step
             gen = seeded(self._gen, w.device, (self.seed, self.steps[i], i, c))
             flat_p[a:b].copy_(stochastic_round(w, gen))
 

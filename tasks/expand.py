@@ -20,7 +20,7 @@ import math
 import numpy as np
 import torch
 
-from bcdflow.core.config import RunConfig
+from bcdflow.core.config import SUFFIX_RULES, RunConfig
 from bcdflow.core.context import RunContext
 from bcdflow.models.errors import ConfigError
 from bcdflow.models.expand import SuffixAdapters, merged
@@ -46,25 +46,26 @@ def suffix_adapters(ctx: RunContext, vs, model: torch.nn.Module) -> SuffixAdapte
 
 def suffix_rule(ctx: RunContext, vs, model: torch.nn.Module, opt: torch.optim.Optimizer,
                 spec: OptimSpec) -> SignSuffix | None:
-    """``bcd.expand=sign``: sign descent on every parameter the stored blocks after the visit's block train (their
-    ``bcd.freeze`` kept; a tied head is block 0's embedding, never a suffix's), attached to ``model``, at
+    """``bcd.expand=sign`` (or ``normalized``): sign descent (normalized SGD) on every parameter the stored blocks
+    after the visit's block train (their ``bcd.freeze`` kept; a tied head is block 0's embedding, never a suffix's), attached to ``model``, at
     ``bcd.expand_lr`` scheduled as the block's (its ratio to the block's rate applied to the group ``opt`` steps the
     block with), the stochastic rounding seeded by (run seed, cycle, block); None without it, for the last block, a
     row block, or a model without the suffix (a benchmark's whole-model step)."""
     cfg = ctx.cfg
-    if cfg.bcd.expand != "sign" or vs.hi is None:
+    if cfg.bcd.expand not in SUFFIX_RULES or vs.hi is None:
         return None
     names = sorted(ctx.plan.suffix(vs.block, cfg.bcd.freeze, ctx.model_cfg.tied))
     if not names:
         return None
     streamed = {f"h.{i}." for i in vs.streamed}
     if any(n.startswith(tuple(streamed)) for n in names):  # the plan holds a sign visit's suffix (RunConfig.step_shape)
-        raise ConfigError(f"bcd.expand: sign needs block {vs.block}'s suffix on the device, and its visit streams "
-                          f"layers {list(vs.streamed)}; set train.offload=off or bcd.expand=lora")
+        raise ConfigError(f"bcd.expand: {cfg.bcd.expand} needs block {vs.block}'s suffix on the device, and its "
+                          f"visit streams layers {list(vs.streamed)}; set train.offload=off or bcd.expand=lora")
     ratio = (cfg.bcd.expand_lr or spec.base_lr) / spec.base_lr
     group = opt.param_groups[0]  # the block's: run_steps sets its scheduled rate before each step
     seed = int(np.random.SeedSequence([cfg.seed, vs.cycle, vs.block, 0x51]).generate_state(1)[0])
-    return SignSuffix(model, names, lambda: group["lr"] * ratio / group.get("lr_ratio", 1.0), seed).attach()
+    return SignSuffix(model, names, lambda: group["lr"] * ratio / group.get("lr_ratio", 1.0), seed,
+                      cfg.bcd.expand).attach()
 
 
 def merge_suffix(ctx: RunContext, vs, rule: SignSuffix) -> tuple[dict[int, dict], dict[int, float]]:

@@ -170,3 +170,61 @@ def test_a_sign_visit_on_an_indexed_device_commits_the_same_files_with_recompute
             (recompute == "on")
         files.append((out.block_file, out.suffix_files))
     assert files[0] == files[1] and files[0][1]
+
+
+def test_the_normalized_rule_steps_each_weight_along_its_gradient_at_an_rms_of_the_rate():
+    """``bcd.expand=normalized`` (issue 41's other state-free rule): ``w -= lr * sqrt(n) * g / ||g||`` per weight, in
+    its hook, no gradient kept: sign's step size (an RMS of ``lr``), the gradient's direction."""
+    torch.manual_seed(0)
+    cfg = get_config("tiny", n_layer=3, d_model=32, n_head=2, vocab_size=64, n_ctx=16)
+    model = build_model(cfg)
+    names = [n for n, _ in model.named_parameters() if layer(n) == 2 or n.startswith("ln_f")]
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    rule = SignSuffix(model, names, lambda: 0.01, seed=3, rule="normalized").attach()
+    x, y = torch.randint(64, (4, 16)), torch.randint(64, (4, 16))
+    ref = build_model(cfg, init=False)
+    ref.load_state_dict(start)
+    visit_loss(ref, x, y, 0, False, hi=3).backward()
+    visit_loss(model, x, y, 0, False, hi=3).backward()
+    params = dict(model.named_parameters())
+    for n, p in ref.named_parameters():
+        if n in names:
+            moved = start[n] - params[n].detach()
+            assert params[n].grad is None
+            want = 0.01 * p.grad.numel() ** 0.5 * p.grad / p.grad.norm()
+            assert torch.allclose(moved, want, rtol=1e-5, atol=2e-7), n  # atol: 1 - (1 - step) in fp32
+            assert abs(float(moved.pow(2).mean().sqrt()) - 0.01) < 1e-6, n  # an RMS of the rate
+        else:
+            assert torch.equal(params[n].detach(), start[n]), n
+    rule.detach()
+    with pytest.raises(ValueError, match="unknown suffix rule"):
+        SignSuffix(model, names, lambda: 0.01, seed=3, rule="adam")
+
+
+def test_a_normalized_visit_resumes_bitwise_and_a_run_refuses_the_other_rule(tiny_cfg, monkeypatch):
+    """Under bf16 (stochastic rounding seeded by the step): a normalized visit stopped at step 5 and resumed commits
+    what an uninterrupted one commits; its run resumed with ``bcd.expand=sign`` is refused (``bcd.expand`` must
+    match), and it cannot stream its suffix (one line naming the key)."""
+    from bcdflow.tasks.run import init_run
+
+    rule = ("bcd.expand=normalized", "bcd.expand_lr=1e-3")
+    cfg = tiny_cfg(*rule, "model.name=tiny-llama", "train.precision=bf16", "bcd.max_steps=9",
+                   "checkpoint.every_steps=3", "checkpoint.max_share=1", "checkpoint.every_seconds=1000")
+    ds = new_run(cfg)
+    assert new_run(cfg, "ref") == ds
+    ref = train_block.fn(RunContext.of(cfg, "ref", ds), VisitSpec(0, 0, 0))
+    polls = itertools.count(1)
+    monkeypatch.setattr(stop_signals, "requested", lambda: next(polls) >= 5)
+    with pytest.raises(SystemExit):
+        train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 0, 0))
+    monkeypatch.undo()
+    resumed = train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 0, 0))
+    assert resumed.resumed_at == 5 and resumed.block_file == ref.block_file
+    assert resumed.suffix_files == ref.suffix_files and ref.suffix_files
+    with pytest.raises(ConfigError, match=r"bcd\.expand"):
+        init_run.fn(tiny_cfg("bcd.expand=sign", "bcd.expand_lr=1e-3", "model.name=tiny-llama",
+                             "train.precision=bf16", "bcd.max_steps=9"), "r", ds)
+    with pytest.raises(ConfigError, match=r"^bcd\.expand: normalized runs in one process .*train\.offload=stream"):
+        load_config(sets=[*TINY, *rule, "train.offload=stream"])
