@@ -83,7 +83,7 @@ class LayerVisit:
 
     def attach(self, t: "VisitTarget", model, named: list, master, read_stored: Callable) -> list:
         """The (name, parameter) list the optimizer steps, once the model is built; ``read_stored(name)`` gives a
-        stored tensor of the version it starts from (fp32, on the host)."""
+        stored tensor of the version it starts from (its stored dtype, read-only, on the host)."""
         return named
 
     def commit(self, t: "VisitTarget", named: list, read_block: Callable) -> dict | None:

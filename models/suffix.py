@@ -73,9 +73,10 @@ class SignSuffix:
         lr = float(self.lr())
         flat_p, flat_g = p.view(-1), g.reshape(-1)
         scale = None  # normalized: lr * sqrt(n) / ||g|| as a 0-d tensor (no host sync), the norm over the whole weight
-        if self.rule == "normalized":
-            norm = torch.linalg.vector_norm(flat_g, dtype=torch.float32)
-            scale = (lr * flat_g.numel() ** 0.5) / norm.clamp_min(torch.finfo(torch.float32).tiny)
+        if self.rule == "normalized":  # the norm summed a chunk at a time: a bf16 gradient never copied whole to fp32
+            sq = sum(torch.linalg.vector_norm(flat_g[a:a + CHUNK], dtype=torch.float32).square()
+                     for a in range(0, flat_g.numel(), CHUNK))
+            scale = (lr * flat_g.numel() ** 0.5) / sq.sqrt().clamp_min(torch.finfo(torch.float32).tiny)
         for c, a in enumerate(range(0, flat_p.numel(), CHUNK)):  # a chunk's temporaries, never a head's
             b = min(flat_p.numel(), a + CHUNK)
             if scale is None:

@@ -482,8 +482,9 @@ def as_stored(ctx: RunContext, vs: VisitLayout, tensors: dict[str, torch.Tensor]
 
 
 def stored_tensor(ctx: RunContext, vs: VisitLayout, name: str) -> torch.Tensor:
-    """Tensor ``name`` of the stored block visit ``vs`` commits, as the base version stores it, on the host (the block
-    file read one tensor at a time, never the whole block's tensors at once)."""
+    """Tensor ``name`` of the stored block visit ``vs`` commits, as the base version stores it (its stored dtype: fp32
+    for a trained version, a checkpoint's own for version 0), on the host, read-only (a view of the file: a kind that
+    keeps or writes it clones it); the block file read one tensor at a time, never the whole block at once."""
     for _, t in checkpoints.iter_from_manifest(ctx.store, ctx.run_id, ctx.manifest(vs.version),
                                                [vs.target.stored], names=[name]):
         return t
