@@ -390,7 +390,7 @@ class Workload:
         (lo, hi), n = blk.layers, self.cfg.n_layer
         rows = (blk.params[0], *blk.rows) if blk.rows is not None else None
         if self.isolated:
-            blocks = len(self.plan_of(blk).visits)
+            blocks = len(self.plan_of(blk).blocks)  # bcd.blocks: the stored blocks
             return Remote(self, name, "visit", blocks=blocks, block=blk.index, preinfer=preinfer,
                           recompute=recompute, stream=stream, expand=expand)
         if blk.reads_activations(preinfer):
