@@ -9,7 +9,8 @@ import bitsandbytes as bnb
 import torch
 from bitsandbytes import functional as F
 
-from bcdflow.models.light import CHUNK, QBLOCK, seeded, stochastic_round
+from bcdflow.models.optimizers import LIGHT_CHUNK as CHUNK, QBLOCK
+from bcdflow.models.rounding import seeded, stochastic_round
 
 
 class AdamW8bit(bnb.optim.AdamW8bit):

@@ -23,28 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from bcdflow.models.optimizers import LIGHT_CHUNK as CHUNK, QBLOCK
-
-
-
-def seeded(generators: dict[torch.device, torch.Generator], device: torch.device, key: tuple) -> torch.Generator:
-    """A generator on ``device`` (one kept per device in ``generators``) seeded from ``key``, a tuple of ints: the
-    same draws in every process and every attempt, so a resumed loop rounds as an uninterrupted one did."""
-    g = generators.get(device)
-    if g is None:
-        g = generators[device] = torch.Generator(device=device)
-    g.manual_seed(hash(key) & ((1 << 63) - 1))  # ints only: hash is not salted for them
-    return g
-
-
-def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``x`` (fp32) rounded to bf16 stochastically: up with probability equal to the distance from the value below
-    (in units of a bf16 step), so the rounding is exact in expectation. Adds 16 random low bits to the fp32 pattern
-    and clears them (sign-magnitude: the same for negative values; infinities stay, a value past the largest bf16
-    becomes infinite). One int32 temporary and the bf16 result."""
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    noise.add_(x.view(torch.int32)).bitwise_and_(-65536)
-    return noise.view(torch.float32).to(torch.bfloat16)  # exact: the low bits are zero
+from bcdflow.models.optimizers import LIGHT_CHUNK as CHUNK, QBLOCK  # noqa: F401 (the chunk the docstring names)
+from bcdflow.models.rounding import seeded, stochastic_round  # noqa: F401 (the rule's parts, used where it is)
 
 
 def adamw8bit(params, spec) -> torch.optim.Optimizer:

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from bcdflow.models.light import seeded, stochastic_round
+from bcdflow.models.rounding import seeded, stochastic_round
 from bcdflow.models.optimizers import LIGHT_CHUNK as CHUNK
 
 
