@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# make test's workers: 0 runs the suite in one process (32 min on 2 cores on a clean clone, 1,067 tests, as CI runs it; TEST_WORKERS=2: 22 min). TEST_WORKERS=4 runs
+# make test's workers: 0 runs the suite in one process (32-36 min on 2 cores on a clean clone, 1,076 tests, as CI runs it; TEST_WORKERS=2: 22 min at 917). TEST_WORKERS=4 runs
 # four pytest-xdist workers, the end-to-end tests first (tests/conftest.py): 12.5-13.9 min on a clean clone, but on
 # 2 cores the load made 2 of 8 such runs fail a timing-sensitive test, so it is not the default
 TEST_WORKERS ?= 0
