@@ -92,7 +92,9 @@ def test_the_rule_is_a_sign_step_of_each_weight_in_its_hook_with_no_gradient_kep
     assert not any(p.requires_grad for p in model.parameters())
 
 
-@pytest.mark.parametrize("sets", [(), ("model.name=tiny-llama", "train.precision=bf16")], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sets", [(), ("model.name=tiny-llama", "train.precision=bf16"),
+                                  ("bcd.expand=normalized", "model.name=tiny-llama", "train.precision=bf16")],
+                         ids=["fp32", "bf16", "normalized-bf16"])
 def test_a_sign_visit_interrupted_and_resumed_ends_bitwise_where_an_uninterrupted_one_does(tiny_cfg, monkeypatch,
                                                                                           sets):
     """The suffix weights and their step counts (the stochastic rounding's seed under bf16) travel in the mid-visit
@@ -203,28 +205,15 @@ def test_the_normalized_rule_steps_each_weight_along_its_gradient_at_an_rms_of_t
         SignSuffix(model, names, lambda: 0.01, seed=3, rule="adam")
 
 
-def test_a_normalized_visit_resumes_bitwise_and_a_run_refuses_the_other_rule(tiny_cfg, monkeypatch):
-    """Under bf16 (stochastic rounding seeded by the step): a normalized visit stopped at step 5 and resumed commits
-    what an uninterrupted one commits; its run resumed with ``bcd.expand=sign`` is refused (``bcd.expand`` must
-    match), and it cannot stream its suffix (one line naming the key)."""
+def test_a_normalized_run_refuses_the_other_rule_on_resume_and_a_streamed_suffix(tiny_cfg):
+    """``bcd.expand=normalized`` (its bitwise resume is the sign test's ``normalized-bf16`` case): a run of it resumed
+    with ``bcd.expand=sign`` is refused (``bcd.expand`` must match), and it cannot stream its suffix (one line naming
+    the key)."""
     from bcdflow.tasks.run import init_run
 
     rule = ("bcd.expand=normalized", "bcd.expand_lr=1e-3")
-    cfg = tiny_cfg(*rule, "model.name=tiny-llama", "train.precision=bf16", "bcd.max_steps=9",
-                   "checkpoint.every_steps=3", "checkpoint.max_share=1", "checkpoint.every_seconds=1000")
-    ds = new_run(cfg)
-    assert new_run(cfg, "ref") == ds
-    ref = train_block.fn(RunContext.of(cfg, "ref", ds), VisitSpec(0, 0, 0))
-    polls = itertools.count(1)
-    monkeypatch.setattr(stop_signals, "requested", lambda: next(polls) >= 5)
-    with pytest.raises(SystemExit):
-        train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 0, 0))
-    monkeypatch.undo()
-    resumed = train_block.fn(RunContext.of(cfg, "r", ds), VisitSpec(0, 0, 0))
-    assert resumed.resumed_at == 5 and resumed.block_file == ref.block_file
-    assert resumed.suffix_files == ref.suffix_files and ref.suffix_files
+    ds = new_run(tiny_cfg(*rule))
     with pytest.raises(ConfigError, match=r"bcd\.expand"):
-        init_run.fn(tiny_cfg("bcd.expand=sign", "bcd.expand_lr=1e-3", "model.name=tiny-llama",
-                             "train.precision=bf16", "bcd.max_steps=9"), "r", ds)
+        init_run.fn(tiny_cfg(*SIGN), "r", ds)
     with pytest.raises(ConfigError, match=r"^bcd\.expand: normalized runs in one process .*train\.offload=stream"):
         load_config(sets=[*TINY, *rule, "train.offload=stream"])
