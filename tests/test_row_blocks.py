@@ -360,3 +360,26 @@ def test_no_module_but_the_row_kind_s_branches_on_a_row_visit():
     found = sorted({str(p.relative_to(root)) for d in ("core", "models", "tasks", "flows", "storage", "tracking")
                     for p in (root / d).glob("*.py") if branch.search(p.read_text())})
     assert found == ["models/plan.py", "models/rows.py"], found
+
+
+def test_a_row_visit_on_an_indexed_device_commits_the_same_file_as_on_the_plain_device(tiny_cfg):
+    """The device named as a GPU names it (``cpu:0`` stands for ``cuda:0``), through the engine: a row visit of the
+    embedding (its kind's ``attach`` from the stored rows, its ``commit`` into the stored block holding the matrix,
+    the matrix held in bf16) commits the same file on ``cpu`` and ``cpu:0``, with the layers after it recomputed in
+    backward and kept."""
+    from bcdflow.core.rules import VisitSpec
+    from bcdflow.tasks.train import train_block
+
+    out = []
+    for device, recompute in (("cpu", "off"), ("cpu:0", "off"), ("cpu:0", "on")):
+        run = f"rows-{device.replace(':', '')}-{recompute}"
+        cfg = tiny_cfg("model.name=tiny-llama", "train.precision=bf16", "bcd.vocab_blocks=2", "bcd.max_steps=4",
+                       f"train.device={device}", f"bcd.recompute={recompute}")
+        ds = new_run(cfg, run)
+        ctx = RunContext.of(cfg, run, ds)
+        first = len(ctx.plan.blocks)  # the embedding's first row visit
+        assert ctx.plan.visits[first].kind == "rows"
+        res = train_block.fn(ctx, VisitSpec(0, first, 0))
+        assert res.recompute == (recompute == "on") and res.stored == ctx.plan.visits[first].stored
+        out.append(res.block_file)
+    assert out[0] == out[1] == out[2]
