@@ -66,6 +66,9 @@ def add_parser(sub) -> None:
     ap.add_argument("--seeds", nargs="+", type=int, metavar="N", help="seeds (default: the profile's)")
     ap.add_argument("--set", dest="sets", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                     help="a config key for every run (repeatable)")
+    ap.add_argument("--method-set", dest="method_sets", action="extend", nargs="+", default=[],
+                    metavar="METHOD:KEY=VALUE", help="a config key for one method's runs, after the method's own "
+                    "(repeatable): a tuned rate, e.g. full:optim.lr=1e-3 lisa:optim.lr=1e-3")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--flow-threads", type=int, help="torch threads for the runs (CPU default 1)")
     ap.add_argument("--merge", nargs="+", metavar="DIR", help="write one report from the peers.json of earlier runs "
@@ -86,6 +89,21 @@ def select(s: dict, args) -> dict:
     if args.seeds:
         s["seeds"] = args.seeds
     s["extra"] = list(args.sets)
+    s["methods"] = {k: dict(v, sets=list(v["sets"])) for k, v in s["methods"].items()}
+    for item in args.method_sets:
+        name, sep, kv = item.partition(":")
+        if not sep or "=" not in kv:
+            raise BadInput(f"--method-set: {item!r} is not METHOD:KEY=VALUE")
+        if name not in s["methods"]:
+            raise BadInput(f"--method-set: unknown method {name!r} in {item!r} (choose from {', '.join(s['methods'])})")
+        m = s["methods"][name]
+        m["sets"].append(kv)
+        key, _, value = kv.partition("=")
+        if key == "optim.lr":  # the rate the report states and the step timing uses
+            try:
+                m["lr"] = float(value)
+            except ValueError:
+                raise BadInput(f"--method-set: optim.lr in {item!r} is not a number") from None
     return s
 
 

@@ -427,7 +427,10 @@ def test_peers_tiny_end_to_end(tmp_path, monkeypatch, prefect_server, capsys):
     monkeypatch.delenv("BCDFLOW_BENCH_SIZE", raising=False)
     assert main(["peers", "--tiny", "--methods", "nope", "--out", str(tmp_path)]) == 2
     assert "--methods: unknown nope (choose from full, bcdflow, badam" in capsys.readouterr().out
-    rc = main(["peers", "--tiny", "--out", str(tmp_path)])
+    assert main(["peers", "--tiny", "--method-set", "lisa=optim.lr=1", "--out", str(tmp_path)]) == 2
+    assert "--method-set: 'lisa=optim.lr=1' is not METHOD:KEY=VALUE" in capsys.readouterr().out
+    # one method's tuned rate, the others' left alone
+    rc = main(["peers", "--tiny", "--method-set", "lisa:optim.lr=0.004", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "peers.json").read_text())
     assert rc == 0 and not data["errors"]
     peers = {n for n, o in OPTIMIZERS.items() if o.peer}
@@ -441,6 +444,7 @@ def test_peers_tiny_end_to_end(tmp_path, monkeypatch, prefect_server, capsys):
         assert name in ("bcdflow", "adamw-lr1e-2") or f"optim.name={name}" in run["sets"]
         assert cell["steps"]["full"] > 0 and cell["steps"]["bcd"] > 0 and isinstance(cell["steps"]["reached"], bool)
         assert group["rows"][name]["steps"]["mean"] == cell["steps"]["value"]
+        assert (run["sets"][-1] == "optim.lr=0.004") == (name == "lisa"), name
     steps = data["steps"]["l2"]["methods"]
     assert set(steps) == set(data["peers"]["methods"])
     for name, r in steps.items():
@@ -449,6 +453,7 @@ def test_peers_tiny_end_to_end(tmp_path, monkeypatch, prefect_server, capsys):
     assert steps["lora"]["trainable"] < steps["full"]["trainable"]
     md = (tmp_path / "peers.md").read_text()
     assert "| galore |" in md and "| bcdflow |" in md and "B-F ×" in md and "galore-torch 1.0" in md
+    assert "`optim.name=lisa optim.lr=0.003 train.steps=10 optim.lr=0.004`" in md
     assert (tmp_path / "peers-pysrc.png").stat().st_size > 1000
     # --merge: one report from earlier runs' peers.json, running nothing: the same rows
     assert main(["peers", "--merge", str(tmp_path), "--out", str(tmp_path / "merged")]) == 0
