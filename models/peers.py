@@ -12,7 +12,8 @@ resumable bitwise from a mid-visit checkpoint (its switching or projection state
                  state reset at each switch (the BAdam README)
     lisa         LISA (Pan et al. 2024, Algorithm 1, as LMFlow's DynamicLayerActivationCallback): AdamW; the
                  embeddings, final norm and head always trained, gamma decoder layers sampled every K steps, the
-                 others frozen (their AdamW state dropped); no maintained package, so it is written here
+                 others frozen; every layer's AdamW state dropped at each switch (LMFlow's LISATrainer); no
+                 maintained package, so it is written here
     lora         LoRA adapters (peft's LoraModel, its defaults r=8, alpha=8) on every linear map of the decoder
                  layers, the base frozen, merged when the visit ends: not full-parameter training
 
@@ -254,9 +255,11 @@ def badam(named, spec) -> torch.optim.Optimizer:
 class LISA(torch.optim.AdamW):
     """Layerwise importance sampling AdamW (Pan et al. 2024, "LISA", Algorithm 1; LMFlow's
     DynamicLayerActivationCallback): every ``switch_every`` steps all decoder layers are frozen and ``layers`` of
-    them, drawn uniformly without replacement, unfrozen; the embeddings, final norm and head always train. A layer
-    left out drops its AdamW state (the paper's memory: states of the sampled layers only) and starts afresh when
-    drawn again. The draw of period k is a function of (seed, k), so a resumed loop draws what it drew."""
+    them, drawn uniformly without replacement, unfrozen; the embeddings, final norm and head always train. At each
+    switch every decoder layer drops its AdamW state and the sampled ones start afresh, a layer drawn again included,
+    as LMFlow's ``LISATrainer`` does (it builds a new optimizer at each switch and carries over only the always-trained
+    groups' state); the paper's memory: states of the sampled layers only. The draw of period k is a function of
+    (seed, k), so a resumed loop draws what it drew."""
 
     def __init__(self, named, spec):
         self.layer_params: dict[int, list[torch.nn.Parameter]] = {}
@@ -282,9 +285,9 @@ class LISA(torch.optim.AdamW):
         for i, ps in self.layer_params.items():
             for p in ps:
                 p.requires_grad_(i in self.active)
+                self.state.pop(p, None)
                 if i not in self.active:
                     p.grad = None
-                    self.state.pop(p, None)
 
     @torch.no_grad()
     def step(self, closure=None):
