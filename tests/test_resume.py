@@ -50,7 +50,7 @@ def reference(reference_store):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["preinfer-shard:2", "train-checkpoint:2", "before-commit:2"])
-def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, reference_store, tmp_path, point):
+def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, tmp_path, point):
     store = str(tmp_path / "store")
     killed = _cli(prefect_api_url, "train", *_sets(), "--store", store, "--run-id", "k",
                   env={"BCDFLOW_FAILPOINTS": point})
@@ -89,9 +89,9 @@ def test_kill9_then_resume_is_bitwise_equal(prefect_api_url, reference, referenc
         assert v.seconds >= before["wall"] + v.lost_seconds and v.lost_seconds >= 0
         assert v.tokens_per_s == pytest.approx(v.tokens / v.train_seconds)
         assert v.seconds >= v.preinfer_seconds + v.train_seconds + v.eval_seconds
-        # against the uninterrupted visit: within noise, never lower (it counted the steps after the resume only)
-        ref = runs.read_state(reference_store, "ref").visits[0]
-        assert v.train_seconds >= 0.5 * ref.train_seconds and v.spend_usd >= 0.5 * ref.spend_usd
+        # that the seconds are the attempts' sum (4 + 6 steps of a scripted clock make 10 s) is
+        # tests/test_spend.py's; a ratio to the reference visit's seconds here measured the machine's load, not the
+        # code (make test's xdist workers failed it when the reference ran under more load than the resume)
 
 
 @pytest.mark.slow
