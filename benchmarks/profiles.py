@@ -127,8 +127,8 @@ def _peer_methods(full_steps: int, peer_steps: int, bcd: list[str], lr: float) -
                       "from scratch; the package's default leaves them frozen), Adam state reset at each switch; "
                       "the rate of full AdamW (Adam on a block)"),
         "lisa": peer("lisa", "embeddings, head and sampled layers", lr,
-                     "written from Pan et al. 2024 (LISA, Algorithm 1) as LMFlow's DynamicLayerActivationCallback; every "
-                     "decoder layer's AdamW state dropped at each switch, as LMFlow's LISATrainer; "
+                     "written from Pan et al. 2024 (LISA, Algorithm 1) as LMFlow's DynamicLayerActivationCallback; "
+                     "every decoder layer's AdamW state dropped at each switch, as LMFlow's LISATrainer; "
                      "LMFlow scripts/run_finetune_with_lisa.sh: 1 activated layer, interval 20 steps; AdamW at full "
                      "AdamW's rate"),
         "galore": peer("galore", "all parameters, low-rank gradients", 1e-2,
