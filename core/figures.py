@@ -59,7 +59,7 @@ def figures(cfg: RunConfig, mcfg: ModelConfig, plan_: Plan, budget: float | None
         window = (2 * block_f + (suffix_f if adapters else 0)) / step_f
         blocks.append(BlockFigures(
             block=b, layers=tuple(blk.layers), params=sum(numel[n] for n in plan_.blocks[stored].params),
-            trainable=trained, own=blk.kind == "layers",
+            trainable=trained, own=stored == blk.index,  # a visit of its own file, not another kind's into it
             prefix_flops=float(sum(per_layer[:lo])), step_s=h_on.time.streamed_s / gpus,
             step_computed_s=h_off.time.streamed_s / gpus,
             fits=h_on.fits, fits_computed=h_off.fits, holding=h_on.words(), holding_computed=h_off.words(),
