@@ -5,10 +5,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# make test's workers: 0 runs the suite in one process (32-36 min on 2 cores on a clean clone, 1,076 tests, as CI runs it; TEST_WORKERS=2: 22 min at 917). TEST_WORKERS=4 runs
-# four pytest-xdist workers, the end-to-end tests first (tests/conftest.py): 12.5-13.9 min on a clean clone, but on
-# 2 cores the load made 2 of 8 such runs fail a timing-sensitive test, so it is not the default
-TEST_WORKERS ?= 0
+# make test's workers: four pytest-xdist workers, the end-to-end tests first (tests/conftest.py). Most tests wait on
+# processes, so on 2 cores the suite (1,078 tests) took 20.4 and 22.1 min on a clean clone with a benchmark sharing
+# the cores (docs/guide/development.md). TEST_WORKERS=0 runs it in one process (32-36 min)
+TEST_WORKERS ?= 4
 
 .PHONY: setup demo test test-fast docs-check bench gpu-wheels gpu-check ui-shots clean
 

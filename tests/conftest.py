@@ -40,7 +40,7 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist workers (``make test TEST_WORKERS=4``) the end-to-end tests (``slow``, 10-90 s each,
+    """Under pytest-xdist workers (``make test``'s four) the end-to-end tests (``slow``, 10-90 s each,
     mostly waiting on processes) first, the rest after in their order: the workers take one test at a time
     (``--maxschedchunk 1``), so the long ones start at once and the short ones fill the gaps instead of a long one
     starting last and running alone. In one process the order stays the files' own."""
