@@ -6,8 +6,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # make test's workers: four pytest-xdist workers, the end-to-end tests first (tests/conftest.py). Most tests wait on
-# processes, so on 2 cores the suite (1,078 tests) took 20.4 and 22.1 min on a clean clone with a benchmark sharing
-# the cores (docs/guide/development.md). TEST_WORKERS=0 runs it in one process (32-36 min)
+# processes, so on 2 cores .ci/run took 20.9 min on a fresh clone (setup 1.6, 1,078 tests 19.3), and 20.4-22.1 with a
+# benchmark sharing the cores (docs/guide/development.md). TEST_WORKERS=0 runs it in one process (32-36 min)
 TEST_WORKERS ?= 4
 
 .PHONY: setup demo test test-fast docs-check bench gpu-wheels gpu-check ui-shots clean
