@@ -39,7 +39,11 @@ _SUITE_QUICK = {
                # issue 41: shaped like the models users train, its vocabulary matrix 7.7% of the parameters
                # (Llama-3-8B: 13%; l4-d64 at V=2048: ~40%)
                "l8-d128": ["model.name=tiny", "model.n_layer=8", "model.d_model=128", "model.n_head=4",
-                           "data.vocab_size=1024"]},
+                           "data.vocab_size=1024"],
+               # issue 41: deep enough for the block counts the planner gives at 8B on 16-24 GB (12-16 blocks of
+               # one layer or more); its vocabulary matrix 4% of the parameters
+               "l16-d128": ["model.name=tiny", "model.n_layer=16", "model.d_model=128", "model.n_head=4",
+                            "data.vocab_size=1024"]},
     "seeds": [0, 1, 2],
     "optim": "adamw",
     "sets": ["data.seq_len=64", "data.vocab_size=2048", "train.batch_size=16", "optim.lr=2e-3",
@@ -90,6 +94,11 @@ _SUITE_QUICK = {
                                  "bcd.expand_rank=16", "bcd.blocks=4"],
                  "lora-r16-b8": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=8", "bcd.expand=lora",
                                  "bcd.expand_rank=16", "bcd.blocks=8"],
+                 # 12 and 16 blocks on l16-d128 (16: one layer a block), the cap at least the 8-block setting's steps
+                 "lora-r16-b12": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=6", "bcd.expand=lora",
+                                  "bcd.expand_rank=16", "bcd.blocks=12"],
+                 "lora-r16-b16": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=5", "bcd.expand=lora",
+                                  "bcd.expand_rank=16", "bcd.blocks=16"],
                  # the 8-bit state every 8B recommendation rests on (adamw8bit: bitsandbytes' blockwise 8-bit
                  # moments, fp32 weights on the CPU) at the defaults' 3 blocks
                  "lora-r16-8bit": ["bcd.budget=adaptive", "bcd.moments=keep", "bcd.cycles=20", "bcd.expand=lora",
