@@ -22,20 +22,20 @@ GUIDE = ROOT / "docs" / "guide" / "planning-a-run.md"
 BEGIN, END = "<!-- plan-tables: begin (python -m benchmarks.plan_tables --write) -->", "<!-- plan-tables: end -->"
 LLAMA = ["--set", "model.from_hf=benchmarks/shapes/llama-3-8b", "--set", "data.seq_len=1024",
          "--set", "train.precision=bf16"]
-def per_visit(tokens: float, batch: int, seq: int, blocks: int, cycles: int = 2) -> tuple[int, str]:
+def per_visit(tokens: float, batch: int, seq: int, blocks: int, layers: int, cycles: int = 2) -> tuple[int, str]:
     """A visit's step cap sized from the tokens: one epoch of full training at the same tokens a step, times the
-    measured B-F at that block count (``core/forecast.measured_bf``), shared over the run's visits; and the
-    arithmetic in words."""
+    measured B-F at the layers a visit trains (``layers`` / ``blocks``, ``core/forecast.measured_bf``), shared over
+    the run's visits; and the arithmetic in words."""
     from bcdflow.core.forecast import measured_bf
 
-    epoch, bf = int(tokens // (batch * seq)), measured_bf(blocks)
+    epoch, bf = int(tokens // (batch * seq)), measured_bf(layers / blocks)
     steps = round(epoch * bf / (blocks * cycles))
     return steps, f"{epoch:,} x {bf:.3g} / {blocks * cycles} = {steps:,} a visit"
 
 
-S1, S1_WORDS = per_visit(100e6, 8, 1024, 8)
-S2, S2_WORDS = per_visit(100e6, 16, 1024, 8)
-S3, S3_WORDS = per_visit(10e9, 64, 2048, 8)
+S1, S1_WORDS = per_visit(100e6, 8, 1024, 8, 32)  # Llama-3-8B: 32 layers
+S2, S2_WORDS = per_visit(100e6, 16, 1024, 8, 32)
+S3, S3_WORDS = per_visit(10e9, 64, 2048, 8, 64)  # Qwen2.5-32B: 64
 B_PER_VISIT = "steps sized from the tokens: one epoch of full training at the same tokens a step, x B-F, over "
 EIGHT = ["--set", "optim.name=adamw8bit-bf16", "--set", "bcd.blocks=8"]  # the planner's count with 8-bit state
 CUT = ["--set", "bcd.boundaries=[3,7,11,15,19,23,28]"]  # and its cut for one process (streaming its frozen layers)

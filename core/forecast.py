@@ -60,26 +60,35 @@ TIE = 0.01
 """``bcd.preinfer=auto``: wall times within this fraction are as fast (then the prefix is computed on the card)."""
 HEADER_BYTES = 256
 """A safetensors header's bytes per tensor (models/memory.file_bytes)."""
-MEASURED_BF = {2: 1.12, 3: 1.21, 4: 1.37, 8: 2.42}
-"""B-F by block count: BCD's steps to full AdamW's loss over full AdamW's, the figures ``bcdflow plan`` compares full
-training with (``--bf`` gives the user's own, from ``bcdflow compare``; :func:`measured_bf` between them). The
-validity suite's ``l8-d128`` (8 layers, d=128, its vocabulary 7.7% of the parameters), pysrc, 3 seeds, every run at
-the rate a sweep on a held-out seed chose for full AdamW (1e-3), BCD's defaults (``bcd.expand=lora``): 2 blocks 1.12
-[1.12-1.13], 3 blocks 1.21 [1.10-1.42], 4 blocks 1.37 [1.28-1.50], 8 blocks (one layer each) 2.42 [2.30-2.55]
-(docs/results/rates-2026-11-28). One corpus, pretraining; more blocks than 8 are not measured (the model has 8
-layers): the 8-block figure stands for them, a lower bound."""
+MEASURED_BF = {1.0: 2.42, 2.0: 1.37, 8 / 3: 1.21, 4.0: 1.12}
+"""B-F by the layers a visit trains (the model's layers / its visits): BCD's steps to full AdamW's loss over full
+AdamW's, the figures ``bcdflow plan`` compares full training with (``--bf`` gives the user's own, from ``bcdflow
+compare``; :func:`measured_bf` between them). Keyed by layers a visit, not by block count: on a 16-layer model 8
+blocks (2 layers each) took 1.12-1.13 where 8 blocks of the 8-layer model (1 each) took 2.42, and 16 blocks (1 each)
+2.17 (docs/results/peers-l8-2026-11-29). The validity suite's ``l8-d128`` (8 layers, d=128, its vocabulary 7.7% of
+the parameters), pysrc, 3 seeds, every run at the rate a sweep on a held-out seed chose for full AdamW (1e-3), BCD's
+defaults (``bcd.expand=lora``): 8 blocks (1 layer each) 2.42 [2.30-2.55], 4 blocks (2) 1.37 [1.28-1.50], 3 blocks
+(2.67) 1.21 [1.10-1.42], 2 blocks (4) 1.12 [1.12-1.13] (docs/results/rates-2026-11-28). The 8-layer model's, where
+the 16-layer model at the same layers a block was as fast or faster: an upper bound for deeper models. One corpus,
+pretraining; more than 4 layers a visit take 4's figure, fewer than 1 (row visits) 1's (a lower bound)."""
 
 
-def measured_bf(blocks: int) -> float:
-    """:data:`MEASURED_BF` at ``blocks``: linear between the measured counts, the nearest outside them."""
-    counts = sorted(MEASURED_BF)
-    if blocks <= counts[0] or blocks >= counts[-1]:
-        return MEASURED_BF[counts[0] if blocks <= counts[0] else counts[-1]]
-    lo = max(c for c in counts if c <= blocks)
-    hi = min(c for c in counts if c >= blocks)
+def layers_per_visit(figs: "ModelFigures") -> float:
+    """The layers a visit of the plan trains on average: the model's decoder layers over its visits (row visits
+    share a layer: fewer than 1)."""
+    return max(b.layers[1] for b in figs.blocks) / len(figs.blocks)
+
+
+def measured_bf(layers: float) -> float:
+    """:data:`MEASURED_BF` at ``layers`` a visit: linear between the measured points, the nearest outside them."""
+    xs = sorted(MEASURED_BF)
+    if layers <= xs[0] or layers >= xs[-1]:
+        return MEASURED_BF[xs[0] if layers <= xs[0] else xs[-1]]
+    lo = max(x for x in xs if x <= layers)
+    hi = min(x for x in xs if x >= layers)
     if lo == hi:
         return MEASURED_BF[lo]
-    return MEASURED_BF[lo] + (MEASURED_BF[hi] - MEASURED_BF[lo]) * (blocks - lo) / (hi - lo)
+    return MEASURED_BF[lo] + (MEASURED_BF[hi] - MEASURED_BF[lo]) * (layers - lo) / (hi - lo)
 
 
 def duration_text(s: float) -> str:
@@ -646,14 +655,15 @@ def forecast_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, 
                        + act_gb_s * n * act_billed) / MONTH_S
     notes = _notes(cfg, visits)
     given = bf is not None
-    bf = bf if given else measured_bf(cfg.n_blocks)
+    per_visit = layers_per_visit(figs)
+    bf = bf if given else measured_bf(per_visit)
     full = full_training(cfg, figs, visits, run, bf)
     if full is not None:
         notes.append(f"full training to the same loss: the run's {full['bcd_steps']:,} BCD steps / B-F {bf:.3g} = "
                      f"{full['steps']:,.0f} steps" + (" (--bf)" if given else (
-                         f" (B-F at {cfg.n_blocks} blocks from the validity suite's l8-d128, measured at "
-                         f"{', '.join(map(str, sorted(MEASURED_BF)))} blocks, docs/results/rates-2026-11-28; --bf "
-                         "gives yours, from bcdflow compare)")))
+                         f" (B-F at {per_visit:.3g} layers a visit from the validity suite's l8-d128, measured at "
+                         f"{', '.join(f'{x:.3g}' for x in sorted(MEASURED_BF))} layers a visit, "
+                         "docs/results/rates-2026-11-28; --bf gives yours, from bcdflow compare)")))
     return RunForecast(ds, rates, visits, cycle, run, cfg.bcd.cycles, dataset_bytes, model_bytes, notes, full)
 
 

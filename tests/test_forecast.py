@@ -3,6 +3,7 @@ store, its rows what a visit samples, bad input is one line (exit 2), ``bcd.prei
 the module loads no torch."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -12,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from bcdflow.core.config import load_config
-from bcdflow.core.forecast import (BlockFigures, Dataset, ModelFigures, PlanInputError, Rates, choose_preinfer,
-                                  forecast_run)
+from bcdflow.core.forecast import (MEASURED_BF, BlockFigures, Dataset, ModelFigures, PlanInputError, Rates,
+                                  choose_preinfer, forecast_run, layers_per_visit, measured_bf)
 from bcdflow.storage.act_layout import group_layout
 from tests.helpers import TINY
 
@@ -106,6 +107,32 @@ def _figs(step_s: float, step_computed_s: float, prefix_flops: float = 1e10) -> 
     b1 = BlockFigures(1, (4, 8), params=100_000_000, trainable=100_000_000, prefix_flops=prefix_flops, step_s=step_s,
                       step_computed_s=step_computed_s, loaded_params=200_000_000)
     return ModelFigures(d_model=4096, params=300_000_000, forward_flops=2e10, blocks=(b0, b1), tensors=30)
+
+
+def test_full_trainings_b_f_is_the_measured_one_at_the_layers_a_visit_trains(tmp_path, capsys):
+    """Issue 41: B-F follows the layers a block holds (a 16-layer model's 8 blocks of 2 took 1.12-1.13, the 8-layer
+    model's 8 blocks of 1 took 2.42), so the planner reads it at the model's layers over its visits, not the count."""
+    assert measured_bf(1) == MEASURED_BF[1.0] and measured_bf(4) == MEASURED_BF[4.0]
+    assert measured_bf(16) == MEASURED_BF[4.0] and measured_bf(0.5) == MEASURED_BF[1.0]  # the nearest outside
+    assert measured_bf(1.5) == pytest.approx((MEASURED_BF[1.0] + MEASURED_BF[2.0]) / 2)  # linear between
+    assert all(measured_bf(a) >= measured_bf(b) for a, b in zip([1, 1.5, 2, 2.5, 3], [1.5, 2, 2.5, 3, 4]))
+    figs = _figs(step_s=0.5, step_computed_s=2.0)  # 8 layers in 2 visits: 4 a visit
+    assert layers_per_visit(figs) == 4
+    rows = ModelFigures(d_model=4096, params=300_000_000, forward_flops=2e10, tensors=30,
+                        blocks=(*figs.blocks, BlockFigures(2, (4, 8), params=1, trainable=1, prefix_flops=1e10,
+                                                           step_s=0.5, step_computed_s=2.0)))
+    assert layers_per_visit(rows) == 8 / 3  # a row visit shares its layers: another visit
+    # the plan's comparison reads it there and says so: the tiny model's 4 layers in 2 blocks, then in 4
+    from bcdflow.flows.cli import main
+
+    for blocks, per in ((2, 2.0), (4, 1.0)):
+        sets = [x for v in [*TINY, f"store={tmp_path}/s", "tracking_uri=none", f"bcd.blocks={blocks}",
+                            "model.n_layer=4"] for x in ("--set", v)]
+        assert main(["plan", *sets, "--tokens", "2e6", "--json"]) == 0
+        res = json.loads(capsys.readouterr().out)
+        full = res["full"]
+        assert full["bf"] == MEASURED_BF[per] and full["steps"] == pytest.approx(full["bcd_steps"] / full["bf"])
+        assert any(f"B-F at {per:.3g} layers a visit" in n for n in res["notes"]), res["notes"]
 
 
 def _cfg(*sets):
