@@ -39,17 +39,19 @@ S3, S3_WORDS = per_visit(10e9, 64, 2048, 8, 64)  # Qwen2.5-32B: 64
 B_PER_VISIT = "steps sized from the tokens: one epoch of full training at the same tokens a step, x B-F, over "
 EIGHT = ["--set", "optim.name=adamw8bit-bf16", "--set", "bcd.blocks=8"]  # the planner's count with 8-bit state
 CUT = ["--set", "bcd.boundaries=[3,7,11,15,19,23,28]"]  # and its cut for one process (streaming its frozen layers)
+CACHE = ["--set", "bcd.block_cache=/scratch/blocks"]  # the box keeps its copies of the block files (no egress on loads)
 SCALES = [
     ("1. Llama-3-8B fine-tune on 100M tokens on one rented RTX 4090, the bucket in S3 (store at 0.2 GB/s: the box's "
-     "~1.6 Gbit/s; its reads pay egress, 0.09 USD/GB by default for an s3:// store); the planner's 8 blocks of 8-bit "
+     "~1.6 Gbit/s; its reads pay egress, 0.09 USD/GB by default for an s3:// store), the box's copies of the block "
+     "files on its disk (bcd.block_cache: the model crosses the link once); the planner's 8 blocks of 8-bit "
      "state (bcdflow plan-memory's recommendation); " + B_PER_VISIT + "8 blocks x 2 cycles: " + S1_WORDS,
      [*LLAMA, *EIGHT, *CUT, "--set", "train.batch_size=8", "--set", f"bcd.max_steps={S1}",
-      "--set", "store=s3://my-bucket/runs", "--tokens", "100e6", "--gpu-gb", "24", "--store-gbs", "0.2"]),
+      "--set", "store=s3://my-bucket/runs", *CACHE, "--tokens", "100e6", "--gpu-gb", "24", "--store-gbs", "0.2"]),
     ("2. the same on one box of 8 rented 4090s (10 GB/s between cards, no NVLink; a replica a card, 8 equal blocks), "
-     "the activations on the box's own NVMe disk (bcd.act_store, 2 GB/s: no egress on them), the bucket in S3 as "
-     "above; batch 16: " + S2_WORDS,
+     "the activations and the block files' copies on the box's own NVMe disk (bcd.act_store, 2 GB/s; "
+     "bcd.block_cache: no egress on them), the bucket in S3 as above; batch 16: " + S2_WORDS,
      [*LLAMA, *EIGHT, "--set", "train.batch_size=16", "--set", "train.gpus=8", "--set", "bcd.expand=off",
-      "--set", f"bcd.max_steps={S2}", "--set", "bcd.act_store=/scratch/acts", "--set", "store=s3://my-bucket/runs",
+      "--set", f"bcd.max_steps={S2}", "--set", "bcd.act_store=/scratch/acts", *CACHE, "--set", "store=s3://my-bucket/runs",
       "--tokens", "100e6", "--gpu-gb", "24", "--store-gbs", "0.2"]),
     ("3. Qwen2.5-32B pre-training on 10B tokens on 64 A100-80GB in 8 boxes (400 Gbit/s between them: 50 GB/s) in "
      "the bucket's cloud (FSDP; 150 TFLOP/s; store at 1.25 GB/s = 10 Gbit/s, no egress; checkpoints every 5000 steps "

@@ -234,6 +234,13 @@ class BcdSection(_Section):
     act_store_gbs: Annotated[float, FREE] = Field(2.0, gt=0)
     """The activation store's bandwidth both ways, GB/s, that ``bcdflow plan`` and ``bcd.preinfer=auto`` assume
     where ``act_store`` is set (2: a rented box's NVMe disk)."""
+    block_cache: Annotated[str | None, FREE] = None
+    """A local directory where each box keeps copies of the block files (the model's versions, kept moments) it
+    writes to or reads from the run's store, named by their sha256 and checked against it on every read: a visit then
+    loads the model from the box's disk, not through the bucket's paid, slow link (storage/block_cache.py). None =
+    every load reads the store. Each box has its own; a box without a copy reads the store once."""
+    block_cache_gb: Annotated[float, FREE] = Field(64.0, ge=0)
+    """The most ``block_cache`` holds, GB; past it the least recently used copies go (0: keep none)."""
     preinfer_batch_size: Annotated[int | None, FREE] = Field(None, ge=1)
     """Rows per pre-inference forward (no gradients); None = the most that fit the device's budget with the
     prefix held as it must be (models/holding.no_grad_holding), up to ``shard_rows`` (16k tokens on the CPU)."""
@@ -281,6 +288,13 @@ class BcdSection(_Section):
         if isinstance(v, str) and v.strip().lower() in words:
             return words[v.strip().lower()]
         raise ValueError(f"must be true, false or auto, got {v!r}")
+
+    @field_validator("block_cache")
+    @classmethod
+    def _local_dir(cls, v: str | None) -> str | None:
+        if v is not None and ("://" in v and not v.startswith("file://") or not v.strip()):
+            raise ValueError(f"must be a local directory (this box's disk), got {v!r}")
+        return v.removeprefix("file://") if v else v
 
     @field_validator("expand", mode="before")
     @classmethod

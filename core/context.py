@@ -36,6 +36,7 @@ from bcdflow.models.memory import (CONTEXT_BYTES, GB, Budget, NoGradPass, device
 from bcdflow.models.optimizers import OPTIMIZERS
 from bcdflow.models.stream import LayerStream, host_buffer
 from bcdflow.storage import checkpoints, layout
+from bcdflow.storage.block_cache import BlockCache
 from bcdflow.storage.corpus import builtin_corpus_files, check_text_files, resolve_files
 from bcdflow.storage.store import Store
 from bcdflow.storage.tokens import TokenDataset
@@ -61,9 +62,12 @@ def block_plan(cfg: RunConfig, mcfg: ModelConfig) -> Plan:
 
 def open_store(cfg: RunConfig) -> Store:
     """The run's store (``store`` with the ``s3`` options), with Zarr's requests in flight set from
-    ``bcd.store_concurrency``."""
+    ``bcd.store_concurrency`` and this box's copies of its block files where ``bcd.block_cache`` is set."""
     zarr.config.set({"async.concurrency": cfg.bcd.store_concurrency})
-    return Store(cfg.store, cfg.storage_options())
+    store = Store(cfg.store, cfg.storage_options())
+    if cfg.bcd.block_cache and not store.is_local:  # a local store is the box's disk already
+        store.block_cache = BlockCache(cfg.bcd.block_cache, cfg.bcd.block_cache_gb * 1e9)
+    return store
 
 
 def open_act_store(cfg: RunConfig) -> Store:

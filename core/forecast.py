@@ -59,6 +59,8 @@ STORED_BYTES = 4
 TIE = 0.01
 """``bcd.preinfer=auto``: wall times within this fraction are as fast (then the prefix is computed on the card)."""
 HEADER_BYTES = 256
+DISK_GBS = 2.0
+"""A rented box's NVMe disk, GB/s: where ``bcd.block_cache`` keeps its copies of the block files."""
 """A safetensors header's bytes per tensor (models/memory.file_bytes)."""
 MEASURED_BF = {1.0: 2.42, 2.0: 1.37, 8 / 3: 1.21, 4.0: 1.12}
 """B-F by the layers a visit trains (the model's layers / its visits): BCD's steps to full AdamW's loss over full
@@ -337,6 +339,9 @@ class VisitForecast:
     """One mid-visit checkpoint (the block's weights and optimizer state, fp32)."""
     checkpoints: int = 0
     loaded_bytes: int = 0
+    cached: bool = False
+    """Its loads read the training box's own copies (``bcd.block_cache``): no egress, the disk's speed; the run
+    reads the model from the store once (``RunForecast``)."""
     gpu_hours: dict = field(default_factory=dict)
     """Device kind -> GPU-hours (training box, pre-inference GPUs)."""
     gpu_usd: float = 0.0
@@ -442,19 +447,22 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     of one visit compare with the same protection against a kill (:func:`choose_preinfer`)."""
     b, t = cfg.bcd, cfg.train
     pre = pre and bf.layers[0] > 0
+    cached = block_cached(cfg, figs)
     rows, steps, T = visit_row_count(cfg, ds.n_train), b.max_steps, cfg.data.seq_len
     v = VisitForecast(bf.block, bf.layers, rows, steps, pre, "")
     wr, rd = rates.write_gbs * GB, rates.read_gbs * GB
     act_wr, act_rd = (b.act_store_gbs * GB,) * 2 if b.act_store else (wr, rd)  # the activations' own store
     act_puts = act_gets = 0
+    load_rd = DISK_GBS * GB if cached else rd  # the training box's loads: its own copies (bcd.block_cache)
     if pre:
-        act_puts, act_gets = _preinfer(v, cfg, figs, bf, rates, act_wr, rd)
+        act_puts, act_gets = _preinfer(v, cfg, figs, bf, rates, act_wr, rd if rates.preinfer_elsewhere else load_rd)
     else:
         v.step_s = bf.step_s if bf.layers[0] == 0 else bf.step_computed_s
         v.fits = bf.fits if bf.layers[0] == 0 else bf.fits_computed
         v.holding = bf.holding if bf.layers[0] == 0 else bf.holding_computed
         v.loaded_bytes = figs.params * STORED_BYTES
-    v.load_s = v.loaded_bytes / rd
+    v.load_s = v.loaded_bytes / load_rd
+    v.cached = cached
     cluster = Cluster.of(cfg)
     if bf.sharded:  # FSDP: the held weights gathered forward and backward, the gradients reduce-scattered
         held = (bf.loaded_params if pre or bf.layers[0] == 0 else figs.params) * figs.compute_bytes
@@ -525,7 +533,7 @@ def _bill(v: VisitForecast, cfg: RunConfig, rates: Rates, act_puts: int, act_get
                      + cfg.act_object_store() * (act_puts / 1000 * sp.put_usd_per_1k
                                                  + act_gets / 1000 * sp.get_usd_per_1k))
     v.puts, v.gets = v.puts + act_puts, v.gets + act_gets
-    v.egress_usd = v.read / GB * cfg.act_egress_usd_gb() + v.loaded_bytes / GB * cfg.egress_usd_gb()
+    v.egress_usd = v.read / GB * cfg.act_egress_usd_gb() + (not v.cached) * v.loaded_bytes / GB * cfg.egress_usd_gb()
     held_usd = cfg.act_object_store() * v.written / GB * (v.wall_s - v.load_s) / MONTH_S * sp.storage_usd_gb_month
     v.usd = v.gpu_usd + v.request_usd + v.egress_usd + held_usd
 
@@ -653,7 +661,10 @@ def forecast_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, 
                  store_peak=cycle.store_peak + (n - 1) * grown)
     run.storage_usd = ((gb_s * n + grown / GB * cycle.wall_s * n * (n - 1) / 2) * billed
                        + act_gb_s * n * act_billed) / MONTH_S
-    notes = _notes(cfg, visits)
+    if block_cached(cfg, figs):  # the box's copies start empty: the model crosses the store's link once
+        run.wall_s += model_bytes / (rates.read_gbs * GB)
+        run.egress_usd += model_bytes / GB * cfg.egress_usd_gb()
+    notes = _notes(cfg, figs, visits, model_bytes)
     given = bf is not None
     per_visit = layers_per_visit(figs)
     bf = bf if given else measured_bf(per_visit)
@@ -667,11 +678,35 @@ def forecast_run(cfg: RunConfig, figs: ModelFigures, ds: Dataset, rates: Rates, 
     return RunForecast(ds, rates, visits, cycle, run, cfg.bcd.cycles, dataset_bytes, model_bytes, notes, full)
 
 
-def _notes(cfg: RunConfig, visits: list[VisitForecast]) -> list[str]:
-    """What a reader of the plan should know about its figures: the step cap, the activations' own store,
-    compression, the activations' dtype."""
+def block_cached(cfg: RunConfig, figs: ModelFigures) -> bool:
+    """Whether the training box loads the model from its own copies of the block files: ``bcd.block_cache`` on a store
+    that is not its disk already (core/context.open_store), holding at least the model (fewer bytes: the least
+    recently used parts go before they are read again, so loads read the store as without it) and one machine (the
+    others read each block a visit commits from the store: not counted as cached)."""
+    return (bool(cfg.bcd.block_cache) and cfg.object_store() and cfg.train.nodes == 1
+            and cfg.bcd.block_cache_gb * GB >= figs.params * STORED_BYTES)
+
+
+def _notes(cfg: RunConfig, figs: ModelFigures, visits: list[VisitForecast], model_bytes: int) -> list[str]:
+    """What a reader of the plan should know about its figures: the step cap, the box's block copies, the
+    activations' own store, compression, the activations' dtype."""
     notes = [f"steps are the cap bcd.max_steps={cfg.bcd.max_steps} per visit (a visit may stop sooner: the plateau "
              "or the adaptive budget), so times and money are upper bounds"]
+    loaded = sum(v.loaded_bytes for v in visits)
+    if block_cached(cfg, figs):
+        notes.append(f"bcd.block_cache={cfg.bcd.block_cache}: visits load the model from the box's copies at "
+                     f"{DISK_GBS:g} GB/s, no egress; the run reads it from the store once ({model_bytes / GB:,.1f} GB, "
+                     "in the run's figures); a visit on another box reads the store")
+    elif cfg.bcd.block_cache and cfg.object_store() and cfg.train.nodes > 1:
+        notes.append(f"bcd.block_cache on {cfg.train.nodes} machines: each reads the blocks another commits from the "
+                     "store, so visits' loads are priced as without it")
+    elif cfg.bcd.block_cache and cfg.object_store():
+        notes.append(f"bcd.block_cache_gb={cfg.bcd.block_cache_gb:g} holds less than the model ({model_bytes / GB:,.1f} "
+                     "GB): its parts go before they are read again, so visits load from the store as without it")
+    elif cfg.object_store() and loaded and cfg.egress_usd_gb() > 0:
+        notes.append(f"visits load {loaded / GB:,.0f} GB of the model from the store a cycle "
+                     f"(${loaded / GB * cfg.egress_usd_gb():,.2f} egress): bcd.block_cache=DIR keeps the box's own "
+                     "copies and reads the model once a run")
     if cfg.bcd.act_store and any(v.preinfer for v in visits):
         most = max(v.written for v in visits)
         notes.append(f"activations on bcd.act_store={cfg.bcd.act_store} at {cfg.bcd.act_store_gbs:g} GB/s (at most "

@@ -91,6 +91,8 @@ def save_block(store: Store, run_id: str, tensors: dict[str, torch.Tensor]) -> d
         sha = h.hexdigest()
         rel = block_file(sha)
         path = store.path(run_key(run_id, rel))
+        if store.block_cache is not None:  # this box reads it back from its own disk (bcd.block_cache)
+            store.block_cache.put(sha, src=tmp)
         if not (store.fs.exists(path) and store.fs.size(path) == size):
             if store.is_local:
                 os.replace(tmp, path)
@@ -111,12 +113,28 @@ def load_file(store: Store, run_id: str, entry: dict[str, Any], what: str,
         raise CheckpointError(f"{what}: the run state names {entry!r}, not a block file of run {run_id!r} (the "
                               "state is damaged; restore it)"[:400])
     try:
-        data = store.read_bytes(key)
+        data, sha = read_block_file(store, key, entry["sha256"])
     except FileNotFoundError as e:
         raise CheckpointError(f"{what}: file {key} is missing") from e
-    if (sha := sha256_bytes(data)) != entry["sha256"]:
+    if sha != entry["sha256"]:
         raise CheckpointError(f"{what}: file {key} is corrupt: sha256 {sha} != {entry['sha256']}")
     return {name: t.to(device) for name, t in st_load(data).items()}
+
+
+def read_block_file(store: Store, key: str, sha256: str) -> tuple[bytes, str]:
+    """A block file's bytes and their sha256: this box's copy where ``bcd.block_cache`` holds one that matches
+    ``sha256``, else the store's object (kept in the cache once it matches). A copy that does not match is dropped
+    and the store read: only the store's object can be corrupt (raises FileNotFoundError where it is gone)."""
+    cache = store.block_cache
+    if cache is not None and (data := cache.get(sha256)) is not None:
+        if (sha := sha256_bytes(data)) == sha256:
+            return data, sha
+        cache.drop(sha256)
+    data = store.read_bytes(key)
+    sha = sha256_bytes(data)
+    if cache is not None and sha == sha256:
+        cache.put(sha, data)
+    return data, sha
 
 
 def _check_entry(block: Any, entry: Any, where: str = "manifest") -> dict[str, Any]:
@@ -259,10 +277,9 @@ def _block_files(store: Store, run_id: str, manifest: dict[str, Any], blocks: li
         entry = _check_entry(b, entries[str(b)], f"manifest of version {version} of run {run_id!r}")
         key = block_file_key(run_id, entry["file"])
         try:
-            data = store.read_bytes(key)
+            data, sha = read_block_file(store, key, entry["sha256"])
         except FileNotFoundError as e:
             raise CheckpointError(f"block file {key} referenced by version {version} is missing") from e
-        sha = sha256_bytes(data)
         if sha != entry["sha256"]:
             raise CheckpointError(f"block file {key} is corrupt: sha256 {sha} != manifest {entry['sha256']}")
         yield b, key, data

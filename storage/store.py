@@ -134,6 +134,7 @@ class Store:
         self.fs, self.root = url_to_fs(self.url, **self.storage_options)
         self.is_local = "file" in _protocols(self.fs)
         self._probed: bool | None = None  # None: not yet; else whether for writing (probe: once per store object)
+        self.block_cache = None  # storage/block_cache.BlockCache: this box's copies of block files (bcd.block_cache)
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"

@@ -240,11 +240,15 @@ def test_ctrl_c_checkpoints_and_exits_130_with_the_resume_line(tmp_path):
 
 @pytest.mark.slow
 def test_s3_run_matches_local_bitwise(prefect_server, s3_server, s3_bucket, tmp_path, reference):
-    url = f"{s3_bucket}/runs-root"
-    assert main(["train", *_sets(f"s3.endpoint_url={s3_server.endpoint}"), "--store", url,
+    """On an object store, with the box's copies of the block files (bcd.block_cache): the same weights, and the
+    copies are the final version's files, named by their sha256."""
+    url, cache = f"{s3_bucket}/runs-root", tmp_path / "blocks"
+    assert main(["train", *_sets(f"s3.endpoint_url={s3_server.endpoint}", f"bcd.block_cache={cache}"), "--store", url,
                  "--run-id", "ref"]) == 0
     store = Store(url, {"endpoint_url": s3_server.endpoint})
     assert_same(finished_weights(store, "ref"), reference)
+    final = checkpoints.read_manifest(store, "ref", runs.read_state(store, "ref").version)
+    assert {f"{e['sha256']}.safetensors" for e in final["blocks"].values()} <= {p.name for p in cache.iterdir()}
     # credentials never reach the store
     text = json.dumps(runs.read_config(store, "ref")) + runs.read_state(store, "ref").model_dump_json()
     assert "testing" not in text and "AWS_SECRET" not in text
