@@ -2,6 +2,7 @@
 store, every copy is held to the manifest's sha256, and the planner stops billing egress on model loads."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -16,6 +17,8 @@ from bcdflow.storage import checkpoints
 from bcdflow.storage.block_cache import BlockCache
 from bcdflow.storage.store import Store, sha256_bytes
 from tests.helpers import TINY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _store(tmp_path, cap_gb: float = 1.0) -> Store:
@@ -111,10 +114,6 @@ def test_the_plan_bills_the_model_once_a_run_with_the_cache_and_every_visit_with
             "--set", "train.precision=bf16", "--set", "optim.name=adamw8bit-bf16", "--set", "bcd.blocks=8",
             "--set", "train.batch_size=8", "--set", "bcd.max_steps=100", "--set", "store=s3://my-bucket/runs",
             "--set", "bcd.preinfer=false", "--tokens", "100e6", "--gpu-gb", "24", "--store-gbs", "0.2", "--json"]
-    import json
-
-    from tests.test_cluster import ROOT
-
     with pytest.MonkeyPatch.context() as m:
         m.chdir(ROOT)
         assert main(base) == 0
