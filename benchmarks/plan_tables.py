@@ -33,9 +33,14 @@ def per_visit(tokens: float, batch: int, seq: int, blocks: int, layers: int, cyc
     return steps, f"{epoch:,} x {bf:.3g} / {blocks * cycles} = {steps:,} a visit"
 
 
-S1, S1_WORDS = per_visit(100e6, 8, 1024, 8, 32)  # Llama-3-8B: 32 layers
-S2, S2_WORDS = per_visit(100e6, 16, 1024, 8, 32)
-S3, S3_WORDS = per_visit(10e9, 64, 2048, 8, 64)  # Qwen2.5-32B: 64
+def layers(shape: str) -> int:
+    """Decoder layers of a shape under benchmarks/shapes (its config.json)."""
+    return json.loads((ROOT / "benchmarks" / "shapes" / shape / "config.json").read_text())["num_hidden_layers"]
+
+
+S1, S1_WORDS = per_visit(100e6, 8, 1024, 8, layers("llama-3-8b"))
+S2, S2_WORDS = per_visit(100e6, 16, 1024, 8, layers("llama-3-8b"))
+S3, S3_WORDS = per_visit(10e9, 64, 2048, 8, layers("qwen2.5-32b"))
 B_PER_VISIT = "steps sized from the tokens: one epoch of full training at the same tokens a step, x B-F, over "
 EIGHT = ["--set", "optim.name=adamw8bit-bf16", "--set", "bcd.blocks=8"]  # the planner's count with 8-bit state
 CUT = ["--set", "bcd.boundaries=[3,7,11,15,19,23,28]"]  # and its cut for one process (streaming its frozen layers)

@@ -66,8 +66,8 @@ MEASURED_BF = {1.0: 2.42, 2.0: 1.37, 8 / 3: 1.21, 4.0: 1.12}
 """B-F by the layers a visit trains (the model's layers / its visits): BCD's steps to full AdamW's loss over full
 AdamW's, the figures ``bcdflow plan`` compares full training with (``--bf`` gives the user's own, from ``bcdflow
 compare``; :func:`measured_bf` between them). Keyed by layers a visit, not by block count: on a 16-layer model 8
-blocks (2 layers each) took 1.12-1.13 where 8 blocks of the 8-layer model (1 each) took 2.42, and 16 blocks (1 each)
-2.17 (docs/results/peers-l8-2026-11-29). The validity suite's ``l8-d128`` (8 layers, d=128, its vocabulary 7.7% of
+blocks (2 layers each) took 1.12-1.13 where 8 blocks of the 8-layer model (1 each) took 2.42, 12 blocks (1.33 each)
+1.73 and 16 blocks (1 each) 2.15-2.17 (docs/results/tuned-2026-11-29). The validity suite's ``l8-d128`` (8 layers, d=128, its vocabulary 7.7% of
 the parameters), pysrc, 3 seeds, every run at the rate a sweep on a held-out seed chose for full AdamW (1e-3), BCD's
 defaults (``bcd.expand=lora``): 8 blocks (1 layer each) 2.42 [2.30-2.55], 4 blocks (2) 1.37 [1.28-1.50], 3 blocks
 (2.67) 1.21 [1.10-1.42], 2 blocks (4) 1.12 [1.12-1.13] (docs/results/rates-2026-11-28). The 8-layer model's, where
@@ -75,7 +75,7 @@ the 16-layer model at the same layers a block was as fast or faster: an upper bo
 pretraining; more than 4 layers a visit take 4's figure, fewer than 1 (row visits) 1's (a lower bound)."""
 
 
-def layers_per_visit(figs: "ModelFigures") -> float:
+def layers_per_visit(figs: ModelFigures) -> float:
     """The layers a visit of the plan trains on average: the model's decoder layers over its visits (row visits
     share a layer: fewer than 1)."""
     return max(b.layers[1] for b in figs.blocks) / len(figs.blocks)
@@ -482,7 +482,7 @@ def _visit(cfg: RunConfig, figs: ModelFigures, bf: BlockFigures, ds: Dataset, ra
     suffix = [o for o in figs.blocks if o.block > bf.block and o.own] if b.expand != "off" and bf.own else []
     v.block_bytes = sum(o.params * STORED_BYTES for o in [bf, *suffix])
     moments = bf.trainable * 4 * state if b.moments == "keep" else 0
-    v.commit_s = (v.block_bytes + moments) / wr
+    v.commit_s = (v.block_bytes + moments) * (1 / wr + (1 / (DISK_GBS * GB) if cached else 0))  # + the box's copy
     v.eval_s = t.eval_rows * T * figs.forward_flops / (rates.train_tflops * 1e12 * t.world)
     v.wall_s = v.preinfer_s + v.load_s + v.train_s + v.checkpoint_s + v.eval_s + v.commit_s
     v.puts += v.checkpoints * 2 + len(suffix) + 1 + (1 if moments else 0) + 4  # + state, manifest, records
